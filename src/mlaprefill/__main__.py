@@ -1,0 +1,5 @@
+import sys
+
+from mlaprefill.cli import main
+
+sys.exit(main())
