@@ -1,0 +1,220 @@
+"""PrefillBatch: the validated scheduler input of one prefill step (host data only).
+
+Validation never reads device memory: a CUDA tensor passed where host integers are required is
+rejected by looking at its ``.device`` before any value is touched, so constructing a batch can
+never synchronize. ``block_table`` is only inspected for shape and dtype, so it may live anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["INT32_MAX", "PrefillBatch"]
+
+INT32_MAX = 2**31 - 1
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    # Duck-typed so this module (and the planner) never has to import torch.
+    return type(x).__module__.startswith("torch") and hasattr(x, "device") and hasattr(x, "dtype")
+
+
+def _as_host_lengths(name: str, value: Any) -> np.ndarray:
+    """Return ``value`` as a fresh read-only np.int64 [num_reqs] array, or raise naming ``name``."""
+    if _is_torch_tensor(value):
+        if value.device.type != "cpu":
+            # Checked before touching any value: reading a CUDA tensor here would sync the host.
+            raise ValueError(
+                f"PrefillBatch.{name} is a tensor on {value.device}; host data is required "
+                f"(reading it would synchronize with the GPU). Pass the scheduler's host ints or "
+                f"a CPU tensor instead."
+            )
+        dt = value.dtype
+        if dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool":
+            raise ValueError(
+                f"PrefillBatch.{name} has dtype {dt}; expected an integer dtype "
+                f"(e.g. torch.int32 or torch.int64). Convert with .to(torch.int64)."
+            )
+        arr = value.detach().numpy()
+    else:
+        try:
+            arr = np.asarray(value)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ValueError(
+                f"PrefillBatch.{name} could not be read as a 1-D sequence of ints ({exc}); "
+                f"pass a list of ints, an integer numpy array or a CPU int tensor."
+            ) from None
+        if arr.dtype.kind not in "iu":
+            what = "an empty sequence" if arr.size == 0 and arr.dtype.kind == "f" else None
+            if what is None:
+                raise ValueError(
+                    f"PrefillBatch.{name} has dtype {arr.dtype}; expected integers "
+                    f"(got e.g. {arr.ravel()[:1].tolist()}). Pass ints, not floats/bools/objects."
+                )
+            arr = arr.astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"PrefillBatch.{name} must be 1-D [num_reqs], got shape {tuple(arr.shape)}; "
+            f"pass one length per request."
+        )
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"PrefillBatch.{name} has values beyond int64; lengths must fit int32.")
+    out = np.array(arr, dtype=np.int64, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Validated lengths of one prefill batch (host data only).
+
+    Parameters
+    ----------
+    query_lens : sequence of int, np.ndarray or CPU int tensor, [num_reqs]
+        New tokens per request (each >= 1).
+    context_lens : sequence of int, np.ndarray or CPU int tensor, [num_reqs]
+        Tokens already in the paged cache per request (each >= 0).
+    page_size : int
+        Tokens per cache page (block).
+    block_table : int32 tensor/array [num_reqs, max_blocks], optional
+        Only its shape and dtype are read (never its values), so any device is accepted; it must
+        have ``max_blocks * page_size >= context_lens[r]`` for every request.
+
+    Raises
+    ------
+    ValueError
+        Naming the field, the request index and the fix, for: an empty batch, mismatched lengths,
+        negative lengths, a zero query length, non-int dtypes, CUDA tensors for the lengths, a
+        block table of the wrong dtype/shape or too short, totals that overflow int32.
+
+    Notes
+    -----
+    Never synchronizes: a CUDA tensor is rejected from its ``.device`` before any value is read.
+    """
+
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    page_size: int = field(kw_only=True)
+    block_table: Any = field(default=None, kw_only=True, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if isinstance(ps, bool) or not isinstance(ps, int | np.integer) or ps <= 0:
+            raise ValueError(
+                f"PrefillBatch.page_size must be a positive int (tokens per cache page), "
+                f"got {ps!r}."
+            )
+        object.__setattr__(self, "page_size", int(ps))
+        q = _as_host_lengths("query_lens", self.query_lens)
+        c = _as_host_lengths("context_lens", self.context_lens)
+        if q.shape[0] == 0:
+            raise ValueError(
+                "PrefillBatch is empty (query_lens has 0 requests); a prefill step needs at "
+                "least one request. Skip the step instead of planning an empty batch."
+            )
+        if q.shape != c.shape:
+            raise ValueError(
+                f"PrefillBatch.query_lens has {q.shape[0]} requests but context_lens has "
+                f"{c.shape[0]}; pass one query length and one context length per request."
+            )
+        bad = np.flatnonzero(c < 0)
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(
+                f"PrefillBatch.context_lens[{r}] = {int(c[r])} is negative; context lengths "
+                f"count cached tokens and must be >= 0."
+            )
+        bad = np.flatnonzero(q <= 0)
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(
+                f"PrefillBatch.query_lens[{r}] = {int(q[r])}; every request in a prefill batch "
+                f"needs >= 1 new token. Drop request {r} from the batch (a request with no new "
+                f"tokens has nothing to prefill)."
+            )
+        for name, arr in (("query_lens", q), ("context_lens", c)):
+            total = int(arr.sum(dtype=np.int64))  # each value >= 0 and < 2**63 / num_reqs here
+            if total > INT32_MAX or int(arr.max()) > INT32_MAX:
+                raise ValueError(
+                    f"PrefillBatch.{name} sums to {total} tokens, which overflows int32 "
+                    f"(max {INT32_MAX}); split the batch into smaller steps."
+                )
+        pos = c + q
+        bad = np.flatnonzero(pos > INT32_MAX)
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(
+                f"PrefillBatch request {r}: context_lens + query_lens = {int(pos[r])} overflows "
+                f"int32 positions (max {INT32_MAX}); shorten request {r}."
+            )
+        object.__setattr__(self, "query_lens", q)
+        object.__setattr__(self, "context_lens", c)
+        if self.block_table is not None:
+            self._check_block_table()
+
+    def _check_block_table(self) -> None:
+        bt = self.block_table
+        shape = getattr(bt, "shape", None)
+        dtype = getattr(bt, "dtype", None)
+        if shape is None or dtype is None:
+            raise ValueError(
+                f"PrefillBatch.block_table must be an int32 tensor/array [num_reqs, max_blocks], "
+                f"got {type(bt).__name__}."
+            )
+        if str(dtype) not in ("torch.int32", "int32"):
+            raise ValueError(
+                f"PrefillBatch.block_table has dtype {dtype}; expected int32. "
+                f"Convert it once with .to(torch.int32) (kernels index pages with int32)."
+            )
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2 or shape[0] != self.num_reqs:
+            raise ValueError(
+                f"PrefillBatch.block_table has shape {shape}; expected "
+                f"[num_reqs={self.num_reqs}, max_blocks]. Pass one row of page ids per request."
+            )
+        capacity = shape[1] * self.page_size
+        bad = np.flatnonzero(self.context_lens > capacity)
+        if bad.size:
+            r = int(bad[0])
+            need = -(-int(self.context_lens[r]) // self.page_size)
+            raise ValueError(
+                f"PrefillBatch.block_table is too short for request {r}: context_lens[{r}] = "
+                f"{int(self.context_lens[r])} needs {need} pages of page_size={self.page_size}, "
+                f"but block_table has max_blocks={shape[1]}. Widen block_table to >= {need} "
+                f"columns."
+            )
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of requests."""
+        return int(self.query_lens.shape[0])
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Total new tokens, ``sum(query_lens)``."""
+        return int(self.query_lens.sum())
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Total cached context tokens, ``sum(context_lens)``."""
+        return int(self.context_lens.sum())
+
+    @property
+    def max_query_len(self) -> int:
+        """Longest new-token run of any request."""
+        return int(self.query_lens.max())
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest context of any request (0 if none has context)."""
+        return int(self.context_lens.max())
+
+    @property
+    def cu_query_lens(self) -> np.ndarray:
+        """np.int64 [num_reqs + 1]: exclusive prefix sum of ``query_lens`` (starts at 0)."""
+        out = np.zeros(self.num_reqs + 1, dtype=np.int64)
+        np.cumsum(self.query_lens, out=out[1:])
+        return out

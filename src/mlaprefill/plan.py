@@ -1,0 +1,329 @@
+"""Chunk planning: which context tokens each workspace iteration gathers (pure CPU).
+
+``ChunkPlanner.plan(batch)`` is a pure, deterministic function of the batch lengths and the
+planner settings. It uses numpy only (no torch, no device), never synchronizes, and computes every
+host integer the forward needs, so the device side never reads device memory to decide a shape.
+
+Policies
+--------
+``equal`` (vLLM-compatible)
+    With ``n`` = requests that have context, ``chunk = floor(W / n)`` rounded down to a multiple of
+    ``page_size``; ``num_chunks = ceil(max(context_lens) / chunk)``; chunk ``c`` of request ``i``
+    covers ``[c*chunk, min((c+1)*chunk, context_lens[i]))``. As in vLLM, ``chunk_starts[c, i] =
+    c*chunk`` for every request (also past its end) and empty pieces have ``chunk_lens`` 0.
+
+``packed`` (default, fewest iterations)
+    The contexts form one stream ``[req0 ctx | req1 ctx | ...]``; each iteration is a contiguous
+    segment of at most ``W`` tokens whose ends are *cut points*: request boundaries or page-aligned
+    offsets inside a request. Greedy furthest-reach (from the current cut, jump to the last cut
+    point ``<= cut + W``) is optimal among plans with this cut structure. Python loops over
+    *iterations* (one ``searchsorted`` each), never over tokens or requests.
+
+    The stream structure is not always at least as good as ``equal`` (e.g. ``W=192, page_size=64,
+    context_lens=[120, 120, 120]``: the stream needs 3 iterations because every cut inside a request
+    loses up to ``page_size - 1`` tokens, while equal's 64-token pieces need 2). So ``packed``
+    computes ``equal``'s iteration count (one division) and, when it is strictly smaller, returns
+    the equal layout instead (``ChunkPlan.layout`` says which). Hence, always:
+
+    * ``packed.num_iterations <= equal.num_iterations`` (whenever ``equal`` is feasible);
+    * ``packed.num_iterations == ceil(sum(context_lens) / W)`` (the lower bound) when ``W`` and
+      every ``context_lens[r]`` are multiples of ``page_size`` (no cut loses a token);
+    * in general ``packed.num_iterations <= ceil(sum(context_lens) / (W - page_size + 1))``: every
+      non-final stream iteration holds at least ``W - page_size + 1`` tokens.
+
+Both policies: every context token is covered exactly once, a request's pieces appear in
+increasing order over iterations, each request has at most one contiguous piece per iteration,
+and no iteration exceeds ``W`` tokens. A batch without context has zero iterations (fast path).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlaprefill.batch import INT32_MAX, PrefillBatch
+
+__all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner"]
+
+POLICIES = ("equal", "packed")
+
+# Names and order of the arrays staging ships to the device (see ChunkPlan.device_arrays).
+_DEVICE_ARRAY_NAMES = ("cu_query_lens", "chunk_starts", "chunk_lens", "cu_seq_lens",
+                       "token_to_seq")
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Host description of one prefill step's context chunks (all numpy int32, read-only).
+
+    Attributes
+    ----------
+    policy : str
+        ``"equal"`` or ``"packed"`` (the planner's policy).
+    workspace_tokens, page_size, num_reqs, num_iterations : int
+    query_lens, context_lens : int32 [num_reqs]
+    cu_query_lens : int32 [num_reqs + 1]
+        Exclusive prefix sum of ``query_lens``.
+    num_query_tokens, max_query_len : int
+    chunk_starts : int32 [num_iterations, num_reqs]
+        Context-token index where request r's piece of iteration i starts.
+    chunk_lens : int32 [num_iterations, num_reqs]
+        Length of that piece (0 = no piece).
+    cu_seq_lens : int32 [num_iterations, num_reqs + 1]
+        Workspace row offset of each piece (exclusive prefix sum of ``chunk_lens`` per row).
+    token_to_seq : int32 [num_iterations, max_iteration_tokens]
+        Request of each workspace row; rows past ``iteration_tokens[i]`` are padding = 0 (vLLM).
+    iteration_tokens : tuple[int, ...]
+        Workspace rows used in each iteration (``cu_seq_lens[i, -1]``).
+    max_chunk_lens : tuple[int, ...]
+        Longest piece of each iteration.
+    max_iteration_tokens : int
+        ``max(iteration_tokens)`` (0 without iterations).
+    layout : str
+        How the pieces were laid out: ``"equal"`` or ``"stream"`` (``packed`` may pick either,
+        see the module docstring).
+    """
+
+    policy: str
+    workspace_tokens: int
+    page_size: int
+    num_reqs: int
+    num_iterations: int
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    cu_query_lens: np.ndarray
+    num_query_tokens: int
+    max_query_len: int
+    chunk_starts: np.ndarray
+    chunk_lens: np.ndarray
+    cu_seq_lens: np.ndarray
+    token_to_seq: np.ndarray
+    iteration_tokens: tuple[int, ...]
+    max_chunk_lens: tuple[int, ...]
+    max_iteration_tokens: int
+    layout: str = "stream"
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Total context tokens gathered over all iterations."""
+        return int(sum(self.iteration_tokens))
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """Ordered ``name -> int32 array`` that staging ships to the device.
+
+        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens, token_to_seq``. The arrays
+        are the plan's own (read-only) arrays, not copies; staging copies them.
+        """
+        return {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-serializable dict; arrays as nested lists indexed ``[iteration][request]``."""
+        return {
+            "policy": self.policy,
+            "layout": self.layout,
+            "workspace_tokens": self.workspace_tokens,
+            "page_size": self.page_size,
+            "num_reqs": self.num_reqs,
+            "num_iterations": self.num_iterations,
+            "query_lens": self.query_lens.tolist(),
+            "context_lens": self.context_lens.tolist(),
+            "cu_query_lens": self.cu_query_lens.tolist(),
+            "num_query_tokens": self.num_query_tokens,
+            "max_query_len": self.max_query_len,
+            "chunk_starts": self.chunk_starts.tolist(),
+            "chunk_lens": self.chunk_lens.tolist(),
+            "cu_seq_lens": self.cu_seq_lens.tolist(),
+            "iteration_tokens": list(self.iteration_tokens),
+            "max_chunk_lens": list(self.max_chunk_lens),
+            "max_iteration_tokens": self.max_iteration_tokens,
+            "token_to_seq": self.token_to_seq.tolist(),
+        }
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"ChunkPlanner.{name} must be a positive int, got {value!r}.")
+    if value > INT32_MAX:
+        raise ValueError(
+            f"ChunkPlanner.{name} = {value} overflows int32 (max {INT32_MAX}); lower it."
+        )
+    return int(value)
+
+
+def equal_chunk_size(context_lens: np.ndarray, workspace_tokens: int, page_size: int) -> int:
+    """vLLM's per-request chunk: ``floor(W / n)`` rounded down to a page multiple (0 = infeasible).
+
+    ``n`` is the number of requests with ``context_lens > 0`` (must be >= 1).
+    """
+    n = int(np.count_nonzero(context_lens))
+    return (workspace_tokens // n) // page_size * page_size
+
+
+def _token_to_seq(lens: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarray:
+    """int32 [K, width]: request id of each workspace row, padding 0, from lens [K, R]."""
+    k, r = lens.shape
+    if r == 1:
+        return np.zeros((k, width), dtype=np.int32)  # one request: every row is request 0
+    # One repeat over [K, R+1] segments: the R pieces of each row, then its padding (value 0).
+    ids = np.zeros((k, r + 1), dtype=np.int32)
+    ids[:, :r] = np.arange(r, dtype=np.int32)
+    counts = np.empty((k, r + 1), dtype=np.int64)
+    counts[:, :r] = lens
+    counts[:, r] = width - tokens
+    return np.repeat(ids.ravel(), counts.ravel()).reshape(k, width)
+
+
+class ChunkPlanner:
+    """Split a batch's cached context into workspace iterations (pure CPU, deterministic).
+
+    Parameters
+    ----------
+    workspace_tokens : int
+        ``W``: most context tokens gathered per iteration (latent rows in the workspace);
+        must be >= ``page_size``.
+    page_size : int
+        Tokens per cache page; splits inside a request are page-aligned. Must equal
+        ``batch.page_size``.
+    policy : {"packed", "equal"}
+        See the module docstring.
+    """
+
+    __slots__ = ("page_size", "policy", "workspace_tokens")
+
+    def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed") -> None:
+        self.workspace_tokens = _check_positive_int("workspace_tokens", workspace_tokens)
+        self.page_size = _check_positive_int("page_size", page_size)
+        if policy not in POLICIES:
+            raise ValueError(
+                f"ChunkPlanner.policy must be one of {list(POLICIES)}, got {policy!r}."
+            )
+        self.policy = policy
+        if self.workspace_tokens < self.page_size:
+            raise ValueError(
+                f"ChunkPlanner.workspace_tokens={self.workspace_tokens} is smaller than one page "
+                f"(page_size={self.page_size}); raise workspace_tokens to >= {self.page_size}."
+            )
+
+    def __repr__(self) -> str:
+        return (f"ChunkPlanner(workspace_tokens={self.workspace_tokens}, "
+                f"page_size={self.page_size}, policy={self.policy!r})")
+
+    def plan(self, batch: PrefillBatch) -> ChunkPlan:
+        """Plan ``batch``; returns a :class:`ChunkPlan` (host numpy only, never synchronizes).
+
+        Raises
+        ------
+        TypeError
+            If ``batch`` is not a :class:`PrefillBatch`.
+        ValueError
+            If ``batch.page_size`` differs from the planner's, or (``equal``) the workspace is
+            smaller than one page per request with context.
+        """
+        if not isinstance(batch, PrefillBatch):
+            raise TypeError(
+                f"ChunkPlanner.plan expects a PrefillBatch, got {type(batch).__name__}; "
+                f"wrap the lengths with PrefillBatch(query_lens, context_lens, page_size=...)."
+            )
+        if batch.page_size != self.page_size:
+            raise ValueError(
+                f"PrefillBatch.page_size={batch.page_size} differs from the planner's "
+                f"page_size={self.page_size}; build the planner with the cache's page size."
+            )
+        ctx = batch.context_lens
+        w = self.workspace_tokens
+        max_ctx = int(ctx.max())
+        if max_ctx == 0:
+            return self._assemble(batch, np.zeros((0, batch.num_reqs), np.int64),
+                                  np.zeros((0, batch.num_reqs), np.int64), "stream")
+        chunk = equal_chunk_size(ctx, w, self.page_size)
+        equal_iters = -(-max_ctx // chunk) if chunk > 0 else None
+        if self.policy == "equal":
+            if chunk == 0:
+                n = int(np.count_nonzero(ctx))
+                raise ValueError(
+                    f"workspace_tokens={w} is smaller than one page per request with context "
+                    f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
+                    f"workspace_tokens or lower concurrency."
+                )
+            return self._equal(batch, chunk, equal_iters)
+        cuts = self._stream_cuts(ctx)
+        if equal_iters is not None and equal_iters < cuts.shape[0] - 1:
+            return self._equal(batch, chunk, equal_iters)
+        # Piece of request r in iteration i: the stream segment [cuts[i], cuts[i+1]) clipped to
+        # the request's stream range [begin_r, end_r).
+        end = np.cumsum(ctx)
+        begin = end - ctx
+        lo = np.clip(cuts[:-1, None], begin, end)  # [K, R]
+        hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
+        return self._assemble(batch, lo - begin, hi - lo, "stream")
+
+    def _stream_cuts(self, ctx: np.ndarray) -> np.ndarray:
+        """Greedy furthest-reach cut positions in the context stream, int64 [K + 1]."""
+        w, ps = self.workspace_tokens, self.page_size
+        end = np.cumsum(ctx)
+        total = int(end[-1])
+        if total <= w:
+            return np.array([0, total], dtype=np.int64)
+        # bisect on Python lists is cheaper than per-iteration numpy calls for small batches.
+        ends = end.tolist()
+        begins = (end - ctx).tolist()
+        cuts = [0]
+        pos = 0
+        while pos + w < total:
+            reach = pos + w
+            # request containing stream position `reach` (begin_r <= reach < end_r)
+            r = bisect_right(ends, reach)
+            b = begins[r]
+            cut = b + (reach - b) // ps * ps
+            # w >= page_size guarantees progress: a page-aligned pos inside request r moves >= ps.
+            assert cut > pos, (cut, pos)
+            cuts.append(cut)
+            pos = cut
+        cuts.append(total)
+        return np.array(cuts, dtype=np.int64)
+
+    def _equal(self, batch: PrefillBatch, chunk: int, num_chunks: int) -> ChunkPlan:
+        ctx = batch.context_lens
+        starts = (np.arange(num_chunks, dtype=np.int64) * chunk)[:, None]  # [K, 1]
+        lens = np.clip(ctx[None, :] - starts, 0, chunk)                     # [K, R]
+        starts = np.broadcast_to(starts, lens.shape)
+        return self._assemble(batch, starts, lens, "equal")
+
+    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
+                  layout: str) -> ChunkPlan:
+        k, r = lens.shape
+        cu_seq = np.zeros((k, r + 1), dtype=np.int32)
+        np.cumsum(lens, axis=1, out=cu_seq[:, 1:])
+        tokens = cu_seq[:, -1]
+        max_tokens = int(tokens.max()) if k else 0
+        cu_q = np.zeros(r + 1, dtype=np.int32)
+        np.cumsum(batch.query_lens, out=cu_q[1:])
+        assert max_tokens <= self.workspace_tokens
+        return ChunkPlan(
+            policy=self.policy,
+            workspace_tokens=self.workspace_tokens,
+            page_size=self.page_size,
+            num_reqs=r,
+            num_iterations=k,
+            query_lens=_readonly(batch.query_lens.astype(np.int32)),
+            context_lens=_readonly(batch.context_lens.astype(np.int32)),
+            cu_query_lens=_readonly(cu_q),
+            num_query_tokens=int(cu_q[-1]),
+            max_query_len=int(batch.query_lens.max()),
+            chunk_starts=_readonly(starts.astype(np.int32)),
+            chunk_lens=_readonly(lens.astype(np.int32)),
+            cu_seq_lens=_readonly(cu_seq),
+            token_to_seq=_readonly(_token_to_seq(lens, tokens, max_tokens)),
+            iteration_tokens=tuple(tokens.tolist()),
+            max_chunk_lens=tuple(lens.max(axis=1).tolist()),
+            max_iteration_tokens=max_tokens,
+            layout=layout,
+        )
