@@ -1,0 +1,434 @@
+"""Staging: the one host-to-device crossing of a prefill step.
+
+``StagingRing.upload(plan)`` packs every int32 array of ``plan.device_arrays()`` into one region of
+a pinned host arena (one layout function sizes and writes it, 64-byte aligned offsets), issues
+**one** ``copy_(non_blocking=True)`` into a device arena on the current stream, and returns a
+:class:`DevicePlan` whose tensors are views of that device arena.
+
+Why a ring: a non_blocking copy from *pageable* memory may block the host until every queued kernel
+has finished; pinning fixes that, but reusing one pinned buffer races with the previous step's
+still-pending DMA. So ring mode keeps several (host arena, device arena, event) slots and reuses a
+slot only when the CUDA event recorded after its last copy has completed (``event.query()``, never
+a wait). If every reusable slot is busy it adds a slot (``stats.arenas_grown``).
+
+Synchronization
+    ``upload`` never synchronizes, with one documented exception: in ring mode, when every reusable
+    slot is busy *and* adding pinned memory would exceed ``max_pinned_bytes``, it waits on the
+    event of the **oldest** slot only (``event.synchronize()``), counted in ``stats.stalls``. It
+    never overwrites a busy arena. Modes ``pin``/``pageable`` exist for comparison (they allocate
+    per upload; ``pageable`` is the pre-fix behaviour that can block the host for the whole queue).
+
+Validity
+    A ring-mode DevicePlan's device memory is not overwritten by the next ``valid_uploads``
+    uploads of the same ring (the ``valid_uploads`` most recently used slots are never reused).
+    Work reading it must be enqueued on the upload stream before then; after that, stream order
+    protects it. DevicePlans of modes ``pin``/``pageable`` own their memory.
+
+CUDA graphs
+    ``upload`` itself is not capturable (host writes + an H2D copy). The DevicePlan views have a
+    fixed device address per (slot, layout), and views are cached per slot, so a graph captured
+    over a DevicePlan can be replayed after uploading a plan with the same array shapes into the
+    same slot.
+
+Without CUDA (device ``cpu``) every mode is a plain CPU copy: DevicePlan tensors never alias the
+plan's numpy arrays.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "StagingRing", "StagingStats", "layout"]
+
+ALIGN_BYTES = 64
+_ALIGN = ALIGN_BYTES // 4  # in int32 elements
+_MIN_ARENA_BYTES = 64 * 1024
+MODES = ("ring", "pin", "pageable")
+
+
+class EventLike(Protocol):
+    """What ring mode needs from a CUDA event (injectable for tests)."""
+
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class _DoneEvent:
+    """Event of a synchronous (CPU) copy: always complete."""
+
+    __slots__ = ()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def layout(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[tuple[str, int, tuple[int, ...]], ...],
+                                                       int]:
+    """The one arena layout, used both to size and to write.
+
+    Parameters
+    ----------
+    arrays : mapping name -> int32 np.ndarray
+        In order (``plan.device_arrays()``).
+
+    Returns
+    -------
+    entries : tuple of (name, offset, shape)
+        ``offset`` in int32 elements, a multiple of ``ALIGN_BYTES / 4`` (64-byte aligned).
+    total : int
+        int32 elements needed (end of the last array).
+    """
+    entries = []
+    off = 0
+    for name, arr in arrays.items():
+        if arr.dtype != np.int32:
+            raise TypeError(
+                f"device array {name!r} has dtype {arr.dtype}; staging ships int32 only. "
+                f"Return it as np.int32 from device_arrays()."
+            )
+        off = -(-off // _ALIGN) * _ALIGN
+        entries.append((name, off, arr.shape))
+        off += arr.size
+    return tuple(entries), off
+
+
+@dataclass
+class StagingStats:
+    """Counters of one StagingRing (read by benchmarks).
+
+    ``host_times`` keeps the host seconds of the last ``max_records`` uploads.
+    """
+
+    uploads: int = 0
+    bytes: int = 0
+    arenas_grown: int = 0
+    arenas_resized: int = 0
+    stalls: int = 0
+    host_seconds: float = 0.0
+    pinned_bytes: int = 0
+    max_records: int = 4096
+    host_times: deque = field(default_factory=deque, repr=False)
+
+    def record(self, seconds: float, nbytes: int) -> None:
+        self.uploads += 1
+        self.bytes += nbytes
+        self.host_seconds += seconds
+        self.host_times.append(seconds)
+        if len(self.host_times) > self.max_records:
+            self.host_times.popleft()
+
+    def percentile(self, q: float) -> float:
+        """``q``-th percentile (0-100) of recorded per-upload host seconds (nan if none)."""
+        if not self.host_times:
+            return float("nan")
+        return float(np.percentile(np.fromiter(self.host_times, float), q))
+
+    def p50(self) -> float:
+        return self.percentile(50)
+
+    def p99(self) -> float:
+        return self.percentile(99)
+
+    def reset(self) -> None:
+        """Zero the per-upload counters (arena counters and pinned_bytes are kept)."""
+        self.uploads = 0
+        self.bytes = 0
+        self.host_seconds = 0.0
+        self.host_times.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """A host plan plus its device int32 tensors.
+
+    Attributes
+    ----------
+    plan : the host plan (``ChunkPlan`` or a wrapper); all host ints live there.
+    tensors : Mapping[str, torch.Tensor]
+        Device int32 tensors, same names and shapes as ``plan.device_arrays()``. In ring mode they
+        are views of one device arena (see the module docstring for how long they stay valid).
+    """
+
+    plan: Any
+    tensors: Mapping[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    @property
+    def cu_query_lens(self) -> torch.Tensor:
+        """int32 [num_reqs + 1]."""
+        return self.tensors["cu_query_lens"]
+
+    @property
+    def chunk_starts(self) -> torch.Tensor:
+        """int32 [num_iterations, num_reqs]."""
+        return self.tensors["chunk_starts"]
+
+    @property
+    def chunk_lens(self) -> torch.Tensor:
+        """int32 [num_iterations, num_reqs]."""
+        return self.tensors["chunk_lens"]
+
+    @property
+    def cu_seq_lens(self) -> torch.Tensor:
+        """int32 [num_iterations, num_reqs + 1]."""
+        return self.tensors["cu_seq_lens"]
+
+    @property
+    def token_to_seq(self) -> torch.Tensor:
+        """int32 [num_iterations, max_iteration_tokens]."""
+        return self.tensors["token_to_seq"]
+
+
+class _Slot:
+    """One (host arena, device arena, event) of the ring."""
+
+    __slots__ = ("busy", "capacity", "copy_pair", "dev", "event", "host", "host_np", "views")
+
+    def __init__(self, event: EventLike) -> None:
+        self.event = event
+        self.capacity = 0  # int32 elements
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.dev: torch.Tensor | None = None
+        self.copy_pair: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self.views: tuple[Any, dict[str, torch.Tensor]] | None = None
+        self.busy = False  # set after a copy; the event is meaningful only then
+
+
+class StagingRing:
+    """Uploads plans to one device with one H2D copy each (see the module docstring).
+
+    Parameters
+    ----------
+    device : str | torch.device | int
+        Target device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    mode : {"ring", "pin", "pageable"}
+        ``ring`` (default): persistent pinned arenas guarded by events. ``pin``: each array pinned
+        fresh and copied separately per upload. ``pageable``: each array copied from pageable
+        memory (the pre-fix behaviour; can block the host until queued kernels finish).
+    max_pinned_bytes : int
+        Cap on ring-mode pinned host memory (default 256 MiB). At the cap with every reusable slot
+        busy, upload waits on the oldest slot's event (counted in ``stats.stalls``).
+    valid_uploads : int
+        How many later uploads a ring-mode DevicePlan survives (default 3).
+    event_factory : callable returning an event, optional
+        For tests; defaults to ``torch.cuda.Event`` on CUDA and an always-complete event on CPU.
+
+    Notes
+    -----
+    Not thread-safe; use one ring per stream/thread. Can synchronize only as documented for the
+    pinned cap. Not CUDA-graph capturable itself.
+    """
+
+    def __init__(self, device: str | torch.device | int, *, mode: str = "ring",
+                 max_pinned_bytes: int = 256 * 1024 * 1024, valid_uploads: int = 3,
+                 event_factory: Callable[[], EventLike] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"StagingRing.mode must be one of {list(MODES)}, got {mode!r}.")
+        if (isinstance(max_pinned_bytes, bool) or not isinstance(max_pinned_bytes, int)
+                or max_pinned_bytes < ALIGN_BYTES):
+            raise ValueError(
+                f"StagingRing.max_pinned_bytes must be an int >= {ALIGN_BYTES}, "
+                f"got {max_pinned_bytes!r}."
+            )
+        if isinstance(valid_uploads, bool) or not isinstance(valid_uploads, int) \
+                or valid_uploads < 0:
+            raise ValueError(
+                f"StagingRing.valid_uploads must be an int >= 0, got {valid_uploads!r}."
+            )
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"StagingRing device {dev} requested but CUDA is not available; "
+                    f"use device='cpu'."
+                )
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.mode = mode
+        self.max_pinned_bytes = max_pinned_bytes
+        self.valid_uploads = valid_uploads
+        self._cuda = dev.type == "cuda"
+        if event_factory is None:
+            event_factory = torch.cuda.Event if self._cuda else _DoneEvent
+        self._event_factory = event_factory
+        # LRU order: index 0 = least recently used.
+        self._slots: list[_Slot] = [_Slot(event_factory()) for _ in range(valid_uploads + 1)]
+        self.stats = StagingStats()
+
+    def __repr__(self) -> str:
+        return (f"StagingRing(device={str(self.device)!r}, mode={self.mode!r}, "
+                f"slots={len(self._slots)}, max_pinned_bytes={self.max_pinned_bytes})")
+
+    @property
+    def num_slots(self) -> int:
+        """Current number of ring slots."""
+        return len(self._slots)
+
+    # ------------------------------------------------------------------ upload
+
+    def upload(self, plan: Any) -> DevicePlan:
+        """Stage ``plan.device_arrays()`` on the device; returns a :class:`DevicePlan`.
+
+        Issued on ``torch.cuda.current_stream(device)``. Never synchronizes except the ring-mode
+        pinned-cap stall documented on the class. Not CUDA-graph capturable.
+
+        Raises
+        ------
+        ValueError
+            Ring mode: the plan alone needs more than ``max_pinned_bytes``.
+        TypeError
+            An array of ``device_arrays()`` is not int32.
+        """
+        t0 = time.perf_counter()
+        arrays = plan.device_arrays()
+        if self.mode == "ring":
+            tensors, nbytes = self._upload_ring(arrays)
+        else:
+            tensors, nbytes = self._upload_each(arrays)
+        out = DevicePlan(plan, tensors)
+        self.stats.record(time.perf_counter() - t0, nbytes)
+        return out
+
+    def _upload_each(self, arrays: Mapping[str, np.ndarray]) -> tuple[dict, int]:
+        tensors = {}
+        nbytes = 0
+        with warnings.catch_warnings():
+            # The plan's arrays are read-only; torch warns about that, but never writes to them.
+            warnings.simplefilter("ignore", UserWarning)
+            for name, arr in arrays.items():
+                if arr.dtype != np.int32:
+                    raise TypeError(
+                        f"device array {name!r} has dtype {arr.dtype}; staging ships int32 only."
+                    )
+                host = torch.from_numpy(arr)
+                nbytes += arr.nbytes
+                if not self._cuda:
+                    tensors[name] = host.clone()  # never alias the plan's arrays
+                    continue
+                if self.mode == "pin":
+                    host = host.pin_memory()
+                tensors[name] = host.to(self.device, non_blocking=True)
+        return tensors, nbytes
+
+    def _upload_ring(self, arrays: Mapping[str, np.ndarray]) -> tuple[dict, int]:
+        entries, total = layout(arrays)
+        nbytes = total * 4
+        if nbytes > self.max_pinned_bytes:
+            raise ValueError(
+                f"plan needs {nbytes} staged bytes, more than max_pinned_bytes="
+                f"{self.max_pinned_bytes}; raise StagingRing(max_pinned_bytes=...) or plan a "
+                f"smaller step (fewer iterations / smaller workspace_tokens)."
+            )
+        slot = self._acquire(total)
+        self._ensure_capacity(slot, total)
+        host_np = slot.host_np
+        for (_name, off, _shape), arr in zip(entries, arrays.values(), strict=True):
+            host_np[off:off + arr.size] = arr.reshape(-1)
+        pair = slot.copy_pair
+        if pair is None or pair[0] != total:
+            pair = (total, slot.dev[:total], slot.host[:total])
+            slot.copy_pair = pair
+        pair[1].copy_(pair[2], non_blocking=True)
+        slot.event.record()
+        slot.busy = True
+        cached = slot.views
+        if cached is None or cached[0] != entries:
+            dev = slot.dev
+            views = {name: dev[off:off + int(np.prod(shape, dtype=np.int64))].view(shape)
+                     for name, off, shape in entries}
+            slot.views = cached = (entries, views)
+        return cached[1], nbytes
+
+    # ------------------------------------------------------------------ ring bookkeeping
+
+    def _acquire(self, total: int) -> _Slot:
+        """Least recently used free slot outside the protected recent ones; grow or stall."""
+        slots = self._slots
+        reusable = len(slots) - self.valid_uploads
+        for i in range(reusable):
+            s = slots[i]
+            if not s.busy or s.event.query():
+                s.busy = False
+                del slots[i]
+                slots.append(s)
+                return s
+        need = self._alloc_bytes(total)
+        if self.stats.pinned_bytes + need <= self.max_pinned_bytes:
+            s = _Slot(self._event_factory())
+            self.stats.arenas_grown += 1
+            slots.append(s)
+            return s
+        # At the cap with every reusable slot busy: wait for the oldest one only.
+        s = slots.pop(0)
+        s.event.synchronize()
+        self.stats.stalls += 1
+        s.busy = False
+        slots.append(s)
+        return s
+
+    def _alloc_bytes(self, total: int) -> int:
+        nbytes = max(_MIN_ARENA_BYTES, 1 << max(0, (total * 4 - 1).bit_length()))
+        return max(min(nbytes, self.max_pinned_bytes), total * 4)
+
+    def _ensure_capacity(self, slot: _Slot, total: int) -> None:
+        if slot.capacity >= total:
+            return
+        need = self._alloc_bytes(total)
+        resized = slot.capacity > 0
+        self._release(slot)
+        self._make_room(need, keep=slot)
+        elems = need // 4
+        pin = self._cuda
+        slot.host = torch.empty(elems, dtype=torch.int32, pin_memory=pin)
+        slot.host_np = slot.host.numpy()
+        slot.dev = torch.empty(elems, dtype=torch.int32, device=self.device)
+        slot.capacity = elems
+        self.stats.pinned_bytes += elems * 4
+        if resized:
+            self.stats.arenas_resized += 1
+
+    def _release(self, slot: _Slot) -> None:
+        """Drop a slot's arenas (only for a slot whose last copy has completed)."""
+        self.stats.pinned_bytes -= slot.capacity * 4
+        slot.capacity = 0
+        slot.host = slot.host_np = slot.dev = None
+        slot.copy_pair = slot.views = None
+
+    def _make_room(self, need: int, *, keep: _Slot) -> None:
+        """Free other slots' arenas (idle first, then oldest busy after a counted wait)."""
+        if self.stats.pinned_bytes + need <= self.max_pinned_bytes:
+            return
+        for s in self._slots:
+            if s is not keep and s.capacity and (not s.busy or s.event.query()):
+                s.busy = False
+                self._release(s)
+                if self.stats.pinned_bytes + need <= self.max_pinned_bytes:
+                    return
+        for s in self._slots:  # LRU order: oldest first
+            if s is not keep and s.capacity:
+                s.event.synchronize()
+                self.stats.stalls += 1
+                s.busy = False
+                self._release(s)
+                if self.stats.pinned_bytes + need <= self.max_pinned_bytes:
+                    return
+        raise AssertionError("unreachable: a single plan fits max_pinned_bytes")
