@@ -1,0 +1,238 @@
+"""The DCP forward: local gather -> one all-gather -> reorder, then the single-rank forward.
+
+Each iteration of the single-rank forward asks its ``context_source`` for that iteration's
+latent rows in workspace order. :class:`DCPContextSource` answers on every rank with
+
+1. the paged gather of this rank's share from its *local* cache into a local buffer
+   (``gather_context_rows`` with the plan's ``local_*`` rows),
+2. one ``all_gather_into_tensor`` of the local buffers, each padded to ``rank_capacity[i]`` rows
+   (equal sizes on every rank; rank-major result),
+3. one ``index_select`` with the plan's ``reorder_index[i]`` into the workspace.
+
+Attention and the LSE merge then run exactly as on one rank, so every rank returns the output
+of the single-rank forward on the unsharded cache. Shapes come from host ints of the plan; the
+collectives are enqueued on the current stream's order (no host synchronization), except the
+optional cross-rank consistency check (``debug=True``), which reads one small tensor back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.dcp.layout import check_dcp_config
+from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner
+from mlaprefill.kernels import gather_context_rows
+
+__all__ = [
+    "DCPContextSource",
+    "check_dcp_consistency",
+    "dcp_world",
+    "mla_chunked_prefill_dcp",
+]
+
+_DIGEST_FIELDS = ("query_lens", "context_lens", "config (world/interleave/workspace/page/policy)")
+
+
+def _all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    # torch >= 2.13 renames it all_gather_single (same semantics); the GPU runs torch 2.11.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, local, group=group)
+
+
+def dcp_world(process_group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``process_group``; ``(0, 1)`` for ``None`` (single rank)."""
+    if process_group is None:
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+class DCPContextSource:
+    """``context_source`` for :meth:`MLAChunkedPrefill.forward` over a token-sharded cache.
+
+    Parameters
+    ----------
+    kv_cache : [local_num_blocks, page_size, latent_dim]
+        This rank's local cache.
+    block_table : int32 [num_reqs, local_max_blocks]
+        This rank's block table (local token indices), same device.
+    device_plan : DevicePlan
+        ``StagingRing.upload`` of a :class:`~mlaprefill.dcp.plan.DCPChunkPlan` for this rank.
+    process_group : ProcessGroup
+        The DCP group (world size ``device_plan.plan.world``).
+
+    Notes
+    -----
+    Allocates its two buffers once (``max_rank_capacity`` and ``max_gathered_tokens`` rows).
+    Each call is device work only (gather, all-gather, index_select), never synchronizes;
+    not CUDA-graph safe only insofar as the process group's collectives are not.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any,
+                 process_group: Any) -> None:
+        plan: DCPChunkPlan = device_plan.plan
+        self.kv_cache = kv_cache
+        self.block_table = block_table
+        self.device_plan = device_plan
+        self.process_group = process_group
+        self.plan = plan
+        latent = kv_cache.shape[2]
+        self._local = torch.empty((plan.max_rank_capacity, latent), dtype=kv_cache.dtype,
+                                  device=kv_cache.device)
+        self._gathered = torch.empty((plan.max_gathered_tokens, latent), dtype=kv_cache.dtype,
+                                     device=kv_cache.device)
+
+    def gather_local(self, iteration: int) -> torch.Tensor:
+        """This rank's share of ``iteration``, ``[rank_capacity[i], latent_dim]`` (padded)."""
+        t = self.device_plan.tensors
+        cap = self.plan.rank_capacity[iteration]
+        local = self._local[:cap]
+        gather_context_rows(self.kv_cache, self.block_table, t["local_token_to_seq"][iteration],
+                            t["local_cu_seq_lens"][iteration], t["local_chunk_starts"][iteration],
+                            local, self.plan.local_iteration_tokens[iteration])
+        return local
+
+    def __call__(self, iteration: int, workspace: torch.Tensor) -> torch.Tensor:
+        """Rows of ``iteration`` in workspace order: ``workspace[:iteration_tokens[i]]``."""
+        plan = self.plan
+        cap = plan.rank_capacity[iteration]
+        num_rows = plan.iteration_tokens[iteration]
+        local = self.gather_local(iteration)
+        gathered = self._gathered[: plan.world * cap]  # [world * cap, latent] rank-major
+        _all_gather_into_tensor(gathered, local, self.process_group)
+        out = workspace[:num_rows]
+        index = self.device_plan.tensors["reorder_index"][iteration, :num_rows]
+        torch.index_select(gathered, 0, index, out=out)
+        return out
+
+
+def check_dcp_consistency(plan: DCPChunkPlan, process_group: Any,
+                          device: torch.device | str) -> None:
+    """Raise ``ValueError`` unless every rank planned the same global lengths and config.
+
+    One ``all_reduce(MIN)`` of ``[digest, -digest]`` (6 int64) gives the min and max of each
+    checksum over ranks. **Synchronizes the host** (reads 48 bytes back): debug use only.
+    Collective: every rank of the group must call it.
+    """
+    digest = np.asarray(plan.digest, dtype=np.int64)
+    both = torch.from_numpy(np.concatenate([digest, -digest])).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=process_group)
+    values = both.cpu().numpy()  # the one documented host sync of debug mode
+    lo, hi = values[:3], -values[3:]
+    bad = [name for name, a, b in zip(_DIGEST_FIELDS, lo, hi, strict=True) if a != b]
+    if bad:
+        raise ValueError(
+            f"DCP ranks disagree on {', '.join(bad)} (rank {plan.rank} of {plan.world}); every "
+            f"rank must pass the same global query_lens/context_lens and the same "
+            f"workspace_tokens/page_size/policy/dcp_interleave (only kv_cache and block_table "
+            f"are rank-local)."
+        )
+
+
+def _check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       plan: DCPChunkPlan) -> None:
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be this rank's [local_num_blocks, page_size, "
+                         f"latent_dim] shard, got shape {tuple(kv_cache.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != plan.num_reqs:
+        raise ValueError(
+            f"block_table has shape {tuple(block_table.shape)}; expected this rank's local "
+            f"table [num_reqs={plan.num_reqs}, local_max_blocks]")
+    need = int(plan.local_context_lens.max(initial=0))
+    have = block_table.shape[1] * kv_cache.shape[1]
+    if need > have:
+        raise ValueError(
+            f"local block_table covers {have} tokens per request (max_blocks="
+            f"{block_table.shape[1]} x page_size={kv_cache.shape[1]}) but rank {plan.rank} "
+            f"holds up to {need} local context tokens of a request (world={plan.world}, "
+            f"dcp_interleave={plan.interleave}); pass this rank's shard "
+            f"(see mlaprefill.dcp.shard_paged_cache).")
+
+
+def mla_chunked_prefill_dcp(
+    q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor, kv_cache: torch.Tensor,
+    block_table: torch.Tensor, query_lens: Any, context_lens: Any,
+    kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
+    softmax_scale: float | None = None, workspace_tokens: int = 8192,
+    page_size: int | None = None, policy: str = "packed", backend: str = "auto",
+    return_lse: bool = False, debug: bool = False, staging: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
+
+    Parameters
+    ----------
+    q : [num_query_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim] (roped)
+    kv_c_new : [num_query_tokens, kv_lora_rank]
+    k_pe_new : [num_query_tokens, qk_rope_head_dim] (roped)
+    kv_cache : [local_num_blocks, page_size, kv_lora_rank + qk_rope_head_dim]
+        **This rank's** shard (layout: :mod:`mlaprefill.dcp.layout`).
+    block_table : int32 [num_reqs, local_max_blocks]
+        **This rank's** block table over its local tokens.
+    query_lens, context_lens : host ints [num_reqs]
+        **Global** lengths, identical on every rank.
+    kv_b_proj_weight : [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    process_group : ProcessGroup or None
+        DCP group; ``None`` or world size 1 runs the single-rank path unchanged.
+    dcp_interleave : int
+        Interleave ``I >= 1`` of the sharded layout.
+    softmax_scale, workspace_tokens, page_size, policy, backend, return_lse
+        As in :func:`mlaprefill.attention.mla_chunked_prefill`; ``workspace_tokens`` also bounds
+        the all-gathered rows of an iteration, ``page_size`` defaults to ``kv_cache.shape[1]``.
+    debug : bool
+        Check with one small collective that all ranks passed the same lengths and config
+        (raises ``ValueError`` naming what differs). Synchronizes the host once.
+    staging : StagingRing, optional
+        Reused for the upload; default a fresh ``StagingRing(q.device)``.
+
+    Returns
+    -------
+    out : [num_query_tokens, num_heads, v_head_dim], q's dtype — identical on every rank and
+        equal to the single-rank result on the unsharded cache; with ``return_lse`` also
+        ``lse`` [num_query_tokens, num_heads] float32, natural log.
+
+    Raises
+    ------
+    ValueError
+        Before any collective: non-positive ``dcp_interleave``, a workspace that cannot hold an
+        iteration's gathered rows, a local block table too short for this rank's share, and
+        the planner's own errors. With ``debug``: ranks that disagree.
+
+    Notes
+    -----
+    Collective: every rank of ``process_group`` must call it with the same global lengths.
+    Host work is the plan (numpy) and one upload; no host synchronization unless ``debug``.
+    """
+    check_dcp_config(1, dcp_interleave)
+    rank, world = dcp_world(process_group)
+    from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+
+    if world == 1:
+        return mla_chunked_prefill(
+            q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
+            kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
+            page_size=page_size, policy=policy, backend=backend, return_lse=return_lse)
+    page = kv_cache.shape[1] if page_size is None else page_size
+    batch = PrefillBatch(query_lens, context_lens, page_size=page)
+    planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
+                              policy=policy)
+    plan = planner.plan(batch, rank=rank)
+    _check_local_cache(kv_cache, block_table, plan)
+    if debug:
+        device = "cpu" if dist.get_backend(process_group) == "gloo" else q.device
+        check_dcp_consistency(plan, process_group, device)
+    if staging is None:
+        from mlaprefill.staging import StagingRing
+
+        staging = StagingRing(q.device)
+    device_plan = staging.upload(plan)
+    qk_nope = q.shape[-1] - k_pe_new.shape[-1]
+    v_head_dim = kv_b_proj_weight.shape[0] // q.shape[1] - qk_nope
+    mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope, v_head_dim=v_head_dim,
+                            softmax_scale=softmax_scale, backend=backend)
+    source = DCPContextSource(kv_cache, block_table, device_plan, process_group)
+    return mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
+                       return_lse=return_lse, context_source=source)

@@ -1,0 +1,311 @@
+"""DCP chunk planning: the single-rank ChunkPlan plus each rank's local share (pure CPU).
+
+Every rank plans from the *global* lengths with the normal :class:`~mlaprefill.plan.ChunkPlanner`
+(deterministic, so every rank gets the same iterations), then derives, with array ops only:
+
+* this rank's local share of every piece: the tokens a rank owns in a global range ``[s, e)``
+  have contiguous local indices ``[count(s), count(e))`` (see
+  :func:`~mlaprefill.dcp.layout.dcp_local_count`), so the share is again one contiguous piece
+  per request, in local indices — the plain paged gather works on the local cache;
+* ``rank_capacity[i]``: the largest share of iteration ``i`` over ranks; every rank pads its
+  share to it so one ``all_gather_into_tensor`` with equal sizes brings all shares everywhere
+  (rank-major: rank 0's rows, then rank 1's, ...);
+* ``reorder_index[i]``: for each workspace row of iteration ``i`` (global order, as the
+  single-rank plan lays it out), its row in the gathered buffer.
+
+Memory bound: the gathered buffer (``world * rank_capacity[i]`` rows, padding included) must
+fit ``workspace_tokens``. Shares are not always balanced (a page-aligned piece can start
+mid-cycle), so when the plan at ``workspace_tokens`` overflows, the base plan is redone with a
+smaller workspace, by whole pages, until it fits; if even one page does not fit, ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.dcp.layout import check_dcp_config, dcp_local_context_lens, dcp_local_count
+from mlaprefill.plan import ChunkPlan, ChunkPlanner
+
+__all__ = ["DCPChunkPlan", "DCPChunkPlanner", "dcp_config_digest", "derive_dcp_arrays"]
+
+_MAX_REPLANS = 64
+
+
+def _segments(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened segments of ``lens`` (any shape): (flat segment id, offset in segment)."""
+    flat = np.asarray(lens, dtype=np.int64).ravel()
+    seg = np.repeat(np.arange(flat.size, dtype=np.int64), flat)
+    starts = np.cumsum(flat) - flat
+    return seg, np.arange(seg.size, dtype=np.int64) - starts[seg]
+
+
+def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
+                      cu_seq_lens: np.ndarray, *, world: int, interleave: int,
+                      rank: int, max_iteration_tokens: int) -> dict[str, Any]:
+    """Per-rank local arrays and the reorder index from a single-rank chunk layout.
+
+    Parameters
+    ----------
+    chunk_starts, chunk_lens : int [num_iterations, num_reqs]
+        Global pieces of the base plan.
+    cu_seq_lens : int [num_iterations, num_reqs + 1]
+        Workspace offsets of the pieces (global workspace order).
+    world, interleave, rank : int
+        DCP layout and the rank whose local arrays to return.
+    max_iteration_tokens : int
+        Width of the reorder index (the base plan's ``max_iteration_tokens``).
+
+    Returns
+    -------
+    dict with np.int32 arrays ``local_chunk_starts``/``local_chunk_lens`` [num_iterations,
+    num_reqs], ``local_cu_seq_lens`` [num_iterations, num_reqs + 1], ``local_token_to_seq``
+    [num_iterations, max_rank_capacity], ``reorder_index`` [num_iterations,
+    max_iteration_tokens], np.int64 ``local_totals`` [world, num_iterations] and
+    ``rank_capacity`` [num_iterations].
+    """
+    starts = np.asarray(chunk_starts, dtype=np.int64)
+    lens = np.asarray(chunk_lens, dtype=np.int64)
+    cu = np.asarray(cu_seq_lens, dtype=np.int64)
+    n_it, n_req = starts.shape
+    ranks = np.arange(world, dtype=np.int64)[:, None, None]
+    lo = dcp_local_count(starts[None], ranks, world=world, interleave=interleave)
+    hi = dcp_local_count((starts + lens)[None], ranks, world=world, interleave=interleave)
+    local_lens = hi - lo  # [world, n_it, n_req]
+    local_cu = np.zeros((world, n_it, n_req + 1), dtype=np.int64)
+    np.cumsum(local_lens, axis=2, out=local_cu[:, :, 1:])
+    local_totals = local_cu[:, :, -1]  # [world, n_it]
+    capacity = local_totals.max(axis=0, initial=0) if n_it else np.zeros(0, np.int64)
+    max_cap = int(capacity.max(initial=0))
+
+    # This rank's local token_to_seq (padding rows = 0, as in the base plan).
+    seg, off = _segments(local_lens[rank])
+    it, req = seg // max(n_req, 1), seg % max(n_req, 1)
+    token_to_seq = np.zeros((n_it, max_cap), dtype=np.int32)
+    token_to_seq[it, local_cu[rank, it, req] + off] = req
+
+    # Reorder: workspace row (global order) -> row of the rank-major gathered buffer.
+    seg, off = _segments(lens)
+    it, req = seg // max(n_req, 1), seg % max(n_req, 1)
+    tok = starts[it, req] + off
+    owner = (tok // interleave) % world
+    local = (tok // (interleave * world)) * interleave + tok % interleave
+    pos = local_cu[owner, it, req] + local - lo[owner, it, req]
+    reorder = np.zeros((n_it, max_iteration_tokens), dtype=np.int32)
+    reorder[it, cu[it, req] + off] = owner * capacity[it] + pos
+    return {
+        "local_chunk_starts": lo[rank].astype(np.int32),
+        "local_chunk_lens": local_lens[rank].astype(np.int32),
+        "local_cu_seq_lens": local_cu[rank].astype(np.int32),
+        "local_token_to_seq": token_to_seq,
+        "reorder_index": reorder,
+        "local_totals": local_totals,
+        "rank_capacity": capacity.astype(np.int64),
+    }
+
+
+def dcp_config_digest(batch: PrefillBatch, *, world: int, interleave: int,
+                      workspace_tokens: int, policy: str) -> tuple[int, int, int]:
+    """Three 62-bit checksums (query_lens, context_lens, config) that must agree on all ranks."""
+
+    def h(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+    config = f"{world}/{interleave}/{workspace_tokens}/{batch.page_size}/{policy}".encode()
+    return (h(np.ascontiguousarray(batch.query_lens, dtype=np.int64).tobytes()),
+            h(np.ascontiguousarray(batch.context_lens, dtype=np.int64).tobytes()),
+            h(config))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # arrays: compare to_json() instead
+class DCPChunkPlan:
+    """A :class:`~mlaprefill.plan.ChunkPlan` plus one rank's DCP arrays (host data only).
+
+    Attributes of the base plan (``num_iterations``, ``iteration_tokens``, ``max_chunk_lens``,
+    ``max_iteration_tokens``, ``num_query_tokens``, ...) are forwarded, so the forward and
+    staging treat it like a ChunkPlan. ``base.workspace_tokens`` may be smaller than
+    ``workspace_tokens`` (see the module docstring).
+
+    Attributes
+    ----------
+    base : ChunkPlan
+        Single-rank plan of the global lengths (identical on every rank).
+    world, rank, interleave : int
+    workspace_tokens : int
+        Requested workspace; bounds both the base plan's iterations and the gathered rows.
+    local_chunk_starts, local_chunk_lens : np.int32 [num_iterations, num_reqs]
+        This rank's share of each piece, in local token indices.
+    local_cu_seq_lens : np.int32 [num_iterations, num_reqs + 1]
+        Offsets of the shares in this rank's local buffer.
+    local_token_to_seq : np.int32 [num_iterations, max_rank_capacity]
+        Request of each local buffer row (padding 0).
+    reorder_index : np.int32 [num_iterations, max_iteration_tokens]
+        Row of the gathered buffer ``[world * rank_capacity[i], latent_dim]`` holding each
+        workspace row (padding 0).
+    rank_capacity : tuple[int, ...]
+        Rows every rank contributes to the all-gather of iteration ``i`` (max share over ranks).
+    local_iteration_tokens : tuple[int, ...]
+        This rank's real rows per iteration (<= rank_capacity).
+    local_context_lens : np.int64 [num_reqs]
+        This rank's local context length per request (its block table must cover these).
+    digest : tuple[int, int, int]
+        Checksums of (query_lens, context_lens, config) for the cross-rank debug check.
+    """
+
+    base: ChunkPlan
+    world: int
+    rank: int
+    interleave: int
+    workspace_tokens: int
+    local_chunk_starts: np.ndarray = field(repr=False)
+    local_chunk_lens: np.ndarray = field(repr=False)
+    local_cu_seq_lens: np.ndarray = field(repr=False)
+    local_token_to_seq: np.ndarray = field(repr=False)
+    reorder_index: np.ndarray = field(repr=False)
+    rank_capacity: tuple[int, ...]
+    local_iteration_tokens: tuple[int, ...]
+    local_context_lens: np.ndarray = field(repr=False)
+    digest: tuple[int, int, int]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: forward the base plan's host fields.
+        if name.startswith("__") or name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    @property
+    def max_rank_capacity(self) -> int:
+        """Largest per-rank share of any iteration (size of the local buffer)."""
+        return max(self.rank_capacity, default=0)
+
+    @property
+    def max_gathered_tokens(self) -> int:
+        """Largest all-gather output in rows: ``world * max_rank_capacity`` (<= workspace)."""
+        return self.world * self.max_rank_capacity
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The base plan's arrays followed by the DCP ones (all np.int32), in staging order."""
+        out = dict(self.base.device_arrays())
+        for name in ("local_chunk_starts", "local_chunk_lens", "local_cu_seq_lens",
+                     "local_token_to_seq", "reorder_index"):
+            out[name] = getattr(self, name)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able summary: the base plan's plus the DCP fields."""
+        out = dict(self.base.to_json())
+        out["dcp"] = {
+            "world": self.world, "rank": self.rank, "interleave": self.interleave,
+            "workspace_tokens": self.workspace_tokens,
+            "base_workspace_tokens": int(self.base.workspace_tokens),
+            "rank_capacity": list(self.rank_capacity),
+            "local_iteration_tokens": list(self.local_iteration_tokens),
+            "local_context_lens": self.local_context_lens.tolist(),
+        }
+        return out
+
+
+class DCPChunkPlanner:
+    """Plan chunked-context prefill for a token-sharded (DCP) cache.
+
+    Parameters
+    ----------
+    workspace_tokens : int
+        Rows of the context workspace; also bounds the all-gathered rows of an iteration.
+    page_size : int
+        Page size of the *local* caches (the base plan splits pieces at page boundaries).
+    world : int
+        Number of DCP ranks (>= 1).
+    interleave : int
+        Tokens per interleave unit ``I`` (>= 1).
+    policy : {"packed", "equal"}
+        Base planner policy.
+
+    Raises
+    ------
+    ValueError
+        For non-positive ``world``/``interleave`` (at construction) and, in :meth:`plan`, when
+        no plan fits the gathered rows of an iteration into ``workspace_tokens``.
+    """
+
+    def __init__(self, workspace_tokens: int, page_size: int, *, world: int, interleave: int,
+                 policy: str = "packed") -> None:
+        check_dcp_config(world, interleave)
+        # Validates workspace_tokens/page_size/policy with the base planner's own messages.
+        ChunkPlanner(workspace_tokens, page_size, policy=policy)
+        self.workspace_tokens = int(workspace_tokens)
+        self.page_size = int(page_size)
+        self.world = int(world)
+        self.interleave = int(interleave)
+        self.policy = policy
+
+    def plan(self, batch: PrefillBatch, *, rank: int) -> DCPChunkPlan:
+        """Plan ``batch`` (global lengths) for ``rank``; pure CPU, deterministic.
+
+        Never touches a device. Every rank computes the same base plan, capacities and reorder
+        index; only the ``local_*`` arrays differ.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not (
+                0 <= rank < self.world):
+            raise ValueError(f"rank must be an int in [0, world={self.world}), got {rank!r}")
+        if batch.page_size != self.page_size:
+            raise ValueError(
+                f"batch.page_size={batch.page_size} but the planner has page_size="
+                f"{self.page_size}; build both with the local cache's page size."
+            )
+        w = self.workspace_tokens
+        base_w = prev_w = w
+        gathered = 0
+        for _ in range(_MAX_REPLANS):
+            try:
+                base = ChunkPlanner(base_w, self.page_size, policy=self.policy).plan(batch)
+            except ValueError as exc:
+                if base_w == w:
+                    raise
+                raise ValueError(
+                    f"workspace_tokens={w} cannot hold the all-gathered rows of one iteration "
+                    f"(world={self.world}, dcp_interleave={self.interleave}: shares padded to "
+                    f"the largest rank need {gathered} rows at base workspace {prev_w}, and a "
+                    f"{base_w}-token base workspace fails: {exc}); increase workspace_tokens."
+                ) from None
+            arrays = derive_dcp_arrays(
+                base.chunk_starts, base.chunk_lens, base.cu_seq_lens, world=self.world,
+                interleave=self.interleave, rank=int(rank),
+                max_iteration_tokens=int(base.max_iteration_tokens))
+            gathered = self.world * int(arrays["rank_capacity"].max(initial=0))
+            if gathered <= w:
+                break
+            if base_w <= self.page_size:
+                raise ValueError(
+                    f"workspace_tokens={w} cannot hold the all-gathered rows of one iteration "
+                    f"(world={self.world} x per-rank capacity, padding included, needs "
+                    f"{gathered} rows even with a {self.page_size}-token base workspace); "
+                    f"increase workspace_tokens to at least world * page_size = "
+                    f"{self.world * self.page_size}."
+                )
+            excess = gathered - w
+            prev_w = base_w
+            base_w = max(self.page_size,
+                         base_w - -(-excess // self.page_size) * self.page_size)
+        else:  # pragma: no cover - replanning shrinks by >= one page each time
+            raise ValueError(f"could not fit the DCP plan into workspace_tokens={w}")
+        totals = arrays["local_totals"]
+        return DCPChunkPlan(
+            base=base, world=self.world, rank=int(rank), interleave=self.interleave,
+            workspace_tokens=w,
+            local_chunk_starts=arrays["local_chunk_starts"],
+            local_chunk_lens=arrays["local_chunk_lens"],
+            local_cu_seq_lens=arrays["local_cu_seq_lens"],
+            local_token_to_seq=arrays["local_token_to_seq"],
+            reorder_index=arrays["reorder_index"],
+            rank_capacity=tuple(int(c) for c in arrays["rank_capacity"]),
+            local_iteration_tokens=tuple(int(c) for c in totals[int(rank)]),
+            local_context_lens=dcp_local_context_lens(
+                batch.context_lens, world=self.world, interleave=self.interleave)[int(rank)],
+            digest=dcp_config_digest(batch, world=self.world, interleave=self.interleave,
+                                     workspace_tokens=w, policy=self.policy),
+        )
