@@ -1,0 +1,387 @@
+"""The forward: MLA chunked-context prefill (device work only, never synchronizes).
+
+For each request, query ``i`` attends to the whole cached context and to new tokens ``0..i``:
+
+1. **new tokens** — up-project ``kv_c_new`` to per-head ``k_nope``/``v``, append ``k_pe_new``,
+   causal varlen attention with LSE: the running ``(out, lse)``;
+2. **context**, one plan iteration at a time (a Python loop over *iterations*, shapes from the
+   plan's host ints): gather the iteration's latent rows into a preallocated workspace (or take them
+   from ``context_source``), up-project them (one matmul for K, one for V), non-causal varlen
+   attention of all queries against them (``cu_seq_lens[i]``), merge into ``(out, lse)`` by LSE.
+
+Up-projection layout: the Hugging Face ``kv_b_proj.weight [H*(nope+v), rank]`` is re-laid once per
+(rope dim, dtype, device) into ``W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot
+and ``W_V [H*v_out, rank]``. One matmul then writes keys straight into a contiguous
+``[n, H, nope+rope]`` buffer whose rope slots are filled by one broadcast copy of ``k_pe`` — no
+concatenation pass. For FlashAttention-2 (which needs ``v_out == qk_head_dim``) ``W_V`` carries zero
+rows too, so V arrives padded for free.
+
+Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens``,
+``max_chunk_lens``, ``max_query_len``, ``num_query_tokens``) to decide shapes; it never calls
+``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or branches on device values. With
+``cudnn``/``varlen`` the launch sequence depends on host ints only (``flex`` compiles lazily).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mlaprefill.backends import AttentionBackend, get_backend, seq_ids_from_cu
+from mlaprefill.kernels.gather import gather_context_rows
+from mlaprefill.kernels.merge import merge_attention_states
+
+__all__ = ["DEFAULT_WORKSPACE_TOKENS", "MLAChunkedPrefill", "mla_chunked_prefill"]
+
+#: Default workspace of :func:`mla_chunked_prefill` (context tokens up-projected per iteration).
+DEFAULT_WORKSPACE_TOKENS = 32 * 1024
+
+ContextSource = Callable[[int, torch.Tensor], torch.Tensor]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+class MLAChunkedPrefill:
+    """MLA prefill over paged context, chunked to a fixed workspace (plan/run split).
+
+    Parameters
+    ----------
+    kv_b_proj_weight : [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+        Hugging Face DeepSeek layout, per head ``[nope rows | v rows]``. ``num_heads`` and
+        ``kv_lora_rank`` are read from its shape.
+    qk_nope_head_dim, v_head_dim : int
+    softmax_scale : float, optional
+        Default ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (rope dim read from the inputs).
+    backend : ``"auto" | "cudnn" | "flex" | "varlen" | "math"``
+        ``auto`` picks the fastest backend that runs the weight's device and dtype (see
+        :data:`mlaprefill.backends.AUTO_ORDER`); :attr:`backend_name` tells which.
+    qk_rope_head_dim : int, optional
+        Only used to pick the backend before the first forward (default 64); the forward reads
+        the real rope dim from ``k_pe_new`` and re-checks.
+    """
+
+    def __init__(self, kv_b_proj_weight: torch.Tensor, *, qk_nope_head_dim: int,
+                 v_head_dim: int, softmax_scale: float | None = None, backend: str = "auto",
+                 qk_rope_head_dim: int | None = None) -> None:
+        for name, value in (("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(kv_b_proj_weight, torch.Tensor) or kv_b_proj_weight.dim() != 2:
+            raise ValueError(
+                "kv_b_proj_weight must be a 2-D tensor [H * (qk_nope_head_dim + v_head_dim), "
+                f"kv_lora_rank], got {getattr(kv_b_proj_weight, 'shape', type(kv_b_proj_weight))}")
+        if kv_b_proj_weight.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"kv_b_proj_weight dtype {kv_b_proj_weight.dtype} is not a float "
+                             f"dtype; expected one of {_FLOAT_DTYPES}")
+        rows, rank = kv_b_proj_weight.shape
+        per_head = qk_nope_head_dim + v_head_dim
+        if rows == 0 or rows % per_head:
+            raise ValueError(
+                f"kv_b_proj_weight has {rows} rows, not a positive multiple of qk_nope_head_dim + "
+                f"v_head_dim = {per_head}; expected [H * {per_head}, kv_lora_rank]")
+        self.weight = kv_b_proj_weight
+        self.num_heads = rows // per_head
+        self.kv_lora_rank = rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.v_head_dim = v_head_dim
+        self.softmax_scale = softmax_scale
+        self._backend_request = backend
+        rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
+        self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
+        # (rope, dtype, device) -> (W_K [H*qk, rank], W_V [H*v_out, rank]); per instance.
+        self._weights: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- configuration ---------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        """Name of the attention backend in use (``auto`` resolved)."""
+        return self._backend.name
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self._backend
+
+    def _make_backend(self, device: torch.device, dtype: torch.dtype,
+                      rope: int) -> AttentionBackend:
+        return get_backend(self._backend_request, device=device, dtype=dtype,
+                           qk_head_dim=self.qk_nope_head_dim + rope, v_head_dim=self.v_head_dim)
+
+    def _v_out(self, qk_head_dim: int) -> int:
+        return qk_head_dim if self._backend.needs_v_padded else self.v_head_dim
+
+    def _up_weights(self, rope: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rope, dtype, device, self._backend.needs_v_padded)
+        cached = self._weights.get(key)
+        if cached is not None:
+            return cached
+        h, nope, v, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        qk = nope + rope
+        v_out = self._v_out(qk)
+        w = self.weight.to(device=device, dtype=dtype).view(h, nope + v, rank)
+        w_k = torch.zeros(h, qk, rank, dtype=dtype, device=device)
+        w_k[:, :nope] = w[:, :nope]
+        w_v = torch.zeros(h, v_out, rank, dtype=dtype, device=device)
+        w_v[:, :v] = w[:, nope:]
+        cached = (w_k.view(h * qk, rank), w_v.view(h * v_out, rank))
+        self._weights[key] = cached
+        return cached
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, k_out: torch.Tensor,
+                    v_out: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) -> None:
+        """k_out [n, H, nope+rope] = [kv_c W_UK^T | k_pe]; v_out [n, H, v_out] = kv_c W_UV^T."""
+        n = kv_c.shape[0]
+        torch.mm(kv_c, w_k.t(), out=k_out.view(n, -1))  # [n, rank] x [rank, H*qk]
+        k_out[:, :, self.qk_nope_head_dim:].copy_(k_pe[:, None, :].expand(n, self.num_heads, -1))
+        torch.mm(kv_c, w_v.t(), out=v_out.view(n, -1))  # [n, rank] x [rank, H*v_out]
+
+    def _validate(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
+                  kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any) -> int:
+        """Check every input against the weight and the plan's host ints; return rope dim."""
+        plan = device_plan.plan
+        for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new),
+                        ("kv_cache", kv_cache), ("block_table", block_table)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if k_pe_new.dim() != 2:
+            raise ValueError(f"k_pe_new must be [T, qk_rope_head_dim], got shape "
+                             f"{_shape(k_pe_new)}")
+        rope = k_pe_new.shape[1]
+        h, nope, rank = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        num_tokens = plan.num_query_tokens
+        expected = {
+            "q": (num_tokens, h, nope + rope),
+            "kv_c_new": (num_tokens, rank),
+            "k_pe_new": (num_tokens, rope),
+        }
+        for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new)):
+            if _shape(t) != expected[name]:
+                raise ValueError(
+                    f"{name} has shape {_shape(t)}, expected {expected[name]} (T = "
+                    f"plan.num_query_tokens = {num_tokens}, H = {h} and kv_lora_rank = {rank} "
+                    f"from kv_b_proj_weight, qk = qk_nope_head_dim {nope} + rope {rope} from "
+                    f"k_pe_new)")
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + rope:
+            raise ValueError(f"kv_cache has shape {_shape(kv_cache)}, expected [num_blocks, "
+                             f"page_size, {rank + rope}] (kv_lora_rank + qk_rope_head_dim)")
+        if kv_cache.shape[1] != plan.page_size:
+            raise ValueError(f"kv_cache page_size {kv_cache.shape[1]} != plan.page_size "
+                             f"{plan.page_size}; plan with the cache's page size")
+        if block_table.dim() != 2 or block_table.shape[0] != plan.num_reqs:
+            raise ValueError(f"block_table has shape {_shape(block_table)}, expected "
+                             f"[num_reqs={plan.num_reqs}, max_blocks]")
+        if block_table.dtype != torch.int32:
+            raise ValueError(f"block_table dtype is {block_table.dtype}, expected torch.int32")
+        max_ctx = int(plan.context_lens.max()) if plan.num_reqs else 0
+        if block_table.shape[1] * plan.page_size < max_ctx:
+            raise ValueError(f"block_table has {block_table.shape[1]} blocks per request "
+                             f"(x page_size {plan.page_size}), fewer than the longest context "
+                             f"{max_ctx} tokens needs")
+        dtype = q.dtype
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"q dtype {dtype} is not a float dtype; expected one of "
+                             f"{_FLOAT_DTYPES}")
+        for name, t in (("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new), ("kv_cache", kv_cache)):
+            if t.dtype != dtype:
+                raise ValueError(f"{name} dtype {t.dtype} != q dtype {dtype}; cast them to one "
+                                 f"dtype")
+        device = q.device
+        for name, t in (("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new), ("kv_cache", kv_cache),
+                        ("block_table", block_table), ("kv_b_proj_weight", self.weight)):
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device}, q is on {device}; put every input "
+                                 f"on one device")
+        for name, t in plan_tensors(plan, device_plan).items():
+            if t.device != device:
+                raise ValueError(f"device_plan.{name} is on {t.device}, q is on {device}; "
+                                 f"upload the plan with StagingRing({device!s})")
+        if not q.is_contiguous():
+            raise ValueError("q must be contiguous [T, H, qk_head_dim]; call .contiguous()")
+        return rope
+
+    # -- the forward -----------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
+                kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
+                return_lse: bool = False, context_source: ContextSource | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention output of every new token over its context and the new tokens before it.
+
+        Parameters
+        ----------
+        q : [T, H, qk_nope_head_dim + qk_rope_head_dim] (roped), contiguous
+        kv_c_new : [T, kv_lora_rank]
+        k_pe_new : [T, qk_rope_head_dim] (roped)
+        kv_cache : [num_blocks, page_size, kv_lora_rank + qk_rope_head_dim], q's dtype
+        block_table : int32 [num_reqs, max_blocks] on the cache's device
+        device_plan : :class:`mlaprefill.staging.DevicePlan` of a ChunkPlan (or a DCP plan)
+        return_lse : also return the LSE
+        context_source : callable ``(iteration, workspace) -> rows``, optional
+            Supplies iteration ``i``'s latent rows ``[iteration_tokens[i], kv_lora_rank +
+            qk_rope_head_dim]`` in workspace order (DCP all-gathers them); default: paged gather.
+
+        Returns
+        -------
+        out : [T, H, v_head_dim] in q's dtype; with ``return_lse`` also lse [T, H], natural log,
+        float32 (float64 for float64 inputs); ``-inf`` only for a query with no keys at all.
+
+        Never synchronizes: shapes come from the plan's host ints only.
+        """
+        plan = device_plan.plan
+        rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan)
+        device, dtype = q.device, q.dtype
+        nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
+        qk = nope + rope
+        why = self._backend.unsupported_reason(device, dtype, qk, self.v_head_dim)
+        if why is not None:
+            if self._backend_request != "auto":
+                raise ValueError(f"backend {self._backend.name!r} cannot run {dtype} on "
+                                 f"{device} with qk_head_dim={qk}: {why}")
+            self._backend = self._make_backend(device, dtype, rope)
+        backend = self._backend
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
+        w_k, w_v = self._up_weights(rope, dtype, device)
+        v_out = w_v.shape[0] // h
+        lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+        num_tokens = plan.num_query_tokens
+        if num_tokens == 0:
+            out = q.new_zeros(0, h, self.v_head_dim)
+            lse = torch.zeros(0, h, dtype=lse_dtype, device=device)
+            return (out, lse) if return_lse else out
+
+        tensors = plan_tensors(plan, device_plan)
+        cu_q = tensors["cu_query_lens"]
+        seq_ids_q = seq_ids_from_cu(cu_q, num_tokens)  # int64 [T]
+
+        # (a) new tokens over themselves, causal: the running (out, lse).
+        k_new = torch.empty(num_tokens, h, qk, dtype=dtype, device=device)
+        v_new = torch.empty(num_tokens, h, v_out, dtype=dtype, device=device)
+        self._up_project(kv_c_new, k_pe_new, k_new, v_new, w_k, w_v)
+        out_a, lse_a = backend.attend(q, k_new, v_new, cu_q, cu_q, plan.max_query_len,
+                                      plan.max_query_len, causal=True, softmax_scale=scale,
+                                      seq_ids_q=seq_ids_q)
+        out = out_a[..., :self.v_head_dim]
+        if not out.is_contiguous():
+            out = out.contiguous()  # merged in place below; must be our own dense buffer
+        lse = lse_a.to(lse_dtype).contiguous()
+        del k_new, v_new
+
+        # (b) context, one workspace iteration at a time.
+        if plan.num_iterations == 0:
+            return (out, lse) if return_lse else out
+        max_rows = plan.max_iteration_tokens
+        workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
+        k_ctx = torch.empty(max_rows, h, qk, dtype=dtype, device=device)
+        v_ctx = torch.empty(max_rows, h, v_out, dtype=dtype, device=device)
+        chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
+        token_to_seq = tensors["token_to_seq"]
+        for i in range(plan.num_iterations):
+            num_rows = plan.iteration_tokens[i]
+            if num_rows == 0:
+                continue
+            if context_source is None:
+                rows = gather_context_rows(kv_cache, block_table, token_to_seq[i],
+                                           cu_seq_lens[i], chunk_starts[i], workspace, num_rows)
+            else:
+                rows = context_source(i, workspace)
+                if _shape(rows) != (num_rows, rank + rope):
+                    raise ValueError(f"context_source({i}) returned shape {_shape(rows)}, "
+                                     f"expected ({num_rows}, {rank + rope})")
+            k_i, v_i = k_ctx[:num_rows], v_ctx[:num_rows]
+            self._up_project(rows[:, :rank], rows[:, rank:], k_i, v_i, w_k, w_v)
+            out_i, lse_i = backend.attend(q, k_i, v_i, cu_q, cu_seq_lens[i], plan.max_query_len,
+                                          plan.max_chunk_lens[i], causal=False,
+                                          softmax_scale=scale, seq_ids_q=seq_ids_q)
+            merge_attention_states(out, lse, out_i[..., :self.v_head_dim], lse_i)
+        return (out, lse) if return_lse else out
+
+    __call__ = forward
+
+
+def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
+    """The device tensors of a DevicePlan the forward reads (validation helper)."""
+    if device_plan is None:
+        return {}
+    return {name: device_plan.tensors[name] for name in
+            ("cu_query_lens", "chunk_starts", "cu_seq_lens", "token_to_seq")}
+
+
+def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_lens: Sequence[int] | Any, context_lens: Sequence[int] | Any,
+                        kv_b_proj_weight: torch.Tensor, *, softmax_scale: float | None = None,
+                        workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+                        page_size: int | None = None, policy: str = "packed",
+                        backend: str = "auto", return_lse: bool = False,
+                        process_group: Any = None, dcp_interleave: int = 1,
+                        qk_nope_head_dim: int | None = None, v_head_dim: int | None = None,
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One call: PrefillBatch -> ChunkPlanner.plan -> StagingRing.upload -> forward.
+
+    ``query_lens`` / ``context_lens`` are host ints (a list, numpy array or CPU tensor; a CUDA
+    tensor is rejected because reading it would sync). Head dims are inferred: ``qk_rope_head_dim
+    = k_pe_new.shape[1]``, ``qk_nope_head_dim = q.shape[2] - rope``, ``v_head_dim =
+    weight rows / H - nope`` (pass them to check). ``page_size`` defaults to ``kv_cache.shape[1]``.
+    With ``process_group`` of world size > 1 this is the context-parallel version
+    (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
+    single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
+    """
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(process_group) > 1:
+            from mlaprefill.dcp import mla_chunked_prefill_dcp
+
+            return mla_chunked_prefill_dcp(
+                q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
+                kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
+                page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
+                process_group=process_group, dcp_interleave=dcp_interleave)
+
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    for name, t in (("q", q), ("k_pe_new", k_pe_new), ("kv_cache", kv_cache),
+                    ("kv_b_proj_weight", kv_b_proj_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k_pe_new.dim() != 2 or kv_b_proj_weight.dim() != 2:
+        raise ValueError(f"q must be [T, H, qk_head_dim], k_pe_new [T, qk_rope_head_dim], "
+                         f"kv_b_proj_weight [H * (nope + v), rank]; got {_shape(q)}, "
+                         f"{_shape(k_pe_new)}, {_shape(kv_b_proj_weight)}")
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got "
+                         f"{_shape(kv_cache)}")
+    num_heads, rope = q.shape[1], k_pe_new.shape[1]
+    nope = q.shape[2] - rope if qk_nope_head_dim is None else qk_nope_head_dim
+    if nope <= 0 or nope + rope != q.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} must be qk_nope_head_dim ({nope}) + "
+                         f"qk_rope_head_dim ({rope}, from k_pe_new)")
+    rows = kv_b_proj_weight.shape[0]
+    if num_heads == 0 or rows % num_heads:
+        raise ValueError(f"kv_b_proj_weight has {rows} rows, not a multiple of H = {num_heads} "
+                         f"(from q); expected [H * (qk_nope_head_dim + v_head_dim), rank]")
+    v_dim = rows // num_heads - nope if v_head_dim is None else v_head_dim
+    if v_dim <= 0 or num_heads * (nope + v_dim) != rows:
+        raise ValueError(f"kv_b_proj_weight has {rows} rows, expected H * (qk_nope_head_dim + "
+                         f"v_head_dim) = {num_heads} * ({nope} + {v_dim})")
+    page = kv_cache.shape[1] if page_size is None else page_size
+    batch = PrefillBatch(query_lens, context_lens, page_size=page, block_table=block_table)
+    if batch.num_query_tokens != q.shape[0]:
+        raise ValueError(f"sum(query_lens) = {batch.num_query_tokens} but q has {q.shape[0]} "
+                         f"tokens; the lengths must describe q's packing")
+    plan = ChunkPlanner(workspace_tokens, page, policy=policy).plan(batch)
+    device_plan = StagingRing(kv_cache.device).upload(plan)
+    op = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
+                           softmax_scale=softmax_scale, backend=backend, qk_rope_head_dim=rope)
+    return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
+                      return_lse=return_lse)

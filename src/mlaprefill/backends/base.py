@@ -1,0 +1,116 @@
+"""What an attention backend is, and the helpers every backend shares.
+
+A backend computes, for a packed varlen batch of ``num_seqs`` sequences,
+
+    out[t, h] = softmax(q[t, h] . k[s, h]^T * softmax_scale) . v[s, h]
+
+over the keys ``s`` of the query's own sequence (``cu_seqlens_k``), optionally causal (only used
+with equal query/key lengths per sequence, where top-left and bottom-right alignment agree),
+returning ``out [Tq, H, Dv]`` and ``lse [Tq, H]`` (natural log, float32; float64 for float64
+inputs). A query whose sequence has no keys gets ``lse = -inf`` and ``out = 0`` (never NaN).
+
+``max_seqlen_q`` / ``max_seqlen_k`` are host ints (from the plan): a backend never reads device
+memory to decide a shape, so ``attend`` never synchronizes.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+__all__ = ["AttentionBackend", "fix_empty_rows", "seq_ids_from_cu"]
+
+
+def seq_ids_from_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 [total]: sequence index of each packed token, from int32 ``cu_seqlens [n + 1]``.
+
+    ``output_size`` is the host int ``total`` so repeat_interleave does not sync.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lens.shape[0], device=cu_seqlens.device)
+    return torch.repeat_interleave(ids, lens, output_size=total)
+
+
+def fix_empty_rows(out: torch.Tensor, lse: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   seq_ids_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Force ``out = 0, lse = -inf`` (in place) for queries whose sequence has no keys.
+
+    Kernels disagree on that case (FlashAttention-2 writes ``lse = +inf``; others may leave NaN or
+    garbage), so backends normalize it here, on device, without a sync.
+    """
+    k_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    empty = (k_lens == 0)[seq_ids_q]  # [Tq]
+    lse.masked_fill_(empty[:, None], float("-inf"))
+    out.masked_fill_(empty[:, None, None], 0.0)
+    return out, lse
+
+
+class AttentionBackend(abc.ABC):
+    """Varlen attention with LSE. Subclasses set ``name`` and implement ``attend``."""
+
+    name: str = "?"
+    #: Kernel needs ``v_head_dim == qk_head_dim`` (FlashAttention-2): callers may pass V already
+    #: zero-padded to the QK width (the forward does, through its weight layout, for free) and
+    #: slice the output; otherwise ``attend`` pads (a copy).
+    needs_v_padded: bool = False
+
+    @abc.abstractmethod
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
+                           v_head_dim: int) -> str | None:
+        """None if the backend runs these inputs, else a short reason (for errors and ``auto``)."""
+
+    @abc.abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
+               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of a packed varlen batch.
+
+        Parameters
+        ----------
+        q : [Tq, H, Dqk]; k : [Tk, H, Dqk]; v : [Tk, H, Dv] — contiguous, one device and dtype
+        cu_seqlens_q, cu_seqlens_k : int32 [num_seqs + 1] on the same device
+        max_seqlen_q, max_seqlen_k : host ints (upper bounds of the per-sequence lengths)
+        causal : query i of a sequence attends keys 0..i (equal q/k lengths per sequence)
+        softmax_scale : float
+        seq_ids_q : int64 [Tq], optional — sequence of each query (saves recomputing it)
+
+        Returns
+        -------
+        out : [Tq, H, Dv] in q's dtype (may be a view); lse : [Tq, H] float32 natural log (may be
+        a strided view). Never synchronizes.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def pad_v(v: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the last dim of ``v`` to ``width`` (a copy; the forward avoids it)."""
+    if v.shape[-1] == width:
+        return v
+    return torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+
+
+def lse_to_tokens_heads(lse: torch.Tensor, num_tokens: int, num_heads: int,
+                        seq_ids_q: torch.Tensor | None, cu_seqlens_q: torch.Tensor
+                        ) -> torch.Tensor:
+    """Bring a kernel's LSE to ``[Tq, H]`` (a view where possible), deciding by shape only.
+
+    Accepted layouts: ``[Tq, H]``, ``[Tq, H, 1]`` (cuDNN ragged), ``[H, Tq]`` (unpadded FA2),
+    ``[num_seqs, H, max_seqlen_q]`` (padded FA2).
+    """
+    shape = tuple(lse.shape)
+    if shape == (num_tokens, num_heads):
+        return lse
+    if shape == (num_tokens, num_heads, 1):
+        return lse[..., 0]
+    if shape == (num_heads, num_tokens):
+        return lse.t()
+    if lse.dim() == 3 and shape[1] == num_heads:
+        if seq_ids_q is None:
+            seq_ids_q = seq_ids_from_cu(cu_seqlens_q, num_tokens)
+        pos = torch.arange(num_tokens, device=lse.device) - cu_seqlens_q.long()[seq_ids_q]
+        return lse[seq_ids_q, :, pos]
+    raise RuntimeError(f"unexpected LSE shape {shape} for Tq={num_tokens}, H={num_heads}")

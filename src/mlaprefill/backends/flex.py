@@ -1,0 +1,78 @@
+"""``flex`` backend: FlexAttention (``torch.nn.attention.flex_attention``) with a document mask.
+
+The packed batch is one "sequence" of ``Tq`` queries and ``Tk`` keys; a block mask built from
+document (sequence) ids keeps each query on its own sequence's keys (and causal when asked).
+``flex_attention`` is compiled once per backend instance (first call per shape compiles). The
+block mask is built on device from ``cu_seqlens`` (no host reads). FlexAttention supports
+``Dv != Dqk``. LSE comes back natural-log ``[1, H, Tq]``; fully masked rows are normalized by
+:func:`fix_empty_rows`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mlaprefill.backends.base import AttentionBackend, fix_empty_rows, seq_ids_from_cu
+
+__all__ = ["FlexBackend"]
+
+
+class FlexBackend(AttentionBackend):
+    """FlexAttention on CUDA (fp16/bf16/fp32), compiled lazily."""
+
+    name = "flex"
+
+    def __init__(self) -> None:
+        self._compiled: Any = None
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
+                           v_head_dim: int) -> str | None:
+        if device.type != "cuda":
+            return "needs a CUDA device (compiled Triton kernels)"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype} not supported"
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError:
+            return "torch has no FlexAttention"
+        return None
+
+    def _flex(self) -> Any:
+        if self._compiled is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._compiled = torch.compile(flex_attention, dynamic=False)
+        return self._compiled
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
+               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+        num_q, num_k = q.shape[0], k.shape[0]
+        if seq_ids_q is None:
+            seq_ids_q = seq_ids_from_cu(cu_seqlens_q, num_q)
+        seq_ids_k = seq_ids_from_cu(cu_seqlens_k, num_k)
+        doc_q, doc_k = seq_ids_q, seq_ids_k
+
+        if causal:
+            # Same packing for q and k (new tokens over themselves): global index order is the
+            # in-sequence order.
+            def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (doc_q[q_idx] == doc_k[kv_idx]) & (q_idx >= kv_idx)
+        else:
+            def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return doc_q[q_idx] == doc_k[kv_idx]
+
+        block_mask = create_block_mask(mask_mod, None, None, num_q, num_k, device=q.device)
+        q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, Dqk]
+        k4 = k.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dqk]
+        v4 = v.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dv]
+        out4, aux = self._flex()(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
+                                 return_aux=AuxRequest(lse=True))
+        out = out4[0].transpose(0, 1)  # [Tq, H, Dv] view
+        lse = aux.lse[0].t().float()  # [Tq, H] view (natural log)
+        return fix_empty_rows(out, lse, cu_seqlens_k, seq_ids_q)

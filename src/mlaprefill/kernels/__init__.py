@@ -1,0 +1,29 @@
+"""Device kernels of the forward, each a Triton kernel beside its torch fallback.
+
+* :mod:`mlaprefill.kernels.gather` — one iteration's context rows from the paged latent cache into
+  the contiguous workspace.
+* :mod:`mlaprefill.kernels.merge` — merge two partial attention results by their log-sum-exp.
+
+Triton is optional: without it (or on CPU tensors) the torch fallbacks run. Both paths are
+sync-free and CUDA-graph safe (shapes come from host ints only).
+"""
+
+from __future__ import annotations
+
+from mlaprefill.kernels.gather import gather_context_rows, gather_context_rows_torch
+from mlaprefill.kernels.merge import merge_attention_states, merge_attention_states_torch
+
+__all__ = [
+    "gather_context_rows",
+    "gather_context_rows_torch",
+    "merge_attention_states",
+    "merge_attention_states_torch",
+    "triton_available",
+]
+
+
+def triton_available() -> bool:
+    """True when Triton can be imported (the kernels then run on CUDA tensors)."""
+    from mlaprefill.kernels._triton import HAS_TRITON
+
+    return HAS_TRITON
