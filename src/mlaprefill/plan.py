@@ -17,13 +17,13 @@ Policies
     segment of at most ``W`` tokens whose ends are *cut points*: request boundaries or page-aligned
     offsets inside a request. Greedy furthest-reach (from the current cut, jump to the last cut
     point ``<= cut + W``) is optimal among plans with this cut structure. Python loops over
-    *iterations* (one ``searchsorted`` each), never over tokens or requests.
+    *iterations* (one ``bisect`` each), never over tokens or requests.
 
-    The stream structure is not always at least as good as ``equal`` (e.g. ``W=192, page_size=64,
-    context_lens=[120, 120, 120]``: the stream needs 3 iterations because every cut inside a request
-    loses up to ``page_size - 1`` tokens, while equal's 64-token pieces need 2). So ``packed``
-    computes ``equal``'s iteration count (one division) and, when it is strictly smaller, returns
-    the equal layout instead (``ChunkPlan.layout`` says which). Hence, always:
+    ``packed`` also computes ``equal``'s iteration count (one division) and returns the equal
+    layout if that is strictly smaller (``ChunkPlan.layout`` says which). No batch where this
+    happens is known (hypothesis against a brute-force optimum, and 200,000 random batches, found
+    none), but the fallback makes the guarantee unconditional and costs one division. Hence,
+    always:
 
     * ``packed.num_iterations <= equal.num_iterations`` (whenever ``equal`` is feasible);
     * ``packed.num_iterations == ceil(sum(context_lens) / W)`` (the lower bound) when ``W`` and
@@ -242,7 +242,8 @@ class ChunkPlanner:
         max_ctx = int(ctx.max())
         if max_ctx == 0:
             return self._assemble(batch, np.zeros((0, batch.num_reqs), np.int64),
-                                  np.zeros((0, batch.num_reqs), np.int64), "stream")
+                                  np.zeros((0, batch.num_reqs), np.int64),
+                                  "equal" if self.policy == "equal" else "stream")
         chunk = equal_chunk_size(ctx, w, self.page_size)
         equal_iters = -(-max_ctx // chunk) if chunk > 0 else None
         if self.policy == "equal":
