@@ -1,0 +1,183 @@
+"""DCP over real gloo process groups (world 2, 3, 4), spawned on this machine.
+
+One spawn per world size; each spawn runs several cases (the machine has 2 cores). The store is
+a FileStore in pytest's tmp_path, so no port is ever chosen. A rank that fails makes the others
+time out of their next collective (init timeout 60 s) instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.dcp import (
+    DCPChunkPlanner,
+    DCPContextSource,
+    mla_chunked_prefill_dcp,
+    shard_paged_cache,
+)
+from mlaprefill.kernels import gather_context_rows
+from mlaprefill.reference import mla_prefill_reference
+from mlaprefill.staging import StagingRing
+
+# Tiny MLA head dims: latent rows are kv_lora_rank + qk_rope_head_dim = 24 wide.
+NUM_HEADS, KV_LORA_RANK, QK_NOPE, QK_ROPE, V_HEAD = 2, 16, 8, 8, 8
+
+# (query_lens, context_lens, page_size, interleave, workspace_tokens, policy) per world size.
+# Context lengths cover: zero context, one token, shorter than world * I, page boundaries.
+CASES: dict[int, list[tuple]] = {
+    2: [
+        ([3, 1, 2, 4], [0, 1, 31, 16], 16, 16, 64, "packed"),
+        ([2, 5, 1], [17, 48, 100], 16, 1, 64, "equal"),
+        ([1, 1], [15, 33], 8, 8, 32, "packed"),
+        ([4, 2, 3], [0, 0, 0], 16, 16, 64, "packed"),
+    ],
+    3: [
+        ([2, 1, 3, 1], [0, 47, 16, 95], 16, 16, 96, "packed"),
+        ([1, 3], [1, 65], 16, 1, 48, "equal"),
+        ([2, 2], [7, 24], 8, 8, 48, "packed"),
+    ],
+    4: [
+        ([1, 2, 3], [63, 1, 128], 16, 16, 128, "packed"),
+        ([3, 1, 1], [0, 5, 200], 16, 1, 64, "equal"),
+        ([2, 1], [31, 32], 8, 8, 64, "equal"),
+    ],
+}
+
+
+def _inputs(query_lens, context_lens, page_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(query_lens)
+    latent = KV_LORA_RANK + QK_ROPE
+    nblocks = [-(-n // page_size) for n in context_lens]
+    total_blocks = sum(nblocks) + 2
+    cache = torch.randn(total_blocks, page_size, latent, generator=gen)
+    perm = torch.randperm(total_blocks, generator=gen)
+    table = torch.zeros(len(context_lens), max(max(nblocks), 1), dtype=torch.int32)
+    k = 0
+    for r, nb in enumerate(nblocks):  # test setup: a handful of requests
+        table[r, :nb] = perm[k:k + nb].to(torch.int32)
+        k += nb
+    q = torch.randn(t, NUM_HEADS, QK_NOPE + QK_ROPE, generator=gen)
+    kv_c_new = torch.randn(t, KV_LORA_RANK, generator=gen)
+    k_pe_new = torch.randn(t, QK_ROPE, generator=gen)
+    weight = torch.randn(NUM_HEADS * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=gen) * 0.3
+    return q, kv_c_new, k_pe_new, cache, table, weight
+
+
+def _run_case(rank, world, case, seed):
+    from mlaprefill.attention import mla_chunked_prefill
+
+    query_lens, context_lens, page_size, interleave, workspace, policy = case
+    q, kv_c_new, k_pe_new, cache, table, weight = _inputs(query_lens, context_lens, page_size,
+                                                         seed)
+    shards = shard_paged_cache(cache, table, np.array(context_lens), world=world,
+                               interleave=interleave, seed=seed + 1)
+    local_cache, local_table = shards[rank]
+
+    # 1. Context rows: every iteration's DCP rows equal the single-rank gather, bit for bit.
+    batch = PrefillBatch(query_lens, context_lens, page_size=page_size)
+    plan = DCPChunkPlanner(workspace, page_size, world=world, interleave=interleave,
+                           policy=policy).plan(batch, rank=rank)
+    device_plan = StagingRing("cpu").upload(plan)
+    source = DCPContextSource(local_cache, local_table, device_plan, dist.group.WORLD)
+    workspace_rows = torch.full((max(plan.max_iteration_tokens, 1), cache.shape[2]), float("nan"))
+    expect_rows = torch.empty_like(workspace_rows)
+    for i in range(plan.num_iterations):
+        got = source(i, workspace_rows)
+        n = plan.iteration_tokens[i]
+        assert got.shape == (n, cache.shape[2])
+        want = gather_context_rows(cache, table, device_plan["token_to_seq"][i],
+                                   device_plan["cu_seq_lens"][i], device_plan["chunk_starts"][i],
+                                   expect_rows, n)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    # 2. Forward: equal to the single-rank forward on the unsharded cache (and the reference).
+    single, single_lse = mla_chunked_prefill(
+        q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight,
+        workspace_tokens=workspace, policy=policy, return_lse=True)
+    out, lse = mla_chunked_prefill_dcp(
+        q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
+        process_group=dist.group.WORLD, dcp_interleave=interleave, workspace_tokens=workspace,
+        policy=policy, return_lse=True, debug=True)
+    torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
+    ref, ref_lse = mla_prefill_reference(
+        q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight,
+        qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+
+    # 3. The one-call helper delegates to DCP when the group has more than one rank.
+    out2 = mla_chunked_prefill(
+        q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
+        workspace_tokens=workspace, policy=policy, process_group=dist.group.WORLD,
+        dcp_interleave=interleave)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def _run_errors(rank, world):
+    q, kv_c_new, k_pe_new, cache, table, weight = _inputs([2, 1], [40, 9], 16, seed=5)
+    local_cache, local_table = shard_paged_cache(cache, table, np.array([40, 9]), world=world,
+                                                 interleave=16)[rank]
+    group = dist.group.WORLD
+    # Bad configurations raise on every rank before any collective (else the next one hangs).
+    try:
+        mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1], [40, 9],
+                                weight, process_group=group, dcp_interleave=0)
+        raise AssertionError("dcp_interleave=0 did not raise")
+    except ValueError as exc:
+        assert "dcp_interleave" in str(exc), exc
+    try:
+        mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1], [40, 9],
+                                weight, process_group=group, dcp_interleave=16,
+                                workspace_tokens=16)
+        raise AssertionError("too small workspace did not raise")
+    except ValueError as exc:
+        assert "all-gathered rows" in str(exc), exc
+    # Inconsistent global lengths across ranks: caught by the debug checksum on every rank.
+    context_lens = [40, 9] if rank == 0 else [40, 8]
+    try:
+        mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1],
+                                context_lens, weight, process_group=group, dcp_interleave=16,
+                                workspace_tokens=64, debug=True)
+        raise AssertionError("inconsistent context_lens did not raise")
+    except ValueError as exc:
+        assert "disagree on context_lens" in str(exc), exc
+        assert "query_lens" not in str(exc).split("(")[0], exc
+
+
+def _worker(rank: int, world: int, store_path: str, error_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for k, case in enumerate(CASES[world]):
+            _run_case(rank, world, case, seed=1000 * world + k)
+        _run_errors(rank, world)
+        dist.barrier()
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dcp_matches_single_rank(world: int, tmp_path) -> None:
+    try:
+        mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
+                 join=True)
+    except Exception as exc:
+        logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        raise AssertionError(f"a DCP rank failed:\n{logs}") from exc
