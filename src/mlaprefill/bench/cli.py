@@ -1,0 +1,202 @@
+"""``mlaprefill bench``: prefill-only engine benchmark of the staging modes and planner policies.
+
+Scenarios (``--scenario``; every option below overrides the scenario's value):
+
+``vllm-default`` (default with CUDA)
+    The seed's experiment as vLLM runs it by default: 16 prompts of 80 Ki tokens arrive at once,
+    16 concurrent, 4096-token steps shared first-come-first-served (vLLM V1), a 65,536-token
+    context workspace (vLLM's default), ``page_size`` 64, a DeepSeek-V3 tensor-parallel-8 shard
+    (16 heads, hidden 7168), 4 layers. A step holds one or two requests, so the largest table,
+    ``token_to_seq``, is at most ``[2, 65536]`` int32 = 512 KiB (256 KiB per chunk) and the whole
+    step ships <= ~0.6 MiB: below the ~3 MiB where a pageable copy was measured to block on the
+    H200 (DESIGN.md section 1). Reported as measured, stall or not.
+``stall``
+    Same model (2 layers) and prompts, but the budget is split fairly over the 16 running prefills
+    (256 tokens each per step) and the workspace holds 1 Mi tokens. Every step then carries the
+    contexts of all 16 requests: ``token_to_seq`` is ``~4 bytes x sum(context_lens)`` rounded up to
+    the iteration layout, reaching 3 MiB once each request has ~48 Ki tokens cached and 8 MiB
+    (``[2, 1048576]`` int32) past 64 Ki tokens, i.e. in the last ~40 % of the steps. Those copies
+    are past the measured threshold, so ``pageable`` should block the host for about one step of
+    GPU time per step there.
+``cpu-tiny`` (default without CUDA)
+    Preset ``tiny``, 2 layers, 8 prompts of 512 tokens, 4 concurrent, 128-token steps shared
+    fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
+    a plain copy, so the variants differ only in planner policy and host overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["SCENARIOS", "Scenario", "add_parser", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Named defaults: engine settings plus repeats and warm-up steps."""
+
+    note: str
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    repeats: int = 2
+    warmup_steps: int = 3
+    needs_cuda: bool = True
+
+
+_V3_TP8 = {"preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
+           "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096}
+
+SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
+    "vllm-default": Scenario(
+        note="vLLM defaults: FCFS 4096-token steps, 65,536-token workspace; metadata <= ~0.6 MiB "
+             "per step (below the ~3 MiB pageable-stall threshold measured on the H200)",
+        engine={**_V3_TP8, "num_layers": 4, "workspace_tokens": 65536, "share": "fcfs"}),
+    "stall": Scenario(
+        note="budget shared by 16 running prefills + 1 Mi-token workspace: token_to_seq ~4 B x "
+             "sum(context) reaches 3-8 MiB per step (past the measured pageable-stall threshold)",
+        engine={**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576, "share": "fair"}),
+    "cpu-tiny": Scenario(
+        note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
+        engine={"preset": "tiny", "tp": 1, "num_layers": 2, "vocab_size": 64, "prompt_len": 512,
+                "num_requests": 8, "max_concurrent": 4, "token_budget": 128,
+                "workspace_tokens": 256, "page_size": 16, "share": "fair"},
+        repeats=2, warmup_steps=1, needs_cuda=False),
+})
+
+# CLI option dest -> EngineConfig field
+_ENGINE_OPTS = {
+    "preset": "preset", "tp": "tp", "layers": "num_layers", "vocab": "vocab_size",
+    "prompt_len": "prompt_len", "num_requests": "num_requests", "request_rate": "request_rate",
+    "concurrency": "max_concurrent", "token_budget": "token_budget",
+    "workspace": "workspace_tokens", "page_size": "page_size", "share": "share",
+    "num_blocks": "num_blocks", "seed": "seed", "backend": "backend", "dtype": "dtype",
+    "device": "device",
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the ``mlaprefill`` subparsers."""
+    p = subparsers.add_parser(
+        "bench", help="prefill-only engine benchmark: pageable vs pinned vs ring staging",
+        description="Run a small prefill-only MLA engine (chunked prefill, paged latent cache, "
+                    "random weights) with each staging mode / planner policy side by side and "
+                    "report throughput, TTFT, host-blocked time and GPU busy fraction. Without "
+                    "CUDA it runs the tiny CPU scenario.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="scenarios:\n" + "\n".join(f"  {k:<13} {v.note}" for k, v in SCENARIOS.items()),
+    )
+    p.add_argument("--scenario", choices=sorted(SCENARIOS),
+                   help="named defaults (default: vllm-default with CUDA, cpu-tiny without)")
+    p.add_argument("--preset", help="MLA preset (deepseek-v3, deepseek-v2-lite, kimi-k2, tiny)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size: heads and MLP width per GPU")
+    p.add_argument("--layers", type=int, help="decoder layers")
+    p.add_argument("--vocab", type=int, help="vocabulary of the small sampling head")
+    p.add_argument("--prompt-len", type=int, help="tokens per prompt")
+    p.add_argument("--num-requests", type=int, help="requests in the workload")
+    p.add_argument("--request-rate", type=float,
+                   help="arrivals per second (Poisson); default: all at once")
+    p.add_argument("--concurrency", type=int, help="max concurrent prefills")
+    p.add_argument("--token-budget", type=int, help="max new tokens per step")
+    p.add_argument("--workspace", type=int, help="context workspace tokens (planner W)")
+    p.add_argument("--page-size", type=int, help="tokens per cache page")
+    p.add_argument("--share", choices=("fcfs", "fair"),
+                   help="how running prefills share the step budget")
+    p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
+    p.add_argument("--variants",
+                   help="comma list of TRANSFER+POLICY (pageable|pin|ring + equal|packed), or "
+                        "'all'; default pageable+equal,pin+equal,ring+equal,ring+packed")
+    p.add_argument("--repeats", type=int, help="interleaved repeats per variant")
+    p.add_argument("--warmup-steps", type=int, help="unmeasured steps per variant first")
+    p.add_argument("--backend", help="attention backend of MLAChunkedPrefill (default auto)")
+    p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
+    p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
+    p.add_argument("--seed", type=int, help="weights / prompts seed")
+    p.add_argument("--out", type=Path, help="directory for bench.json and bench.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"mlaprefill bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _parse_variants(text: str | None) -> list:
+    from mlaprefill.bench.engine import Variant
+    from mlaprefill.bench.runner import DEFAULT_VARIANTS
+    from mlaprefill.plan import POLICIES
+    from mlaprefill.staging import MODES
+    if text is None:
+        items = list(DEFAULT_VARIANTS)
+    elif text.strip() == "all":
+        items = [f"{m}+{p}" for m in ("pageable", "pin", "ring") if m in MODES for p in POLICIES]
+    else:
+        items = [t for t in text.split(",") if t.strip()]
+    return [Variant.parse(t) for t in items]
+
+
+def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
+    """Resolve the scenario and option overrides into (name, scenario, EngineConfig)."""
+    import torch
+
+    from mlaprefill.bench.engine import EngineConfig
+    has_cuda = torch.cuda.is_available() and (args.device or "auto") != "cpu"
+    name = args.scenario or ("vllm-default" if has_cuda else "cpu-tiny")
+    scenario = SCENARIOS[name]
+    if scenario.needs_cuda and not has_cuda:
+        raise ValueError(f"scenario {name!r} needs a CUDA device (it is sized for an H200); "
+                         f"use --scenario cpu-tiny on this machine.")
+    values = dict(scenario.engine)
+    for opt, fld in _ENGINE_OPTS.items():
+        v = getattr(args, opt, None)
+        if v is not None:
+            values[fld] = v
+    if values.get("request_rate") is None:
+        values["request_rate"] = math.inf
+    known = {f.name for f in fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in values.items() if k in known})
+    return name, scenario, config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print the table; write ``--out``/bench.json and bench.png."""
+    from mlaprefill.bench.report import format_table, write_json, write_png
+    from mlaprefill.bench.runner import run_suite
+    try:
+        name, scenario, config = build_config(args)
+        variants = _parse_variants(args.variants)
+        repeats = args.repeats if args.repeats is not None else scenario.repeats
+        warmup = args.warmup_steps if args.warmup_steps is not None else scenario.warmup_steps
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"--repeats must be >= 1 and --warmup-steps >= 0, got {repeats} "
+                             f"and {warmup}.")
+        import torch
+        on_cpu = config.resolve_device().type == "cpu"
+        if on_cpu:
+            why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
+            print(f"mlaprefill bench: running on the CPU ({why}): scenario {name}, preset "
+                  f"{config.preset}, {config.num_layers} layers, {config.num_requests} x "
+                  f"{config.prompt_len}-token prompts. Transfer modes are plain CPU copies here; "
+                  f"the pageable stall needs a GPU.", file=sys.stderr)
+        doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
+                        scenario_note=scenario.note, progress=not args.no_progress)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
+          f"{doc['dtype']}, attention backend {doc['attention_backend']}): "
+          f"{config.num_requests} x {config.prompt_len} tokens, {config.num_layers} layers, "
+          f"budget {config.token_budget}, workspace {config.workspace_tokens}, share "
+          f"{config.share}, {repeats} repeats, {doc['total_seconds']:.1f} s")
+    print(format_table(doc))
+    if args.out is not None:
+        out = Path(args.out)
+        write_json(doc, out / "bench.json")
+        msg = write_png(doc, out / "bench.png")
+        print(f"wrote {out / 'bench.json'}" + (f"; {msg}" if msg else f" and {out / 'bench.png'}"))
+    return 0

@@ -1,0 +1,359 @@
+"""A small prefill-only engine: scheduler + paged latent cache + MLA model, with overlapped steps.
+
+One step::
+
+    host:   schedule -> engine arrays + ChunkPlanner.plan -> StagingRing.upload(StepPlan)
+            -> enqueue all layers (MLAChunkedPrefill, one DevicePlan shared by every layer)
+            -> enqueue argmax of finishing requests + non_blocking D2H copy into a pinned slot
+            -> record the step's end event
+    device: runs the queue in order
+
+The host never synchronizes per step. It keeps at most one step queued behind the one running:
+after enqueuing step N it waits on the end event of step N-1 (so it plans and uploads step N+1 while
+the device runs step N). Finished requests are observed by ``event.query()`` on those end events
+and read from the pinned token buffer; ``event.synchronize()`` is called only for that
+back-pressure, or when nothing can be scheduled until a request finishes. In ``pageable`` mode the
+upload of step N+1 may block inside the copy until step N has finished: that is the bug measured.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.bench.cache import BlockAllocator, PagedLatentCache, blocks_needed
+from mlaprefill.bench.metrics import RunResult, StepRecord
+from mlaprefill.bench.model import BenchModel, model_dims
+from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
+from mlaprefill.bench.step import StepPlan, build_engine_arrays
+from mlaprefill.plan import POLICIES, ChunkPlanner
+from mlaprefill.staging import MODES, StagingRing
+
+__all__ = ["EngineConfig", "PrefillEngine", "ProgressFn", "Variant"]
+
+# progress(variant, repeat, steps_done, requests_finished, num_requests)
+ProgressFn = Callable[[str, int, int, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One measured configuration: staging transfer mode and planner policy."""
+
+    transfer: str
+    policy: str
+
+    def __post_init__(self) -> None:
+        if self.transfer not in MODES:
+            raise ValueError(f"Variant.transfer = {self.transfer!r}; choose one of {MODES}.")
+        if self.policy not in POLICIES:
+            raise ValueError(f"Variant.policy = {self.policy!r}; choose one of {POLICIES}.")
+
+    @property
+    def name(self) -> str:
+        return f"{self.transfer}+{self.policy}"
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``"ring+packed"`` -> Variant("ring", "packed")."""
+        parts = text.strip().split("+")
+        if len(parts) != 2:
+            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY, e.g. "
+                             f"'ring+packed' (transfer in {MODES}, policy in {POLICIES}).")
+        return cls(parts[0], parts[1])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Workload, model and engine settings (see ``mlaprefill bench --help``).
+
+    ``num_blocks=None`` sizes the cache for ``max_concurrent`` full prompts. ``request_rate`` is
+    in requests/s (``inf``: all arrive at once; else Poisson arrivals with ``seed``).
+    """
+
+    preset: str = "deepseek-v3"
+    tp: int = 8
+    num_layers: int = 4
+    vocab_size: int = 4096
+    prompt_len: int = 81920
+    num_requests: int = 16
+    request_rate: float = math.inf
+    max_concurrent: int = 16
+    token_budget: int = 4096
+    workspace_tokens: int = 65536
+    page_size: int = 64
+    share: str = "fcfs"
+    num_blocks: int | None = None
+    seed: int = 0
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "num_layers", "vocab_size", "prompt_len", "num_requests",
+                     "max_concurrent", "token_budget", "workspace_tokens", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}.")
+        if self.share not in SHARE_POLICIES:
+            raise ValueError(f"EngineConfig.share = {self.share!r}; choose one of "
+                             f"{SHARE_POLICIES}.")
+        if not self.request_rate > 0:
+            raise ValueError(f"EngineConfig.request_rate must be > 0 (inf = all at once), got "
+                             f"{self.request_rate!r}.")
+        if self.workspace_tokens < self.page_size:
+            raise ValueError(f"EngineConfig.workspace_tokens={self.workspace_tokens} must be >= "
+                             f"page_size={self.page_size}.")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
+            raise ValueError(f"EngineConfig.dtype = {self.dtype!r}; choose auto, bfloat16, "
+                             f"float16, float32 or float64.")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+class _HostEvent:
+    """CPU stand-in for a timing CUDA event: work on the CPU is synchronous, so the record time
+    is the completion time."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = math.nan
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+@dataclass(slots=True)
+class _InFlight:
+    step: int
+    event: Any
+    slot: int
+    finishing: np.ndarray  # request ids sampled in this step
+
+
+@dataclass(slots=True)
+class _RunState:
+    scheduler: Scheduler
+    pinned_tokens: torch.Tensor
+    pending: deque = field(default_factory=deque)
+    first_tokens: dict = field(default_factory=dict)
+    finish_step: dict = field(default_factory=dict)
+    wait_ms: float = 0.0
+
+
+class PrefillEngine:
+    """Builds the model and cache once; :meth:`run` measures one variant on the workload.
+
+    Parameters
+    ----------
+    config : EngineConfig
+    attention_factory : callable, optional
+        ``factory(kv_b_proj_weight, qk_nope_head_dim=, v_head_dim=, backend=)`` returning an object
+        with the ``MLAChunkedPrefill.forward`` signature; defaults to
+        :class:`mlaprefill.attention.MLAChunkedPrefill`.
+    """
+
+    def __init__(self, config: EngineConfig, *,
+                 attention_factory: Callable[..., Any] | None = None) -> None:
+        self.config = cfg = config
+        self.device = cfg.resolve_device()
+        self.dtype = cfg.resolve_dtype(self.device)
+        self.cuda = self.device.type == "cuda"
+        self.dims = model_dims(cfg.preset, tp=cfg.tp, vocab_size=cfg.vocab_size)
+        self.model = BenchModel(self.dims, cfg.num_layers, device=self.device, dtype=self.dtype,
+                                seed=cfg.seed)
+        if attention_factory is None:
+            from mlaprefill.attention import MLAChunkedPrefill
+            attention_factory = MLAChunkedPrefill
+        m = self.dims.mla
+        self.attention = [
+            attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim,
+                              backend=cfg.backend)
+            for w in self.model.kv_b_proj
+        ]
+        per_prompt = blocks_needed(cfg.prompt_len, cfg.page_size)
+        self.num_blocks = cfg.num_blocks or per_prompt * min(cfg.max_concurrent,
+                                                             cfg.num_requests)
+        self.cache = PagedLatentCache(num_layers=cfg.num_layers, num_blocks=self.num_blocks,
+                                      page_size=cfg.page_size, latent_dim=m.latent_dim,
+                                      device=self.device, dtype=self.dtype)
+        rng = np.random.default_rng(cfg.seed)
+        self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=cfg.num_requests * cfg.prompt_len,
+                                          dtype=np.int32)
+        self.prompt_offsets = np.arange(cfg.num_requests + 1, dtype=np.int64) * cfg.prompt_len
+        if math.isinf(cfg.request_rate):
+            self.arrivals_s = np.zeros(cfg.num_requests)
+        else:
+            gaps = rng.exponential(1.0 / cfg.request_rate, size=cfg.num_requests)
+            self.arrivals_s = np.cumsum(gaps) - gaps[0]
+
+    @property
+    def backend_name(self) -> str:
+        return str(getattr(self.attention[0], "backend_name", "unknown"))
+
+    def prompt(self, req_id: int) -> np.ndarray:
+        """Token ids of request ``req_id``'s prompt, int32 [prompt_len]."""
+        return self.prompt_tokens[self.prompt_offsets[req_id]:self.prompt_offsets[req_id + 1]]
+
+    def _event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True) if self.cuda else _HostEvent()
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, variant: Variant, *, repeat: int = 0, max_steps: int | None = None,
+            progress: ProgressFn | None = None) -> RunResult:
+        """Prefill every request of the workload once with ``variant``; returns the measurements.
+
+        ``max_steps`` stops early (warm-up). Synchronizes the device only before the first step
+        and after the last one (plus the event waits described in the module docstring).
+        """
+        with torch.inference_mode():
+            return self._run(variant, repeat, max_steps, progress)
+
+    def _run(self, variant: Variant, repeat: int, max_steps: int | None,
+             progress: ProgressFn | None) -> RunResult:
+        cfg = self.config
+        scheduler = Scheduler(
+            SchedulerConfig(token_budget=cfg.token_budget, max_concurrent=cfg.max_concurrent,
+                            page_size=cfg.page_size, share=cfg.share),
+            BlockAllocator(self.num_blocks))
+        for r in range(cfg.num_requests):
+            scheduler.add(Request(r, cfg.prompt_len, arrival_s=float(self.arrivals_s[r])))
+        planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy)
+        ring = StagingRing(self.device, mode=variant.transfer)
+        # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
+        # was observed (at most 2 steps are in flight, so 4 slots never collide).
+        state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
+                                                 pin_memory=self.cuda))
+        records: list[StepRecord] = []
+        events: list[tuple[Any, Any]] = []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        origin = self._event()
+        origin.record()
+        origin.synchronize()
+        t0 = time.perf_counter()
+        step_idx = 0
+        while scheduler.has_unfinished() and (max_steps is None or step_idx < max_steps):
+            self._observe(state, block=False)
+            now = time.perf_counter() - t0
+            step = scheduler.schedule(now)
+            if step is None:
+                if state.pending:
+                    self._observe(state, block=True)  # a request must finish first
+                else:
+                    nxt = scheduler.next_arrival_s()
+                    time.sleep(max(0.0, (nxt if nxt is not None else now) - now))
+                continue
+            ta = time.perf_counter()
+            arrays = build_engine_arrays(step, prompt_tokens=self.prompt_tokens,
+                                         prompt_offsets=self.prompt_offsets,
+                                         page_size=cfg.page_size)
+            chunk_plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
+                                                   page_size=cfg.page_size))
+            step_plan = StepPlan(chunk_plan, arrays)
+            tb = time.perf_counter()
+            dplan = ring.upload(step_plan)
+            tc = time.perf_counter()
+            start, end = self._event(), self._event()
+            start.record()
+            slot = step_idx % state.pinned_tokens.shape[0]
+            self._launch(dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot])
+            end.record()
+            td = time.perf_counter()
+            events.append((start, end))
+            state.pending.append(_InFlight(step_idx, end, slot, step.req_ids[step.finishing]))
+            wait0 = state.wait_ms
+            while len(state.pending) > 1:  # keep one step queued behind the running one
+                self._observe(state, block=True)
+            records.append(StepRecord(
+                num_reqs=step.num_reqs, num_tokens=step.num_tokens,
+                num_context_tokens=int(step.context_lens.sum()),
+                num_iterations=chunk_plan.num_iterations,
+                metadata_bytes=step_plan.nbytes,
+                token_to_seq_bytes=int(chunk_plan.token_to_seq.nbytes),
+                host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
+                host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait0))
+            step_idx += 1
+            if progress is not None:
+                progress(variant.name, repeat, step_idx, scheduler.num_finished,
+                         cfg.num_requests)
+        while state.pending:
+            self._observe(state, block=True)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for rec, (start, end) in zip(records, events, strict=True):
+            rec.device_start_ms = origin.elapsed_time(start)
+            rec.device_end_ms = origin.elapsed_time(end)
+        finished = sorted(state.first_tokens)
+        ttft = np.array([records[state.finish_step[r]].device_end_ms - self.arrivals_s[r] * 1e3
+                         for r in finished], dtype=np.float64)
+        st = ring.stats
+        return RunResult(
+            variant=variant.name, repeat=repeat, steps=records, ttft_ms=ttft,
+            first_tokens=dict(state.first_tokens),
+            prompt_tokens=int(sum(rec.num_tokens for rec in records)),
+            duration_ms=records[-1].device_end_ms if records else math.nan, wall_ms=wall_ms,
+            staging={"uploads": st.uploads, "bytes": st.bytes, "arenas_grown": st.arenas_grown,
+                     "stalls": st.stalls, "pinned_bytes": st.pinned_bytes})
+
+    def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor) -> None:
+        """Enqueue one step's device work; never synchronizes."""
+        slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
+        block_table = dplan["block_table"]
+        caches = self.cache.layers
+        attention = self.attention
+
+        def attend(i: int, q: torch.Tensor, kv_c: torch.Tensor,
+                   k_pe: torch.Tensor) -> torch.Tensor:
+            # New latent rows go to the cache first; the forward reads only context rows
+            # (positions < context_lens), so this write never races its own step's reads.
+            PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
+            return attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
+
+        tokens = self.model.forward(dplan["token_ids"], dplan["positions"],
+                                    dplan["sample_index"] if num_sampled else None, attend)
+        if tokens is not None:
+            token_slot[:num_sampled].copy_(tokens, non_blocking=True)
+
+    def _observe(self, state: _RunState, *, block: bool) -> None:
+        """Retire completed steps (``event.query()``); with ``block`` wait for the oldest one."""
+        pending = state.pending
+        if block and pending:
+            t = time.perf_counter()
+            pending[0].event.synchronize()
+            state.wait_ms += (time.perf_counter() - t) * 1e3
+        while pending and pending[0].event.query():
+            done = pending.popleft()
+            if done.finishing.size:
+                tokens = state.pinned_tokens[done.slot, :done.finishing.size].numpy()
+                for rid, tok in zip(done.finishing.tolist(), tokens.tolist(), strict=True):
+                    state.first_tokens[rid] = tok
+                    state.finish_step[rid] = done.step
+                    state.scheduler.finish(rid)

@@ -1,0 +1,172 @@
+"""Per-step and per-request measurements of a bench run, and their summary.
+
+Definitions (all times in milliseconds unless the name says otherwise):
+
+``host_prep_ms``
+    Host CPU work of a step before the upload: building the engine arrays and ``planner.plan``.
+``host_upload_ms`` (= ``host_blocked_ms``)
+    Wall time of the ``StagingRing.upload`` call. Its CPU work is a few microseconds (ring) to
+    ~0.1 ms (pin), so anything beyond that is the host blocked inside a copy (a pageable
+    ``non_blocking`` copy waiting for the queued kernels).
+``host_plan_upload_ms``
+    ``host_prep_ms + host_upload_ms``.
+``host_launch_ms``
+    Wall time to enqueue the step's device work (all layers + sampling + the token copy).
+``host_wait_ms``
+    Time the engine waited on a step's event on purpose (back-pressure: it keeps at most one step
+    queued ahead of the running one; or nothing left to schedule until a request finishes).
+``device_step_ms``
+    CUDA-event time from the start of a step's device work to its end (on the CPU: the wall time
+    of the synchronous forward).
+``step_time_ms``
+    Interval between the ends of consecutive steps on the device timeline.
+``gpu_busy_fraction``
+    ``sum(device_step_ms) / (end of the last step - start of the run)``.
+``ttft_ms``
+    From a request's arrival to the device-timeline end of the step that sampled its first token.
+``throughput_tok_s``
+    Prompt tokens / (end of the last step - start of the run), seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["METRIC_KEYS", "RunResult", "StepRecord", "summarize"]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Host-side measurements of one step (device times are filled in after the run)."""
+
+    num_reqs: int
+    num_tokens: int
+    num_context_tokens: int
+    num_iterations: int
+    metadata_bytes: int
+    token_to_seq_bytes: int
+    host_prep_ms: float
+    host_upload_ms: float
+    host_launch_ms: float
+    host_wait_ms: float = 0.0
+    device_start_ms: float = float("nan")  # on the run's device timeline
+    device_end_ms: float = float("nan")
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One variant's run of the workload."""
+
+    variant: str
+    repeat: int
+    steps: list[StepRecord]
+    ttft_ms: np.ndarray  # [num_requests], arrival -> first token on the device timeline
+    first_tokens: dict[int, int]
+    prompt_tokens: int
+    duration_ms: float  # start of run -> end of the last step (device timeline)
+    wall_ms: float  # host wall time of the whole run loop
+    staging: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.prompt_tokens / (self.duration_ms / 1e3)
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+# Keys every variant's "metrics" dict has (the JSON contract; tests check all are present).
+METRIC_KEYS = (
+    "throughput_tok_s", "throughput_tok_s_min", "throughput_tok_s_max",
+    "throughput_tok_s_per_repeat",
+    "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99",
+    "host_plan_upload_ms_p50", "host_plan_upload_ms_p99",
+    "host_prep_ms_p50", "host_prep_ms_p99",
+    "host_blocked_ms_p50", "host_blocked_ms_p99", "host_blocked_ms_max", "host_blocked_ms_mean",
+    "host_blocked_ms_total_per_run",
+    "host_launch_ms_p50", "host_wait_ms_total_per_run",
+    "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
+    "metadata_bytes_p50", "metadata_bytes_max", "token_to_seq_bytes_max",
+    "steps_over_3mib_fraction", "iterations_p50", "iterations_max",
+    "num_steps_per_run", "num_requests_per_run", "prompt_tokens_per_run", "repeats",
+    "staging_arenas_grown", "staging_stalls",
+)
+
+
+def summarize(runs: list[RunResult]) -> dict[str, Any]:
+    """Aggregate the repeats of one variant into the metrics dict (keys: :data:`METRIC_KEYS`).
+
+    Percentiles pool the steps / requests of all repeats; throughput is the mean over repeats
+    with its min and max.
+    """
+    if not runs:
+        raise ValueError("summarize: no runs to summarize.")
+    steps = [s for r in runs for s in r.steps]
+
+    def col(name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in steps], dtype=np.float64)
+
+    prep, upload, launch = col("host_prep_ms"), col("host_upload_ms"), col("host_launch_ms")
+    dev = col("device_end_ms") - col("device_start_ms")
+    meta, t2s = col("metadata_bytes"), col("token_to_seq_bytes")
+    periods = np.concatenate([np.diff(np.array([s.device_end_ms for s in r.steps]))
+                              for r in runs])
+    busy = [sum(s.device_end_ms - s.device_start_ms for s in r.steps) / r.duration_ms
+            for r in runs]
+    tput = np.array([r.throughput_tok_s for r in runs])
+    ttft = np.concatenate([r.ttft_ms for r in runs])
+    n = len(runs)
+    return {
+        "throughput_tok_s": float(tput.mean()),
+        "throughput_tok_s_min": float(tput.min()),
+        "throughput_tok_s_max": float(tput.max()),
+        "throughput_tok_s_per_repeat": [float(t) for t in tput],
+        "ttft_ms_mean": float(ttft.mean()),
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p99": _pct(ttft, 99),
+        "host_plan_upload_ms_p50": _pct(prep + upload, 50),
+        "host_plan_upload_ms_p99": _pct(prep + upload, 99),
+        "host_prep_ms_p50": _pct(prep, 50),
+        "host_prep_ms_p99": _pct(prep, 99),
+        "host_blocked_ms_p50": _pct(upload, 50),
+        "host_blocked_ms_p99": _pct(upload, 99),
+        "host_blocked_ms_max": float(upload.max()),
+        "host_blocked_ms_mean": float(upload.mean()),
+        "host_blocked_ms_total_per_run": float(upload.sum() / n),
+        "host_launch_ms_p50": _pct(launch, 50),
+        "host_wait_ms_total_per_run": float(col("host_wait_ms").sum() / n),
+        "gpu_busy_fraction": float(np.mean(busy)),
+        "device_step_ms_p50": _pct(dev, 50),
+        "step_time_ms_p50": _pct(periods, 50),
+        "step_time_ms_p99": _pct(periods, 99),
+        "metadata_bytes_p50": _pct(meta, 50),
+        "metadata_bytes_max": float(meta.max()),
+        "token_to_seq_bytes_max": float(t2s.max()),
+        "steps_over_3mib_fraction": float(np.mean(t2s >= 3 * 2**20)),
+        "iterations_p50": _pct(col("num_iterations"), 50),
+        "iterations_max": float(col("num_iterations").max()),
+        "num_steps_per_run": len(steps) / n,
+        "num_requests_per_run": float(np.mean([r.ttft_ms.size for r in runs])),
+        "prompt_tokens_per_run": float(np.mean([r.prompt_tokens for r in runs])),
+        "repeats": n,
+        "staging_arenas_grown": int(sum(r.staging.get("arenas_grown", 0) for r in runs)),
+        "staging_stalls": int(sum(r.staging.get("stalls", 0) for r in runs)),
+    }
+
+
+def step_series(run: RunResult) -> dict[str, list[float]]:
+    """Per-step series of one run for plots/JSON: upload (blocked) ms and metadata bytes."""
+    return {
+        "host_blocked_ms": [s.host_upload_ms for s in run.steps],
+        "metadata_bytes": [s.metadata_bytes for s in run.steps],
+        "device_step_ms": [s.device_end_ms - s.device_start_ms for s in run.steps],
+    }
+
+
+def record_dict(rec: StepRecord) -> dict[str, Any]:
+    """A StepRecord as a JSON-friendly dict."""
+    return asdict(rec)

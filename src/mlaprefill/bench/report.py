@@ -1,0 +1,169 @@
+"""Bench report: the printed table, the JSON document and the PNG figure."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["format_table", "machine_info", "write_json", "write_png"]
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Hardware and software versions of this run."""
+    info: dict[str, Any] = {
+        "device_type": device.type,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:  # triton is optional; any import failure just means "not available"
+        info["triton"] = None
+    try:
+        import numpy
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        info["numpy"] = None
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["driver"] = _driver_version()
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
+
+
+def _driver_version() -> str | None:
+    try:
+        import subprocess
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rel(value: float, base: float) -> str:
+    if not base or base != base or value != value:
+        return "   n/a"
+    return f"{(value / base - 1) * 100:+6.1f}%"
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The result table (one row per variant; % columns relative to the first variant)."""
+    rows = doc["variants"]
+    base = rows[0]["metrics"] if rows else {}
+    head = (f"{'variant':<16} {'tok/s':>9} {'vs base':>7} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+            f"{'vs base':>7} {'plan+up p50':>11} {'p99':>7} {'blocked p50':>11} {'p99':>7} "
+            f"{'max':>7} {'GPU busy':>8} {'step p50':>8} {'meta max':>8}")
+    units = (f"{'':<16} {'':>9} {'':>7} {'s':>9} {'s':>7} {'s':>7} {'':>7} {'ms':>11} {'ms':>7} "
+             f"{'ms':>11} {'ms':>7} {'ms':>7} {'':>8} {'ms':>8} {'MiB':>8}")
+    lines = [head, units, "-" * len(head)]
+    for v in rows:
+        m = v["metrics"]
+        lines.append(
+            f"{v['name']:<16} {m['throughput_tok_s']:>9.0f} "
+            f"{_rel(m['throughput_tok_s'], base['throughput_tok_s']):>7} "
+            f"{m['ttft_ms_mean'] / 1e3:>9.2f} {m['ttft_ms_p50'] / 1e3:>7.2f} "
+            f"{m['ttft_ms_p99'] / 1e3:>7.2f} {_rel(m['ttft_ms_mean'], base['ttft_ms_mean']):>7} "
+            f"{m['host_plan_upload_ms_p50']:>11.3f} {m['host_plan_upload_ms_p99']:>7.3f} "
+            f"{m['host_blocked_ms_p50']:>11.3f} {m['host_blocked_ms_p99']:>7.2f} "
+            f"{m['host_blocked_ms_max']:>7.1f} {m['gpu_busy_fraction']:>8.3f} "
+            f"{m['step_time_ms_p50']:>8.2f} {m['metadata_bytes_max'] / 2**20:>8.2f}")
+    return "\n".join(lines)
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default)
+        f.write("\n")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def write_png(doc: dict[str, Any], path: Path) -> str | None:
+    """Draw throughput, TTFT and per-step host-blocked time per variant.
+
+    Returns None on success, else a message saying why no PNG was written (no matplotlib).
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; skipped the PNG (pip install matplotlib)."
+    rows = doc["variants"]
+    names = [v["name"] for v in rows]
+    x = list(range(len(rows)))
+    colors = [f"C{i}" for i in x]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    ax = axes[0]
+    tput = [v["metrics"]["throughput_tok_s"] for v in rows]
+    lo = [t - v["metrics"]["throughput_tok_s_min"] for t, v in zip(tput, rows, strict=True)]
+    hi = [v["metrics"]["throughput_tok_s_max"] - t for t, v in zip(tput, rows, strict=True)]
+    ax.bar(x, tput, color=colors, yerr=[lo, hi], capsize=4)
+    ax.set_xticks(x, names, rotation=20)
+    ax.set_ylabel("prompt tokens / s (mean, min-max over repeats)")
+    ax.set_title("throughput")
+    if tput:
+        ax.set_ylim(min(tput) * 0.9, max(tput) * 1.05)
+    ax = axes[1]
+    w = 0.38
+    mean = [v["metrics"]["ttft_ms_mean"] / 1e3 for v in rows]
+    p99 = [v["metrics"]["ttft_ms_p99"] / 1e3 for v in rows]
+    ax.bar([i - w / 2 for i in x], mean, w, color=colors, label="mean")
+    ax.bar([i + w / 2 for i in x], p99, w, color=colors, alpha=0.5, hatch="//", label="p99")
+    ax.set_xticks(x, names, rotation=20)
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("time to first token")
+    ax.legend()
+    ax = axes[2]
+    for i, v in enumerate(rows):
+        series = v.get("step_series", {}).get("host_blocked_ms", [])
+        ax.plot(range(len(series)), series, color=colors[i], lw=0.9, label=v["name"])
+    ax.set_yscale("log")
+    ax.set_xlabel("step (first repeat)")
+    ax.set_ylabel("upload wall time = host blocked (ms)")
+    ax.set_title("host blocked per step")
+    ax.legend(fontsize=8)
+    cfg = doc.get("config", {})
+    mach = doc.get("machine", {})
+    fig.suptitle(
+        f"mlaprefill bench — scenario {doc.get('scenario')} on {mach.get('device_name')} | "
+        f"{cfg.get('preset')} tp{cfg.get('tp')} x{cfg.get('num_layers')} layers, "
+        f"{cfg.get('num_requests')} x {cfg.get('prompt_len')} tok, budget "
+        f"{cfg.get('token_budget')}, W={cfg.get('workspace_tokens')}, share {cfg.get('share')}",
+        fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def command_line() -> list[str]:
+    """The command as run (``sys.argv`` with the program name)."""
+    return list(sys.argv)

@@ -1,0 +1,143 @@
+"""Run variants side by side (interleaved repeats) and assemble the result document."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, TextIO
+
+from mlaprefill.bench.engine import EngineConfig, PrefillEngine, ProgressFn, Variant
+from mlaprefill.bench.metrics import METRIC_KEYS, RunResult, step_series, summarize
+from mlaprefill.bench.report import command_line, machine_info, utc_now
+
+__all__ = ["DEFAULT_VARIANTS", "ProgressLine", "run_suite"]
+
+DEFAULT_VARIANTS = ("pageable+equal", "pin+equal", "ring+equal", "ring+packed")
+
+
+class ProgressLine:
+    """A self-refreshing one-line progress display on a stream (stderr by default).
+
+    On a terminal it rewrites one line (at most 10 times a second); otherwise it prints a line at
+    most every 5 s so logs stay short.
+    """
+
+    def __init__(self, total_runs: int, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total_runs = total_runs
+        self.run_index = 0
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def start_run(self, label: str) -> None:
+        self.run_index += 1
+        self.label = label
+        # A terminal shows the line at once; a log gets its first line after 5 s of a run.
+        self._last = 0.0 if self.tty else time.perf_counter()
+
+    def __call__(self, variant: str, repeat: int, steps: int, finished: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._last < (0.1 if self.tty else 5.0):
+            return
+        self._last = now
+        text = (f"[{self.run_index}/{self.total_runs}] {self.label}: step {steps}, "
+                f"{finished}/{total} requests done, {now - self.t0:.0f} s elapsed")
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def end_run(self, result: RunResult) -> None:
+        text = (f"[{self.run_index}/{self.total_runs}] {self.label}: {len(result.steps)} steps, "
+                f"{result.throughput_tok_s:.0f} tok/s, {time.perf_counter() - self.t0:.0f} s "
+                f"elapsed")
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2,
+              warmup_steps: int = 3, scenario: str = "custom", scenario_note: str = "",
+              progress: bool = True, engine: PrefillEngine | None = None) -> dict[str, Any]:
+    """Measure every variant ``repeats`` times, interleaved, and return the result document.
+
+    Repeat ``k`` runs the variants in the order rotated by ``k`` (A B C D, B C D A, ...), so
+    slow drift of a shared machine spreads over all variants instead of deciding the ranking.
+    Each variant first runs ``warmup_steps`` unmeasured steps (kernel selection, compilation,
+    allocator and pinned-pool warm-up).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    if not variants:
+        raise ValueError("no variants to run; pass e.g. --variants ring+packed.")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variants repeat: {names}; list each TRANSFER+POLICY once.")
+    t_start = time.perf_counter()
+    engine = engine if engine is not None else PrefillEngine(config)
+    line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0)))
+    cb: ProgressFn | None = line if progress else None
+    if warmup_steps:
+        for v in variants:
+            if progress:
+                line.start_run(f"warm-up {v.name}")
+            res = engine.run(v, max_steps=warmup_steps, progress=cb)
+            if progress:
+                line.end_run(res)
+    results: dict[str, list[RunResult]] = {n: [] for n in names}
+    for k in range(repeats):
+        order = variants[k % len(variants):] + variants[:k % len(variants)]
+        for v in order:
+            if progress:
+                line.start_run(f"{v.name} repeat {k + 1}/{repeats}")
+            res = engine.run(v, repeat=k, progress=cb)
+            results[v.name].append(res)
+            if progress:
+                line.end_run(res)
+    reference = results[names[0]][0].first_tokens
+    out_variants = []
+    for v in variants:
+        runs = results[v.name]
+        metrics = summarize(runs)
+        assert set(METRIC_KEYS) <= set(metrics), "summarize() lost a metric key"
+        agree = [sum(r.first_tokens.get(i) == t for i, t in reference.items())
+                 / max(1, len(reference)) for r in runs]
+        out_variants.append({
+            "name": v.name, "transfer": v.transfer, "policy": v.policy,
+            "metrics": metrics,
+            "first_tokens_agreement_with_first_variant": min(agree),
+            "per_repeat": [{"repeat": r.repeat, "throughput_tok_s": r.throughput_tok_s,
+                            "duration_ms": r.duration_ms, "wall_ms": r.wall_ms,
+                            "num_steps": len(r.steps), "staging": r.staging} for r in runs],
+            "step_series": step_series(runs[0]),
+        })
+    cfg = asdict(config)
+    cfg["request_rate"] = None if cfg["request_rate"] == float("inf") else cfg["request_rate"]
+    dims = engine.dims
+    return {
+        "schema": "mlaprefill.bench/1",
+        "scenario": scenario,
+        "scenario_note": scenario_note,
+        "date": utc_now(),
+        "command": command_line(),
+        "machine": machine_info(engine.device),
+        "ran_on": engine.device.type,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "attention_backend": engine.backend_name,
+        "config": cfg,
+        "model": {"num_heads": dims.mla.num_heads, "kv_lora_rank": dims.mla.kv_lora_rank,
+                  "qk_nope_head_dim": dims.mla.qk_nope_head_dim,
+                  "qk_rope_head_dim": dims.mla.qk_rope_head_dim,
+                  "v_head_dim": dims.mla.v_head_dim, "hidden_size": dims.hidden_size,
+                  "q_lora_rank": dims.q_lora_rank, "intermediate_size": dims.intermediate_size,
+                  "vocab_size": dims.vocab_size, "num_params": engine.model.num_params,
+                  "num_cache_blocks": engine.num_blocks},
+        "repeats": repeats,
+        "warmup_steps": warmup_steps,
+        "baseline": names[0],
+        "variants": out_variants,
+        "first_tokens": {str(k): v for k, v in sorted(reference.items())},
+        "total_seconds": time.perf_counter() - t_start,
+    }
