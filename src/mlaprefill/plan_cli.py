@@ -1,0 +1,162 @@
+"""``mlaprefill plan``: show how a batch's context is split into workspace iterations.
+
+Examples::
+
+    mlaprefill plan --context-lens 80000,1000 --query-lens 4096,512
+    mlaprefill plan --context-lens 80000,1000 --query-lens 4096,512 --policy equal --json
+    mlaprefill plan --batches batches.jsonl      # one {"context_lens": [...], "query_lens": [...]}
+                                                 # per line -> one JSON plan per line, in order
+
+Defaults: ``--workspace-tokens 65536`` (vLLM's default chunked-context workspace) and
+``--page-size 64`` (the page size of FlashMLA-style MLA kernels and DeepSeek deployments).
+Invalid input prints the validation message (with the line number for ``--batches``) and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.plan import POLICIES, ChunkPlan, ChunkPlanner
+
+__all__ = ["add_parser", "format_plan", "run"]
+
+DEFAULT_WORKSPACE_TOKENS = 65536
+DEFAULT_PAGE_SIZE = 64
+_MAX_PIECES_SHOWN = 8
+
+
+class _InputError(ValueError):
+    pass
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``plan`` subcommand on ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="show the chunk plan of a batch (pure CPU)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 ok, 2 invalid input.",
+    )
+    p.add_argument("--context-lens", metavar="N,N,...",
+                   help="cached context tokens per request, comma-separated")
+    p.add_argument("--query-lens", metavar="N,N,...",
+                   help="new tokens per request (each >= 1), comma-separated")
+    p.add_argument("--workspace-tokens", type=int, default=DEFAULT_WORKSPACE_TOKENS,
+                   help=f"workspace rows per iteration (default {DEFAULT_WORKSPACE_TOKENS}, "
+                        f"vLLM's)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per cache page (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--policy", choices=POLICIES, default="packed",
+                   help="packed: fewest iterations (default); equal: vLLM's chunking")
+    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.add_argument("--batches", metavar="FILE",
+                   help="JSON lines, one batch per line; prints one JSON plan per line")
+    return p
+
+
+def _parse_list(flag: str, text: str | None) -> list[int]:
+    if text is None:
+        raise _InputError(f"{flag} is required (comma-separated ints), unless --batches is given")
+    try:
+        return [int(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise _InputError(f"{flag} must be comma-separated ints, got {text!r}") from None
+
+
+def format_plan(plan: ChunkPlan) -> str:
+    """Human-readable summary: one header line, then one table row per iteration."""
+    total = plan.num_context_tokens
+    lower = -(-total // plan.workspace_tokens)
+    lines = [
+        f"policy={plan.policy} layout={plan.layout} workspace_tokens={plan.workspace_tokens} "
+        f"page_size={plan.page_size} requests={plan.num_reqs} "
+        f"query_tokens={plan.num_query_tokens} context_tokens={total}",
+        f"iterations={plan.num_iterations} (lower bound ceil(context/W) = {lower})",
+    ]
+    if plan.num_iterations == 0:
+        lines.append("no context: nothing to gather")
+        return "\n".join(lines)
+    lines.append(f"{'iter':>4} {'tokens':>8} {'fill':>6} {'max_piece':>9}  "
+                 f"pieces (req:[start,end))")
+    for i in range(plan.num_iterations):
+        lens = plan.chunk_lens[i]
+        reqs = lens.nonzero()[0]
+        pieces = [f"{r}:[{plan.chunk_starts[i, r]},{plan.chunk_starts[i, r] + lens[r]})"
+                  for r in reqs[:_MAX_PIECES_SHOWN]]
+        if len(reqs) > _MAX_PIECES_SHOWN:
+            pieces.append(f"... +{len(reqs) - _MAX_PIECES_SHOWN} more")
+        tokens = plan.iteration_tokens[i]
+        lines.append(f"{i:>4} {tokens:>8} {100 * tokens / plan.workspace_tokens:>5.1f}% "
+                     f"{plan.max_chunk_lens[i]:>9}  {' '.join(pieces)}")
+    return "\n".join(lines)
+
+
+def _batch_from_json_line(line: str, page_size: int) -> PrefillBatch:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise _InputError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise _InputError('expected an object {"context_lens": [...], "query_lens": [...]}')
+    unknown = sorted(set(obj) - {"context_lens", "query_lens"})
+    if unknown:
+        raise _InputError(f"unknown keys {unknown}; expected context_lens and query_lens")
+    missing = [k for k in ("context_lens", "query_lens") if k not in obj]
+    if missing:
+        raise _InputError(f"missing keys {missing}")
+    for key in ("context_lens", "query_lens"):
+        value = obj[key]
+        if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise _InputError(f"{key} must be a list of ints, got {value!r}")
+    return PrefillBatch(obj["query_lens"], obj["context_lens"], page_size=page_size)
+
+
+def _error(message: str) -> int:
+    print(f"mlaprefill plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``mlaprefill plan``; returns the exit code (0 ok, 2 invalid input)."""
+    try:
+        planner = ChunkPlanner(args.workspace_tokens, args.page_size, args.policy)
+    except ValueError as exc:
+        return _error(str(exc))
+    out = sys.stdout
+    if args.batches is not None:
+        if args.context_lens is not None or args.query_lens is not None:
+            return _error("--batches replaces --context-lens/--query-lens; give one or the other")
+        try:
+            fh = sys.stdin if args.batches == "-" else open(args.batches, encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
+        plans = []
+        with fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    plans.append(planner.plan(_batch_from_json_line(line, args.page_size)))
+                except ValueError as exc:
+                    return _error(f"{args.batches} line {lineno}: {exc}")
+        # Printed only once every line is valid, so output is all-or-nothing.
+        for plan in plans:
+            out.write(json.dumps(plan.to_json(), separators=(",", ":")) + "\n")
+        return 0
+    try:
+        context_lens = _parse_list("--context-lens", args.context_lens)
+        query_lens = _parse_list("--query-lens", args.query_lens)
+        plan = planner.plan(PrefillBatch(query_lens, context_lens, page_size=args.page_size))
+    except ValueError as exc:
+        return _error(str(exc))
+    if args.json:
+        out.write(json.dumps(plan.to_json()) + "\n")
+    else:
+        out.write(format_plan(plan) + "\n")
+    return 0
