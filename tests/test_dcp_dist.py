@@ -73,12 +73,12 @@ def _inputs(query_lens, context_lens, page_size, seed):
     return q, kv_c_new, k_pe_new, cache, table, weight
 
 
-def _run_case(rank, world, case, seed):
+def _run_case(rank, world, case, seed, device):
     from mlaprefill.attention import mla_chunked_prefill
 
     query_lens, context_lens, page_size, interleave, workspace, policy = case
-    q, kv_c_new, k_pe_new, cache, table, weight = _inputs(query_lens, context_lens, page_size,
-                                                         seed)
+    inputs = _inputs(query_lens, context_lens, page_size, seed)
+    q, kv_c_new, k_pe_new, cache, table, weight = (t.to(device) for t in inputs)
     shards = shard_paged_cache(cache, table, np.array(context_lens), world=world,
                                interleave=interleave, seed=seed + 1)
     local_cache, local_table = shards[rank]
@@ -87,9 +87,10 @@ def _run_case(rank, world, case, seed):
     batch = PrefillBatch(query_lens, context_lens, page_size=page_size)
     plan = DCPChunkPlanner(workspace, page_size, world=world, interleave=interleave,
                            policy=policy).plan(batch, rank=rank)
-    device_plan = StagingRing("cpu").upload(plan)
+    device_plan = StagingRing(device).upload(plan)
     source = DCPContextSource(local_cache, local_table, device_plan, dist.group.WORLD)
-    workspace_rows = torch.full((max(plan.max_iteration_tokens, 1), cache.shape[2]), float("nan"))
+    workspace_rows = torch.full((max(plan.max_iteration_tokens, 1), cache.shape[2]), float("nan"),
+                                device=device)
     expect_rows = torch.empty_like(workspace_rows)
     for i in range(plan.num_iterations):
         got = source(i, workspace_rows)
@@ -113,8 +114,9 @@ def _run_case(rank, world, case, seed):
     ref, ref_lse = mla_prefill_reference(
         q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight,
         qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if device == "cpu" else 2e-3  # GPU backends may use TF32-like math
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=tol, atol=tol)
 
     # 3. The one-call helper delegates to DCP when the group has more than one rank.
     out2 = mla_chunked_prefill(
@@ -124,8 +126,9 @@ def _run_case(rank, world, case, seed):
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
-def _run_errors(rank, world):
-    q, kv_c_new, k_pe_new, cache, table, weight = _inputs([2, 1], [40, 9], 16, seed=5)
+def _run_errors(rank, world, device):
+    inputs = _inputs([2, 1], [40, 9], 16, seed=5)
+    q, kv_c_new, k_pe_new, cache, table, weight = (t.to(device) for t in inputs)
     local_cache, local_table = shard_paged_cache(cache, table, np.array([40, 9]), world=world,
                                                  interleave=16)[rank]
     group = dist.group.WORLD
@@ -155,15 +158,23 @@ def _run_errors(rank, world):
         assert "query_lens" not in str(exc).split("(")[0], exc
 
 
-def _worker(rank: int, world: int, store_path: str, error_dir: str) -> None:
+def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind: str) -> None:
+    """One rank: gloo on CPU, or NCCL with device ``cuda:rank`` (``device_kind == "cuda"``)."""
     torch.set_num_threads(1)
+    if device_kind == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(rank)
+        device, backend = f"cuda:{rank}", "nccl"
+    else:
+        device, backend = "cpu", "gloo"
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         for k, case in enumerate(CASES[world]):
-            _run_case(rank, world, case, seed=1000 * world + k)
-        _run_errors(rank, world)
+            _run_case(rank, world, case, seed=1000 * world + k, device=device)
+        _run_errors(rank, world, device)
         dist.barrier()
     except BaseException:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
@@ -175,9 +186,14 @@ def _worker(rank: int, world: int, store_path: str, error_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_dcp_matches_single_rank(world: int, tmp_path) -> None:
+    spawn_dcp(world, tmp_path, "cpu")
+
+
+def spawn_dcp(world: int, tmp_path, device_kind: str) -> None:
+    """Run :func:`_worker` on ``world`` spawned ranks; re-raise any rank's traceback."""
     try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
-                 join=True)
+        mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path), device_kind),
+                 nprocs=world, join=True)
     except Exception as exc:
         logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         raise AssertionError(f"a DCP rank failed:\n{logs}") from exc

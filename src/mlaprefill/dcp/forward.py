@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill, mla_chunked_prefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp.layout import check_dcp_config
 from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner
@@ -157,7 +158,7 @@ def mla_chunked_prefill_dcp(
     q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor, kv_cache: torch.Tensor,
     block_table: torch.Tensor, query_lens: Any, context_lens: Any,
     kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
-    softmax_scale: float | None = None, workspace_tokens: int = 8192,
+    softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     page_size: int | None = None, policy: str = "packed", backend: str = "auto",
     return_lse: bool = False, debug: bool = False, staging: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -208,8 +209,6 @@ def mla_chunked_prefill_dcp(
     """
     check_dcp_config(1, dcp_interleave)
     rank, world = dcp_world(process_group)
-    from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
-
     if world == 1:
         return mla_chunked_prefill(
             q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
