@@ -178,7 +178,7 @@ def test_falls_back_to_equal_when_equal_has_fewer_iterations(monkeypatch):
     planner = ChunkPlanner(w, ps, "packed")
     assert planner.plan(batch).layout == "stream"
     monkeypatch.setattr(ChunkPlanner, "_stream_cuts",
-                        lambda self, c: np.array([0, 100, 200, 300, 360], np.int64))
+                        lambda self, *a: np.array([0, 100, 200, 300, 360], np.int64))
     packed = planner.plan(batch)
     equal = ChunkPlanner(w, ps, "equal").plan(batch)
     assert packed.layout == "equal" and packed.policy == "packed"

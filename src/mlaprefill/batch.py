@@ -39,7 +39,9 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
                 f"(e.g. torch.int32 or torch.int64). Convert with .to(torch.int64)."
             )
         arr = value.detach().numpy()
+        shares = True
     else:
+        shares = isinstance(value, np.ndarray)
         try:
             arr = np.asarray(value)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -47,22 +49,24 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
                 f"PrefillBatch.{name} could not be read as a 1-D sequence of ints ({exc}); "
                 f"pass a list of ints, an integer numpy array or a CPU int tensor."
             ) from None
-        if arr.dtype.kind not in "iu":
-            what = "an empty sequence" if arr.size == 0 and arr.dtype.kind == "f" else None
-            if what is None:
+        # np.asarray([]) is float64: let it through to the empty-batch message
+        if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind != "f"):
                 raise ValueError(
                     f"PrefillBatch.{name} has dtype {arr.dtype}; expected integers "
                     f"(got e.g. {arr.ravel()[:1].tolist()}). Pass ints, not floats/bools/objects."
                 )
-            arr = arr.astype(np.int64)
     if arr.ndim != 1:
         raise ValueError(
             f"PrefillBatch.{name} must be 1-D [num_reqs], got shape {tuple(arr.shape)}; "
             f"pass one length per request."
         )
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"PrefillBatch.{name} has values beyond int64; lengths must fit int32.")
-    out = np.array(arr, dtype=np.int64, copy=True)
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT32_MAX:
+        raise ValueError(
+            f"PrefillBatch.{name} has values beyond int32 (max {INT32_MAX}); shorten the batch."
+        )
+    # np.asarray of a list is already fresh; an array/tensor is copied so later changes to the
+    # caller's data cannot change the batch.
+    out = arr.astype(np.int64, copy=shares)
     out.flags.writeable = False
     return out
 
@@ -120,36 +124,37 @@ class PrefillBatch:
                 f"PrefillBatch.query_lens has {q.shape[0]} requests but context_lens has "
                 f"{c.shape[0]}; pass one query length and one context length per request."
             )
-        bad = np.flatnonzero(c < 0)
-        if bad.size:
-            r = int(bad[0])
+        # Few reductions on the happy path; the index of a bad value is searched only on error.
+        if int(c.min()) < 0:
+            r = int(np.flatnonzero(c < 0)[0])
             raise ValueError(
                 f"PrefillBatch.context_lens[{r}] = {int(c[r])} is negative; context lengths "
                 f"count cached tokens and must be >= 0."
             )
-        bad = np.flatnonzero(q <= 0)
-        if bad.size:
-            r = int(bad[0])
+        if int(q.min()) <= 0:
+            r = int(np.flatnonzero(q <= 0)[0])
             raise ValueError(
                 f"PrefillBatch.query_lens[{r}] = {int(q[r])}; every request in a prefill batch "
                 f"needs >= 1 new token. Drop request {r} from the batch (a request with no new "
                 f"tokens has nothing to prefill)."
             )
-        for name, arr in (("query_lens", q), ("context_lens", c)):
-            total = int(arr.sum(dtype=np.int64))  # each value >= 0 and < 2**63 / num_reqs here
-            if total > INT32_MAX or int(arr.max()) > INT32_MAX:
+        q_total = int(q.sum())  # values are >= 0 here; lengths beyond int64 were rejected
+        c_total = int(c.sum())
+        for name, total in (("query_lens", q_total), ("context_lens", c_total)):
+            if total > INT32_MAX:
                 raise ValueError(
                     f"PrefillBatch.{name} sums to {total} tokens, which overflows int32 "
                     f"(max {INT32_MAX}); split the batch into smaller steps."
                 )
-        pos = c + q
-        bad = np.flatnonzero(pos > INT32_MAX)
-        if bad.size:
-            r = int(bad[0])
-            raise ValueError(
-                f"PrefillBatch request {r}: context_lens + query_lens = {int(pos[r])} overflows "
-                f"int32 positions (max {INT32_MAX}); shorten request {r}."
-            )
+        if q_total + c_total > INT32_MAX:  # else every context_len + query_len fits
+            pos = c + q
+            bad = np.flatnonzero(pos > INT32_MAX)
+            if bad.size:
+                r = int(bad[0])
+                raise ValueError(
+                    f"PrefillBatch request {r}: context_lens + query_lens = {int(pos[r])} "
+                    f"overflows int32 positions (max {INT32_MAX}); shorten request {r}."
+                )
         object.__setattr__(self, "query_lens", q)
         object.__setattr__(self, "context_lens", c)
         if self.block_table is not None:

@@ -81,6 +81,8 @@ class ChunkPlan:
         Workspace row offset of each piece (exclusive prefix sum of ``chunk_lens`` per row).
     token_to_seq : int32 [num_iterations, max_iteration_tokens]
         Request of each workspace row; rows past ``iteration_tokens[i]`` are padding = 0 (vLLM).
+        For a single-request batch this is a read-only broadcast view of 0 (zero strides); use
+        ``np.ascontiguousarray`` if contiguous memory is needed.
     iteration_tokens : tuple[int, ...]
         Workspace rows used in each iteration (``cu_seq_lens[i, -1]``).
     max_chunk_lens : tuple[int, ...]
@@ -171,7 +173,9 @@ def _token_to_seq(lens: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarra
     """int32 [K, width]: request id of each workspace row, padding 0, from lens [K, R]."""
     k, r = lens.shape
     if r == 1:
-        return np.zeros((k, width), dtype=np.int32)  # one request: every row is request 0
+        # One request: every row is request 0. A read-only zero-stride view costs no memory and
+        # no page faults when staging copies it (a fresh np.zeros of 2 x 64k rows costs both).
+        return np.broadcast_to(np.zeros(1, np.int32), (k, width))
     # One repeat over [K, R+1] segments: the R pieces of each row, then its padding (value 0).
     ids = np.zeros((k, r + 1), dtype=np.int32)
     ids[:, :r] = np.arange(r, dtype=np.int32)
@@ -239,14 +243,14 @@ class ChunkPlanner:
             )
         ctx = batch.context_lens
         w = self.workspace_tokens
+        r = ctx.shape[0]
         max_ctx = int(ctx.max())
         if max_ctx == 0:
-            return self._assemble(batch, np.zeros((0, batch.num_reqs), np.int64),
-                                  np.zeros((0, batch.num_reqs), np.int64),
+            empty = np.zeros((0, r), np.int32)
+            return self._assemble(batch, empty, empty,
                                   "equal" if self.policy == "equal" else "stream")
-        chunk = equal_chunk_size(ctx, w, self.page_size)
-        equal_iters = -(-max_ctx // chunk) if chunk > 0 else None
         if self.policy == "equal":
+            chunk = equal_chunk_size(ctx, w, self.page_size)
             if chunk == 0:
                 n = int(np.count_nonzero(ctx))
                 raise ValueError(
@@ -254,25 +258,32 @@ class ChunkPlanner:
                     f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
                     f"workspace_tokens or lower concurrency."
                 )
-            return self._equal(batch, chunk, equal_iters)
-        cuts = self._stream_cuts(ctx)
-        if equal_iters is not None and equal_iters < cuts.shape[0] - 1:
-            return self._equal(batch, chunk, equal_iters)
+            return self._equal(batch, chunk, -(-max_ctx // chunk))
+        end = np.cumsum(ctx)
+        total = int(end[-1])
+        if total <= w:  # everything fits one iteration: each request is one whole piece
+            return self._assemble(batch, np.zeros((1, r), np.int64), ctx.reshape(1, r), "stream")
+        cuts = self._stream_cuts(end, ctx, total)
+        k = cuts.shape[0] - 1
+        chunk = equal_chunk_size(ctx, w, self.page_size)
+        if chunk > 0 and -(-max_ctx // chunk) < k:
+            return self._equal(batch, chunk, -(-max_ctx // chunk))
+        if r == 1:
+            return self._assemble(batch, cuts[:-1].reshape(k, 1), np.diff(cuts).reshape(k, 1),
+                                  "stream")
         # Piece of request r in iteration i: the stream segment [cuts[i], cuts[i+1]) clipped to
         # the request's stream range [begin_r, end_r).
-        end = np.cumsum(ctx)
         begin = end - ctx
         lo = np.clip(cuts[:-1, None], begin, end)  # [K, R]
         hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
         return self._assemble(batch, lo - begin, hi - lo, "stream")
 
-    def _stream_cuts(self, ctx: np.ndarray) -> np.ndarray:
-        """Greedy furthest-reach cut positions in the context stream, int64 [K + 1]."""
+    def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int) -> np.ndarray:
+        """Greedy furthest-reach cut positions in the context stream, int64 [K + 1].
+
+        ``end`` = cumsum(ctx) [R]; ``total`` = end[-1] > workspace_tokens.
+        """
         w, ps = self.workspace_tokens, self.page_size
-        end = np.cumsum(ctx)
-        total = int(end[-1])
-        if total <= w:
-            return np.array([0, total], dtype=np.int64)
         # bisect on Python lists is cheaper than per-iteration numpy calls for small batches.
         ends = end.tolist()
         begins = (end - ctx).tolist()
@@ -301,30 +312,33 @@ class ChunkPlanner:
     def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
                   layout: str) -> ChunkPlan:
         k, r = lens.shape
+        lens = lens.astype(np.int32)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
         np.cumsum(lens, axis=1, out=cu_seq[:, 1:])
         tokens = cu_seq[:, -1]
-        max_tokens = int(tokens.max()) if k else 0
-        cu_q = np.zeros(r + 1, dtype=np.int32)
-        np.cumsum(batch.query_lens, out=cu_q[1:])
+        iteration_tokens = tuple(tokens.tolist())
+        max_tokens = max(iteration_tokens, default=0)
         assert max_tokens <= self.workspace_tokens
+        q = batch.query_lens.astype(np.int32)
+        cu_q = np.zeros(r + 1, dtype=np.int32)
+        np.cumsum(q, out=cu_q[1:])
         return ChunkPlan(
             policy=self.policy,
             workspace_tokens=self.workspace_tokens,
             page_size=self.page_size,
             num_reqs=r,
             num_iterations=k,
-            query_lens=_readonly(batch.query_lens.astype(np.int32)),
+            query_lens=_readonly(q),
             context_lens=_readonly(batch.context_lens.astype(np.int32)),
             cu_query_lens=_readonly(cu_q),
             num_query_tokens=int(cu_q[-1]),
-            max_query_len=int(batch.query_lens.max()),
-            chunk_starts=_readonly(starts.astype(np.int32)),
-            chunk_lens=_readonly(lens.astype(np.int32)),
+            max_query_len=int(q.max()),
+            chunk_starts=_readonly(np.ascontiguousarray(starts, dtype=np.int32)),
+            chunk_lens=_readonly(lens),
             cu_seq_lens=_readonly(cu_seq),
             token_to_seq=_readonly(_token_to_seq(lens, tokens, max_tokens)),
-            iteration_tokens=tuple(tokens.tolist()),
-            max_chunk_lens=tuple(lens.max(axis=1).tolist()),
+            iteration_tokens=iteration_tokens,
+            max_chunk_lens=tuple(lens.max(axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
             layout=layout,
         )

@@ -319,10 +319,12 @@ class StagingRing:
                     raise TypeError(
                         f"device array {name!r} has dtype {arr.dtype}; staging ships int32 only."
                     )
-                host = torch.from_numpy(arr)
+                # Engines ship contiguous arrays; materialize views (e.g. broadcast) like they do.
+                host = torch.from_numpy(np.ascontiguousarray(arr))
                 nbytes += arr.nbytes
                 if not self._cuda:
-                    tensors[name] = host.clone()  # never alias the plan's arrays
+                    # never alias the plan's arrays; numpy copy avoids torch's CPU thread pool
+                    tensors[name] = torch.from_numpy(arr.copy())
                     continue
                 if self.mode == "pin":
                     host = host.pin_memory()
@@ -341,13 +343,20 @@ class StagingRing:
         slot = self._acquire(total)
         self._ensure_capacity(slot, total)
         host_np = slot.host_np
-        for (_name, off, _shape), arr in zip(entries, arrays.values(), strict=True):
-            host_np[off:off + arr.size] = arr.reshape(-1)
-        pair = slot.copy_pair
-        if pair is None or pair[0] != total:
-            pair = (total, slot.dev[:total], slot.host[:total])
-            slot.copy_pair = pair
-        pair[1].copy_(pair[2], non_blocking=True)
+        for (_name, off, shape), arr in zip(entries, arrays.values(), strict=True):
+            if arr.flags.c_contiguous:
+                host_np[off:off + arr.size] = arr.reshape(-1)
+            else:  # e.g. a broadcast view: fill through a shaped view, no temporary copy
+                host_np[off:off + arr.size].reshape(shape)[...] = arr
+        if self._cuda:
+            pair = slot.copy_pair
+            if pair is None or pair[0] != total:
+                pair = (total, slot.dev[:total], slot.host[:total])
+                slot.copy_pair = pair
+            pair[1].copy_(pair[2], non_blocking=True)
+        else:
+            # CPU "device": a plain copy through numpy (torch's CPU copy_ may spin up threads).
+            slot.dev.numpy()[:total] = host_np[:total]
         slot.event.record()
         slot.busy = True
         cached = slot.views
