@@ -239,3 +239,20 @@ def test_pin_mode_rejects_non_int32():
 
     with pytest.raises(TypeError, match="'x' has dtype float32"):
         StagingRing("cpu", mode="pin").upload(Bad())
+
+
+def test_zero_broadcast_skip_never_leaves_stale_data():
+    # One slot, reused every upload: one-request plans (token_to_seq = zero broadcast, whose fill
+    # the ring may skip) interleaved with multi-request plans that write non-zeros there.
+    rng = np.random.default_rng(0)
+    ring = StagingRing("cpu", valid_uploads=0)
+    for _ in range(120):
+        r = int(rng.integers(1, 4))
+        ctx = rng.integers(0, 700, size=r).tolist()
+        plan = make_plan(ctx, w=int(rng.choice([128, 256])))
+        assert_matches(ring.upload(plan), plan)
+    one = make_plan([600])
+    assert not any(one.token_to_seq.strides)  # the broadcast case is really exercised
+    two = make_plan([300, 300])
+    for p in (one, two, one, one, two, one):
+        assert_matches(ring.upload(p), p)

@@ -199,7 +199,8 @@ class DevicePlan:
 class _Slot:
     """One (host arena, device arena, event) of the ring."""
 
-    __slots__ = ("busy", "capacity", "copy_pair", "dev", "event", "host", "host_np", "views")
+    __slots__ = ("busy", "capacity", "copy_pair", "dev", "event", "host", "host_np", "views",
+                 "zero_span")
 
     def __init__(self, event: EventLike) -> None:
         self.event = event
@@ -210,6 +211,9 @@ class _Slot:
         self.copy_pair: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.views: tuple[Any, dict[str, torch.Tensor]] | None = None
         self.busy = False  # set after a copy; the event is meaningful only then
+        # [start, end) of host arena elements known to hold zeros (written by an earlier upload
+        # from an all-zero broadcast array, e.g. a one-request token_to_seq); None if unknown.
+        self.zero_span: tuple[int, int] | None = None
 
 
 class StagingRing:
@@ -343,11 +347,24 @@ class StagingRing:
         slot = self._acquire(total)
         self._ensure_capacity(slot, total)
         host_np = slot.host_np
+        known_zero = slot.zero_span
+        new_zero = None
         for (_name, off, shape), arr in zip(entries, arrays.values(), strict=True):
+            n = arr.size
             if arr.flags.c_contiguous:
-                host_np[off:off + arr.size] = arr.reshape(-1)
-            else:  # e.g. a broadcast view: fill through a shaped view, no temporary copy
-                host_np[off:off + arr.size].reshape(shape)[...] = arr
+                host_np[off:off + n] = arr.reshape(-1)
+            elif n and not any(arr.strides) and arr.flat[0] == 0:
+                # An all-zero broadcast (one-request token_to_seq: up to MiBs of zeros): skip
+                # the fill when this slot's arena already holds zeros there.
+                if known_zero is None or not (known_zero[0] <= off and off + n <= known_zero[1]):
+                    host_np[off:off + n] = 0
+                new_zero = (off, off + n)
+                continue
+            else:  # another view: fill through a shaped view, no temporary copy
+                host_np[off:off + n].reshape(shape)[...] = arr
+            if known_zero is not None and off < known_zero[1] and known_zero[0] < off + n:
+                known_zero = None  # overwritten (regions of one upload never overlap each other)
+        slot.zero_span = new_zero
         if self._cuda:
             pair = slot.copy_pair
             if pair is None or pair[0] != total:
@@ -420,7 +437,7 @@ class StagingRing:
         self.stats.pinned_bytes -= slot.capacity * 4
         slot.capacity = 0
         slot.host = slot.host_np = slot.dev = None
-        slot.copy_pair = slot.views = None
+        slot.copy_pair = slot.views = slot.zero_span = None
 
     def _make_room(self, need: int, *, keep: _Slot) -> None:
         """Free other slots' arenas (idle first, then oldest busy after a counted wait)."""
