@@ -205,3 +205,20 @@ def test_workspace_too_small_for_gathered_rows() -> None:
         DCPChunkPlanner(16, 16, world=4, interleave=16).plan(batch, rank=0)
     with pytest.raises(ValueError, match="rank"):
         DCPChunkPlanner(64, 16, world=2, interleave=1).plan(batch, rank=2)
+
+
+def test_single_rank_path_is_the_plain_forward() -> None:
+    from mlaprefill.attention import mla_chunked_prefill
+
+    gen = torch.Generator().manual_seed(3)
+    query_lens, context_lens = [2, 1], [20, 0]
+    cache, table = _random_cache(context_lens, 16, 24, seed=3)
+    q = torch.randn(3, 2, 16, generator=gen)
+    kv_c_new, k_pe_new = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
+    weight = torch.randn(2 * 16, 16, generator=gen)
+    args = (q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight)
+    got = mla_chunked_prefill_dcp(*args, process_group=None, dcp_interleave=16,
+                                  workspace_tokens=16, return_lse=True)
+    want = mla_chunked_prefill(*args, workspace_tokens=16, return_lse=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -270,7 +270,8 @@ class DCPChunkPlanner:
                     f"workspace_tokens={w} cannot hold the all-gathered rows of one iteration "
                     f"(world={self.world}, dcp_interleave={self.interleave}: shares padded to "
                     f"the largest rank need {gathered} rows at base workspace {prev_w}, and a "
-                    f"{base_w}-token base workspace fails: {exc}); increase workspace_tokens."
+                    f"{base_w}-token base workspace fails: {exc}); increase workspace_tokens, "
+                    f"lower dcp_interleave, or use policy='packed'."
                 ) from None
             arrays = derive_dcp_arrays(
                 base.chunk_starts, base.chunk_lens, base.cu_seq_lens, world=self.world,

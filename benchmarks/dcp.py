@@ -1,0 +1,14 @@
+"""DCP check and benchmark: DCP forward vs one GPU holding the whole cache.
+
+    torchrun --nproc-per-node 2 benchmarks/dcp.py --out benchmarks/results/dcp_h200x2.json
+    torchrun --nproc-per-node 3 benchmarks/dcp.py --device cpu      # gloo, tiny shapes
+
+See :mod:`mlaprefill.dcp.check` for what is checked and timed, and the formulas.
+"""
+
+import sys
+
+from mlaprefill.dcp.check import main
+
+if __name__ == "__main__":
+    sys.exit(main())
