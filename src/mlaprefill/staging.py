@@ -41,6 +41,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
@@ -209,7 +210,7 @@ class _Slot:
         self.host_np: np.ndarray | None = None
         self.dev: torch.Tensor | None = None
         self.copy_pair: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self.views: tuple[Any, dict[str, torch.Tensor]] | None = None
+        self.views: tuple[Any, Mapping[str, torch.Tensor]] | None = None
         self.busy = False  # set after a copy; the event is meaningful only then
         # [start, end) of host arena elements known to hold zeros (written by an earlier upload
         # from an all-zero broadcast array, e.g. a one-request token_to_seq); None if unknown.
@@ -370,17 +371,21 @@ class StagingRing:
             if pair is None or pair[0] != total:
                 pair = (total, slot.dev[:total], slot.host[:total])
                 slot.copy_pair = pair
+            # copy_ runs on the current stream of the destination device; record the event on
+            # that same stream (the current *device* may be another GPU).
             pair[1].copy_(pair[2], non_blocking=True)
+            slot.event.record(torch.cuda.current_stream(self.device))
         else:
             # CPU "device": a plain copy through numpy (torch's CPU copy_ may spin up threads).
             slot.dev.numpy()[:total] = host_np[:total]
-        slot.event.record()
+            slot.event.record()
         slot.busy = True
         cached = slot.views
         if cached is None or cached[0] != entries:
             dev = slot.dev
-            views = {name: dev[off:off + int(np.prod(shape, dtype=np.int64))].view(shape)
-                     for name, off, shape in entries}
+            views = MappingProxyType({
+                name: dev[off:off + int(np.prod(shape, dtype=np.int64))].view(shape)
+                for name, off, shape in entries})
             slot.views = cached = (entries, views)
         return cached[1], nbytes
 
