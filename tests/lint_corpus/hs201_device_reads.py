@@ -1,0 +1,34 @@
+"""HS201: host reads of CUDA tensors (and host reads that are fine)."""
+import torch
+
+
+def reads(n):
+    x = torch.arange(n, device="cuda")
+    total = x.sum().item()  # expect: HS201
+    lst = x.tolist()  # expect: HS201
+    y = (x * 2).cpu()  # expect: HS201
+    dev = torch.device("cuda", 0)
+    z = torch.zeros(n, device=dev)
+    arr = z.numpy()  # expect: HS201
+    w = torch.ones(3).cuda()
+    first = w[0].item()  # expect: HS201
+    v = torch.ones(3).to("cuda")
+    vv = v.max().item()  # expect: HS201
+    return total, lst, y, arr, first, vv
+
+
+class Model:
+    def __init__(self):
+        self.weight = torch.zeros(4, 4, device="cuda")
+
+    def norm(self):
+        return self.weight.norm().item()  # expect: HS201
+
+
+def host_reads_are_fine(n, device):
+    x = torch.arange(n)
+    a = x.sum().item()
+    b = x.tolist()
+    c = torch.zeros(n, device=device).cpu()  # device unknown: not reported as CUDA
+    d = torch.zeros(n, device="cpu").numpy()
+    return a, b, c, d
