@@ -72,7 +72,8 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
 # CLI option dest -> EngineConfig field
 _ENGINE_OPTS = {
     "preset": "preset", "tp": "tp", "layers": "num_layers", "vocab": "vocab_size",
-    "prompt_len": "prompt_len", "num_requests": "num_requests", "request_rate": "request_rate",
+    "prompt_len": "prompt_len", "prompt_len_spread": "prompt_len_spread",
+    "num_requests": "num_requests", "request_rate": "request_rate",
     "concurrency": "max_concurrent", "token_budget": "token_budget",
     "workspace": "workspace_tokens", "page_size": "page_size", "share": "share",
     "num_blocks": "num_blocks", "seed": "seed", "backend": "backend", "dtype": "dtype",
@@ -98,6 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="decoder layers")
     p.add_argument("--vocab", type=int, help="vocabulary of the small sampling head")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt")
+    p.add_argument("--prompt-len-spread", type=float,
+                   help="prompt lengths uniform in prompt-len x [1-S, 1+S] (default 0: equal)")
     p.add_argument("--num-requests", type=int, help="requests in the workload")
     p.add_argument("--request-rate", type=float,
                    help="arrivals per second (Poisson); default: all at once")
@@ -117,6 +120,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
+    p.add_argument("--max-seconds", type=float,
+                   help="start no new round of repeats that would end past this (wall seconds)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no model, no device: print the metadata bytes per step the scenario's "
+                        "steps would upload (per planner policy) and exit")
     p.add_argument("--out", type=Path, help="directory for bench.json and bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -149,7 +157,7 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     has_cuda = torch.cuda.is_available() and (args.device or "auto") != "cpu"
     name = args.scenario or ("vllm-default" if has_cuda else "cpu-tiny")
     scenario = SCENARIOS[name]
-    if scenario.needs_cuda and not has_cuda:
+    if scenario.needs_cuda and not has_cuda and not getattr(args, "dry_run", False):
         raise ValueError(f"scenario {name!r} needs a CUDA device (it is sized for an H200); "
                          f"use --scenario cpu-tiny on this machine.")
     values = dict(scenario.engine)
@@ -162,6 +170,24 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     known = {f.name for f in fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in values.items() if k in known})
     return name, scenario, config
+
+
+def _dry_run(name: str, config: Any, variants: list) -> int:
+    from mlaprefill.bench.dryrun import STALL_THRESHOLD_BYTES, metadata_profile
+    print(f"scenario {name} (dry run: scheduler + planner only): {config.num_requests} x "
+          f"{config.prompt_len} tokens, budget {config.token_budget}, workspace "
+          f"{config.workspace_tokens}, share {config.share}, page_size {config.page_size}")
+    over = f"steps >= {STALL_THRESHOLD_BYTES >> 20} MiB"
+    print(f"{'policy':<8} {'steps':>6} {'meta p50':>9} {'meta max':>9} {'token_to_seq max':>17} "
+          f"{'iters max':>9} {'iters sum':>9} {over:>14}")
+    for policy in sorted({v.policy for v in variants}):
+        p = metadata_profile(config, policy)
+        mib = 2.0**20
+        print(f"{policy:<8} {p['steps']:>6} {p['metadata_bytes_p50'] / mib:>8.3f}M "
+              f"{p['metadata_bytes_max'] / mib:>8.3f}M {p['token_to_seq_bytes_max'] / mib:>16.3f}M "
+              f"{int(p['iterations'].max(initial=0)):>9} {int(p['iterations'].sum()):>9} "
+              f"{p['steps_over_threshold_fraction'] * 100:>13.0f}%")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,16 +204,21 @@ def run(args: argparse.Namespace) -> int:
                              f"and {warmup}.")
         import torch
         on_cpu = config.resolve_device().type == "cpu"
-        if on_cpu:
+        if on_cpu and not args.dry_run:
             why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
             print(f"mlaprefill bench: running on the CPU ({why}): scenario {name}, preset "
                   f"{config.preset}, {config.num_layers} layers, {config.num_requests} x "
                   f"{config.prompt_len}-token prompts. Transfer modes are plain CPU copies here; "
                   f"the pageable stall needs a GPU.", file=sys.stderr)
+        if args.dry_run:
+            return _dry_run(name, config, variants)
         doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
-                        scenario_note=scenario.note, progress=not args.no_progress)
+                        scenario_note=scenario.note, progress=not args.no_progress,
+                        max_seconds=args.max_seconds)
     except ValueError as exc:
         return _fail(str(exc))
+    doc["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                      if k != "command" and not callable(v)}
     print(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
           f"{doc['dtype']}, attention backend {doc['attention_backend']}): "
           f"{config.num_requests} x {config.prompt_len} tokens, {config.num_layers} layers, "

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mlaprefill.batch import PrefillBatch
-from mlaprefill.bench.cache import BlockAllocator, PagedLatentCache, blocks_needed
+from mlaprefill.bench.cache import BlockAllocator, PagedLatentCache
 from mlaprefill.bench.metrics import RunResult, StepRecord
 from mlaprefill.bench.model import BenchModel, model_dims
 from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
@@ -37,7 +37,7 @@ from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.plan import POLICIES, ChunkPlanner
 from mlaprefill.staging import MODES, StagingRing
 
-__all__ = ["EngineConfig", "PrefillEngine", "ProgressFn", "Variant"]
+__all__ = ["EngineConfig", "PrefillEngine", "ProgressFn", "Variant", "workload"]
 
 # progress(variant, repeat, steps_done, requests_finished, num_requests)
 ProgressFn = Callable[[str, int, int, int, int], None]
@@ -74,8 +74,10 @@ class Variant:
 class EngineConfig:
     """Workload, model and engine settings (see ``mlaprefill bench --help``).
 
-    ``num_blocks=None`` sizes the cache for ``max_concurrent`` full prompts. ``request_rate`` is
-    in requests/s (``inf``: all arrive at once; else Poisson arrivals with ``seed``).
+    ``num_blocks=None`` sizes the cache for the ``max_concurrent`` longest prompts.
+    ``request_rate`` is in requests/s (``inf``: all arrive at once; else Poisson arrivals with
+    ``seed``). ``prompt_len_spread`` ``s`` draws prompt lengths uniformly from
+    ``[prompt_len * (1 - s), prompt_len * (1 + s)]`` (0: all equal).
     """
 
     preset: str = "deepseek-v3"
@@ -85,6 +87,7 @@ class EngineConfig:
     prompt_len: int = 81920
     num_requests: int = 16
     request_rate: float = math.inf
+    prompt_len_spread: float = 0.0
     max_concurrent: int = 16
     token_budget: int = 4096
     workspace_tokens: int = 65536
@@ -108,6 +111,9 @@ class EngineConfig:
         if not self.request_rate > 0:
             raise ValueError(f"EngineConfig.request_rate must be > 0 (inf = all at once), got "
                              f"{self.request_rate!r}.")
+        if not 0.0 <= self.prompt_len_spread < 1.0:
+            raise ValueError(f"EngineConfig.prompt_len_spread must be in [0, 1), got "
+                             f"{self.prompt_len_spread!r}.")
         if self.workspace_tokens < self.page_size:
             raise ValueError(f"EngineConfig.workspace_tokens={self.workspace_tokens} must be >= "
                              f"page_size={self.page_size}.")
@@ -124,6 +130,34 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def workload(config: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt lengths (int64 [num_requests]) and arrival times (s, float64 [num_requests]).
+
+    Deterministic in ``config.seed`` (its own generator, independent of the prompt tokens).
+    """
+    rng = np.random.default_rng([config.seed, 1])
+    n, length, s = config.num_requests, config.prompt_len, config.prompt_len_spread
+    if s > 0:
+        lens = np.rint(rng.uniform(length * (1 - s), length * (1 + s), size=n)).astype(np.int64)
+        lens = np.maximum(lens, 1)
+    else:
+        lens = np.full(n, length, dtype=np.int64)
+    if math.isinf(config.request_rate):
+        arrivals = np.zeros(n)
+    else:
+        gaps = rng.exponential(1.0 / config.request_rate, size=n)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    return lens, arrivals
+
+
+def default_num_blocks(config: EngineConfig, prompt_lens: np.ndarray) -> int:
+    """Cache pages for the ``max_concurrent`` longest prompts (or ``config.num_blocks``)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    need = -(-np.sort(prompt_lens)[::-1] // config.page_size)
+    return int(need[:config.max_concurrent].sum())
 
 
 class _HostEvent:
@@ -196,21 +230,16 @@ class PrefillEngine:
                               backend=cfg.backend)
             for w in self.model.kv_b_proj
         ]
-        per_prompt = blocks_needed(cfg.prompt_len, cfg.page_size)
-        self.num_blocks = cfg.num_blocks or per_prompt * min(cfg.max_concurrent,
-                                                             cfg.num_requests)
+        self.prompt_lens, self.arrivals_s = workload(cfg)
+        self.num_blocks = default_num_blocks(cfg, self.prompt_lens)
         self.cache = PagedLatentCache(num_layers=cfg.num_layers, num_blocks=self.num_blocks,
                                       page_size=cfg.page_size, latent_dim=m.latent_dim,
                                       device=self.device, dtype=self.dtype)
+        self.prompt_offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
+        np.cumsum(self.prompt_lens, out=self.prompt_offsets[1:])
         rng = np.random.default_rng(cfg.seed)
-        self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=cfg.num_requests * cfg.prompt_len,
+        self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=int(self.prompt_offsets[-1]),
                                           dtype=np.int32)
-        self.prompt_offsets = np.arange(cfg.num_requests + 1, dtype=np.int64) * cfg.prompt_len
-        if math.isinf(cfg.request_rate):
-            self.arrivals_s = np.zeros(cfg.num_requests)
-        else:
-            gaps = rng.exponential(1.0 / cfg.request_rate, size=cfg.num_requests)
-            self.arrivals_s = np.cumsum(gaps) - gaps[0]
 
     @property
     def backend_name(self) -> str:
@@ -232,6 +261,13 @@ class PrefillEngine:
         ``max_steps`` stops early (warm-up). Synchronizes the device only before the first step
         and after the last one (plus the event waits described in the module docstring).
         """
+        cfg = self.config
+        if variant.policy == "equal" and cfg.workspace_tokens < cfg.max_concurrent * cfg.page_size:
+            # equal gives each request with context floor(W / n) page-aligned tokens per chunk
+            raise ValueError(
+                f"policy 'equal' needs workspace_tokens >= max_concurrent x page_size = "
+                f"{cfg.max_concurrent} x {cfg.page_size}, got {cfg.workspace_tokens}; raise "
+                f"--workspace, lower --concurrency or use the packed policy.")
         with torch.inference_mode():
             return self._run(variant, repeat, max_steps, progress)
 
@@ -243,7 +279,8 @@ class PrefillEngine:
                             page_size=cfg.page_size, share=cfg.share),
             BlockAllocator(self.num_blocks))
         for r in range(cfg.num_requests):
-            scheduler.add(Request(r, cfg.prompt_len, arrival_s=float(self.arrivals_s[r])))
+            scheduler.add(Request(r, int(self.prompt_lens[r]),
+                                  arrival_s=float(self.arrivals_s[r])))
         planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy)
         ring = StagingRing(self.device, mode=variant.transfer)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event

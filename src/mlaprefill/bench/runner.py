@@ -60,13 +60,16 @@ class ProgressLine:
 
 def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2,
               warmup_steps: int = 3, scenario: str = "custom", scenario_note: str = "",
-              progress: bool = True, engine: PrefillEngine | None = None) -> dict[str, Any]:
+              progress: bool = True, engine: PrefillEngine | None = None,
+              max_seconds: float | None = None) -> dict[str, Any]:
     """Measure every variant ``repeats`` times, interleaved, and return the result document.
 
     Repeat ``k`` runs the variants in the order rotated by ``k`` (A B C D, B C D A, ...), so
     slow drift of a shared machine spreads over all variants instead of deciding the ranking.
     Each variant first runs ``warmup_steps`` unmeasured steps (kernel selection, compilation,
-    allocator and pinned-pool warm-up).
+    allocator and pinned-pool warm-up). With ``max_seconds``, no new round of repeats starts when
+    it would likely end past that budget (at least one round always runs; every variant keeps
+    the same number of repeats).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
@@ -87,7 +90,16 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
             if progress:
                 line.end_run(res)
     results: dict[str, list[RunResult]] = {n: [] for n in names}
+    stopped_early = False
+    t_first_round = t_start
     for k in range(repeats):
+        t_round = time.perf_counter()
+        if k and max_seconds is not None and (
+                t_round - t_start + (t_round - t_first_round) / k > max_seconds):
+            stopped_early = True
+            break
+        if k == 0:
+            t_first_round = t_round  # warm-up excluded from the per-round estimate
         order = variants[k % len(variants):] + variants[:k % len(variants)]
         for v in order:
             if progress:
@@ -134,7 +146,10 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
                   "q_lora_rank": dims.q_lora_rank, "intermediate_size": dims.intermediate_size,
                   "vocab_size": dims.vocab_size, "num_params": engine.model.num_params,
                   "num_cache_blocks": engine.num_blocks},
-        "repeats": repeats,
+        "repeats": len(results[names[0]]),
+        "repeats_requested": repeats,
+        "stopped_early_for_max_seconds": stopped_early,
+        "max_seconds": max_seconds,
         "warmup_steps": warmup_steps,
         "baseline": names[0],
         "variants": out_variants,

@@ -1,0 +1,80 @@
+"""Scheduler + planner only (no model, no device): the metadata each step of a workload ships.
+
+Used by ``mlaprefill bench --dry-run`` to show, on any machine, how many bytes a scenario's steps
+upload and how many of them pass the pageable-stall threshold (~3 MiB on the H200).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.bench.cache import BlockAllocator
+from mlaprefill.bench.engine import EngineConfig, default_num_blocks, workload
+from mlaprefill.bench.scheduler import Request, Scheduler, SchedulerConfig
+from mlaprefill.bench.step import StepPlan, build_engine_arrays
+from mlaprefill.plan import ChunkPlanner
+
+__all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile"]
+
+#: Pageable copies this large blocked the host on the H200 (DESIGN.md section 1: 0.2-0.4 ms up
+#: to 2 MiB, 68-71 ms from 3 MiB with ~55 ms of kernels queued).
+STALL_THRESHOLD_BYTES = 3 * 2**20
+
+
+def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
+    """Schedule and plan the whole workload of ``config`` (all requests at once; each finishes
+    as soon as its last token is scheduled).
+
+    Returns
+    -------
+    dict with ``steps``, per-step arrays ``metadata_bytes`` / ``token_to_seq_bytes`` /
+    ``iterations`` (np int64 [steps]) and their summary: ``metadata_bytes_p50``,
+    ``metadata_bytes_max``, ``token_to_seq_bytes_max``, ``steps_over_threshold_fraction``
+    (largest single array >= :data:`STALL_THRESHOLD_BYTES`).
+    """
+    cfg = config
+    prompt_lens, _ = workload(cfg)
+    num_blocks = default_num_blocks(cfg, prompt_lens)
+    sched = Scheduler(SchedulerConfig(token_budget=cfg.token_budget,
+                                      max_concurrent=cfg.max_concurrent,
+                                      page_size=cfg.page_size, share=cfg.share),
+                      BlockAllocator(num_blocks))
+    for r in range(cfg.num_requests):
+        sched.add(Request(r, int(prompt_lens[r])))
+    planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=policy)
+    offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
+    np.cumsum(prompt_lens, out=offsets[1:])
+    tokens = np.zeros(int(offsets[-1]), dtype=np.int32)
+    meta, t2s, iters, largest = [], [], [], []
+    while sched.has_unfinished():
+        step = sched.schedule()
+        if step is None:
+            break
+        arrays = build_engine_arrays(step, prompt_tokens=tokens, prompt_offsets=offsets,
+                                     page_size=cfg.page_size)
+        plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
+                                         page_size=cfg.page_size))
+        sp = StepPlan(plan, arrays)
+        sizes = [a.nbytes for a in sp.device_arrays().values()]
+        meta.append(sum(sizes))
+        largest.append(max(sizes))
+        t2s.append(plan.token_to_seq.nbytes)
+        iters.append(plan.num_iterations)
+        for rid in step.req_ids[step.finishing].tolist():
+            sched.finish(rid)
+    meta_a = np.array(meta, dtype=np.int64)
+    largest_a = np.array(largest, dtype=np.int64)
+    return {
+        "steps": len(meta),
+        "metadata_bytes": meta_a,
+        "token_to_seq_bytes": np.array(t2s, dtype=np.int64),
+        "iterations": np.array(iters, dtype=np.int64),
+        "metadata_bytes_p50": float(np.percentile(meta_a, 50)) if meta else 0.0,
+        "metadata_bytes_max": int(meta_a.max()) if meta else 0,
+        "token_to_seq_bytes_max": int(max(t2s)) if t2s else 0,
+        "steps_over_threshold_fraction": float(np.mean(largest_a >= STALL_THRESHOLD_BYTES))
+        if meta else 0.0,
+    }
