@@ -102,3 +102,21 @@ def test_ring_upload_does_not_block_behind_queued_kernels():
     torch.cuda.synchronize()
     assert worst < 0.02, f"ring upload blocked {worst * 1e3:.1f} ms behind queued kernels"
     assert ring.stats.stalls == 0
+
+
+def test_ring_upload_has_no_host_sync_but_pageable_does():
+    from mlaprefill.audit import no_host_sync
+
+    plan = ChunkPlanner(65536, 64).plan(PrefillBatch([4096, 512], [80000, 1000], page_size=64))
+    rings = {mode: StagingRing("cuda", mode=mode) for mode in ("ring", "pageable")}
+    for ring in rings.values():
+        for _ in range(8):
+            ring.upload(plan)  # size arenas outside the audited block
+    torch.cuda.synchronize()
+    with no_host_sync() as audit:
+        for _ in range(20):
+            rings["ring"].upload(plan)
+    assert audit.findings == [], audit.findings
+    with no_host_sync() as audit:
+        rings["pageable"].upload(plan)
+    assert audit.findings, "the pageable baseline should be reported by the audit"
