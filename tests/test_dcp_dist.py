@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
     DCPChunkPlanner,
@@ -92,6 +93,12 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     workspace_rows = torch.full((max(plan.max_iteration_tokens, 1), cache.shape[2]), float("nan"),
                                 device=device)
     expect_rows = torch.empty_like(workspace_rows)
+    # The source is device work only: with the CPU standing in for the device, the runtime
+    # audit must see no host sync (item, d2h, data-dependent shape, synchronize) in it.
+    with no_host_sync(is_device=lambda d: d.type in ("cpu", "cuda")) as audit:
+        for i in range(plan.num_iterations):
+            source(i, workspace_rows)
+    assert not audit.findings, [str(f) for f in audit.findings]
     for i in range(plan.num_iterations):
         got = source(i, workspace_rows)
         n = plan.iteration_tokens[i]

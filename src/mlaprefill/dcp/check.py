@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
+from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.config import MLAConfig
 from mlaprefill.dcp.forward import (
@@ -213,6 +214,14 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     ranks_agree = mins[0] == maxs[0]
     match = ranks_agree and maxs[3] == 0.0
     del out_s, lse_s, out_d, lse_d
+    # Host-sync audit of one DCP forward (plan already uploaded): ops that make the host wait
+    # for a non-CPU device. Recorded, not raised (a raise on one rank would hang the others).
+    try:
+        with no_host_sync() as audit:
+            dcp()
+        host_syncs: Any = [f"{f.kind} {f.op} at {f.filename}:{f.lineno}" for f in audit.findings]
+    except Exception as exc:  # report and go on: the timing below is still meaningful
+        host_syncs = f"audit failed: {type(exc).__name__}: {exc}"
 
     # -- time ----------------------------------------------------------------------------------
     timer = _Timer(device, group, args.reps, args.warmup)
@@ -276,6 +285,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
         "check": {"match": match, "bitwise_equal_rank0": bitwise,
                   "max_abs_diff_out": maxs[1], "max_abs_diff_lse": maxs[2],
                   "tolerance": tol, "ranks_agree": ranks_agree},
+        "host_syncs_in_dcp_forward": host_syncs,
         "timings": timings,
     }
 
@@ -283,7 +293,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
 def _table(doc: dict[str, Any]) -> str:
     head = (f"{'case':<12} {'I':>4} {'policy':<6} {'it':>3} {'match':<5} {'max|d|':>8} "
             f"{'fwd 1gpu':>9} {'fwd dcp':>9} {'ratio':>6} {'ctx/it 1':>9} {'ctx/it dcp':>10} "
-            f"{'ag/it':>8} {'ag GB/s':>8}")
+            f"{'ag/it':>8} {'ag GB/s':>8} {'syncs':>5}")
     cfg = doc["config"]
     lines = [f"DCP world={doc['world']} on {doc['machine']['device_name']} ({cfg['dtype']}, "
              f"{cfg['preset']}, page {cfg['page_size']}, workspace {cfg['workspace_tokens']}); "
@@ -294,13 +304,15 @@ def _table(doc: dict[str, Any]) -> str:
         med = lambda k: t[k]["max_rank_median_ms"] if k in t else float("nan")
         ratio = med("forward_dcp") / med("forward_single")
         bw = c["all_gather_busbw_gbps"]
+        hs = c["host_syncs_in_dcp_forward"]
+        syncs = str(len(hs)) if isinstance(hs, list) else "err"
         lines.append(
             f"{c['name']:<12} {c['interleave']:>4} {c['policy']:<6} {c['num_iterations']:>3} "
             f"{'yes' if c['check']['match'] else 'NO':<5} {c['check']['max_abs_diff_out']:>8.1e} "
             f"{med('forward_single'):>9.3f} {med('forward_dcp'):>9.3f} {ratio:>6.2f} "
             f"{med('context_single') / n:>9.3f} {med('context_dcp') / n:>10.3f} "
             f"{med('context_dcp_all_gather') / n:>8.3f} "
-            f"{(f'{bw:.3g}' if bw else '-'):>8}")
+            f"{(f'{bw:.3g}' if bw else '-'):>8} {syncs:>5}")
     for s in doc["skipped"]:
         lines.append(f"{s['name']:<12} {s['interleave']:>4} {s['policy']:<6} skipped: {s['why']}")
     verdict = "ALL MATCH" if doc["all_match"] else "MISMATCH"
