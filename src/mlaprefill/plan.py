@@ -19,17 +19,21 @@ Policies
     point ``<= cut + W``) is optimal among plans with this cut structure. Python loops over
     *iterations* (one ``bisect`` each), never over tokens or requests.
 
-    ``packed`` also computes ``equal``'s iteration count (one division) and returns the equal
-    layout if that is strictly smaller (``ChunkPlan.layout`` says which). No batch where this
-    happens is known (hypothesis against a brute-force optimum, and 200,000 random batches, found
-    none), but the fallback makes the guarantee unconditional and costs one division. Hence,
-    always:
+    Guarantees (the first is property-tested against ``equal`` and a brute-force optimum):
 
-    * ``packed.num_iterations <= equal.num_iterations`` (whenever ``equal`` is feasible);
+    * ``packed.num_iterations <= equal.num_iterations`` whenever ``equal`` is feasible. Proof:
+      let ``c`` be equal's chunk, ``n`` the requests with context, ``K = ceil(max/c)``. Pad
+      every such request to ``K*c`` tokens and cut the padded stream every ``n*c <= W`` tokens:
+      each cut lands at offset ``c*(j*n - r*K)`` of some request ``r`` -- a multiple of ``c``,
+      hence page-aligned -- or in padding, i.e. at a request boundary of the real stream. That
+      is a stream plan with ``K`` segments of ``<= W`` real tokens each, and greedy
+      furthest-reach is optimal among stream plans (its i-th cut is never behind any other
+      plan's i-th cut), so it needs at most ``K``.
     * ``packed.num_iterations == ceil(sum(context_lens) / W)`` (the lower bound) when ``W`` and
       every ``context_lens[r]`` are multiples of ``page_size`` (no cut loses a token);
     * in general ``packed.num_iterations <= ceil(sum(context_lens) / (W - page_size + 1))``: every
-      non-final stream iteration holds at least ``W - page_size + 1`` tokens.
+      non-final iteration holds at least ``W - page_size + 1`` tokens (a cut inside a request
+      loses fewer than ``page_size`` tokens of reach).
 
 Both policies: every context token is covered exactly once, a request's pieces appear in
 increasing order over iterations, each request has at most one contiguous piece per iteration,
@@ -92,9 +96,6 @@ class ChunkPlan:
         Longest piece of each iteration.
     max_iteration_tokens : int
         ``max(iteration_tokens)`` (0 without iterations).
-    layout : str
-        How the pieces were laid out: ``"equal"`` or ``"stream"`` (``packed`` may pick either,
-        see the module docstring).
     """
 
     policy: str
@@ -114,7 +115,6 @@ class ChunkPlan:
     iteration_tokens: tuple[int, ...]
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
-    layout: str = "stream"
 
     @property
     def num_context_tokens(self) -> int:
@@ -133,7 +133,6 @@ class ChunkPlan:
         """JSON-serializable dict; arrays as nested lists indexed ``[iteration][request]``."""
         return {
             "policy": self.policy,
-            "layout": self.layout,
             "workspace_tokens": self.workspace_tokens,
             "page_size": self.page_size,
             "num_reqs": self.num_reqs,
@@ -251,8 +250,7 @@ class ChunkPlanner:
         max_ctx = int(ctx.max())
         if max_ctx == 0:
             empty = np.zeros((0, r), np.int32)
-            return self._assemble(batch, empty, empty,
-                                  "equal" if self.policy == "equal" else "stream")
+            return self._assemble(batch, empty, empty)
         if self.policy == "equal":
             chunk = equal_chunk_size(ctx, w, self.page_size)
             if chunk == 0:
@@ -266,21 +264,18 @@ class ChunkPlanner:
         end = np.cumsum(ctx)
         total = int(end[-1])
         if total <= w:  # everything fits one iteration: each request is one whole piece
-            return self._assemble(batch, np.zeros((1, r), np.int64), ctx.reshape(1, r), "stream")
+            return self._assemble(batch, np.zeros((1, r), np.int64), ctx.reshape(1, r))
         cuts = self._stream_cuts(end, ctx, total)
         k = cuts.shape[0] - 1
-        chunk = equal_chunk_size(ctx, w, self.page_size)
-        if chunk > 0 and -(-max_ctx // chunk) < k:
-            return self._equal(batch, chunk, -(-max_ctx // chunk))
         if r == 1:
             starts = cuts[:-1].reshape(k, 1)
-            return self._assemble(batch, starts, cuts[1:].reshape(k, 1) - starts, "stream")
+            return self._assemble(batch, starts, cuts[1:].reshape(k, 1) - starts)
         # Piece of request r in iteration i: the stream segment [cuts[i], cuts[i+1]) clipped to
         # the request's stream range [begin_r, end_r).
         begin = end - ctx
         lo = np.clip(cuts[:-1, None], begin, end)  # [K, R]
         hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
-        return self._assemble(batch, lo - begin, hi - lo, "stream")
+        return self._assemble(batch, lo - begin, hi - lo)
 
     def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int) -> np.ndarray:
         """Greedy furthest-reach cut positions in the context stream, int64 [K + 1].
@@ -311,10 +306,9 @@ class ChunkPlanner:
         starts = (np.arange(num_chunks, dtype=np.int64) * chunk)[:, None]  # [K, 1]
         lens = np.clip(ctx[None, :] - starts, 0, chunk)                     # [K, R]
         starts = np.broadcast_to(starts, lens.shape)
-        return self._assemble(batch, starts, lens, "equal")
+        return self._assemble(batch, starts, lens)
 
-    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
-                  layout: str) -> ChunkPlan:
+    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray) -> ChunkPlan:
         k, r = lens.shape
         lens = lens.astype(np.int32)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
@@ -344,5 +338,4 @@ class ChunkPlanner:
             iteration_tokens=iteration_tokens,
             max_chunk_lens=tuple(lens.max(axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
-            layout=layout,
         )

@@ -73,7 +73,7 @@ def format_plan(plan: ChunkPlan) -> str:
     total = plan.num_context_tokens
     lower = -(-total // plan.workspace_tokens)
     lines = [
-        f"policy={plan.policy} layout={plan.layout} workspace_tokens={plan.workspace_tokens} "
+        f"policy={plan.policy} workspace_tokens={plan.workspace_tokens} "
         f"page_size={plan.page_size} requests={plan.num_reqs} "
         f"query_tokens={plan.num_query_tokens} context_tokens={total}",
         f"iterations={plan.num_iterations} (lower bound ceil(context/W) = {lower})",
