@@ -39,10 +39,12 @@ def _plans(n, seed=0):
     return out
 
 
-def _run_and_check(ring, plans, num_uploads, sleep_cycles, sleep_every):
+def _run_and_check(ring, plans, num_uploads, sleep_cycles, sleep_every, head_cycles=0):
     """Upload with slow kernels queued in between; clone each DevicePlan right after enqueue
     (stream order: the clone sees exactly what the copy wrote), compare on device at the end."""
     clones, expected = [], []
+    if head_cycles:
+        torch.cuda._sleep(head_cycles)  # a long head start: the host runs far ahead at once
     for i in range(num_uploads):
         if i % sleep_every == 0:
             torch.cuda._sleep(sleep_cycles)
@@ -61,7 +63,8 @@ def test_ring_thousands_of_uploads_under_load_never_races_nor_stalls():
     ring = StagingRing("cuda")  # generous default cap (256 MiB)
     plans = _plans(97)
     per_ms = _sleep_cycles_per_ms()
-    _run_and_check(ring, plans, num_uploads=3000, sleep_cycles=int(1.0 * per_ms), sleep_every=5)
+    _run_and_check(ring, plans, num_uploads=3000, sleep_cycles=int(0.3 * per_ms), sleep_every=5,
+                   head_cycles=int(20 * per_ms))
     assert ring.stats.uploads == 3000 and ring.stats.stalls == 0
     # The host ran ahead of the queued kernels, so the ring had to grow instead of waiting.
     assert ring.stats.arenas_grown > 0

@@ -247,7 +247,10 @@ class StagingRing:
 
     Notes
     -----
-    Not thread-safe; use one ring per stream/thread. Can synchronize only as documented for the
+    Growing or resizing allocates pinned host memory (``cudaHostAlloc`` through torch's caching
+    host allocator: slow, tens of microseconds or more), so warm the ring up with a few uploads
+    of the largest expected plan; steady state allocates nothing. Not thread-safe; use one ring
+    per stream/thread. Can synchronize only as documented for the
     pinned cap. Not CUDA-graph capturable itself.
     """
 
