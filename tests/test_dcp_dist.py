@@ -78,6 +78,8 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     from mlaprefill.attention import mla_chunked_prefill
 
     query_lens, context_lens, page_size, interleave, workspace, policy = case
+    # GPU: the math backend (fp32, any head dims, no compile); the benchmark times the fast ones.
+    backend = "auto" if device == "cpu" else "math"
     inputs = _inputs(query_lens, context_lens, page_size, seed)
     q, kv_c_new, k_pe_new, cache, table, weight = (t.to(device) for t in inputs)
     shards = shard_paged_cache(cache, table, np.array(context_lens), world=world,
@@ -111,19 +113,19 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     # 2. Forward: equal to the single-rank forward on the unsharded cache (and the reference).
     single, single_lse = mla_chunked_prefill(
         q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight,
-        workspace_tokens=workspace, policy=policy, return_lse=True)
+        workspace_tokens=workspace, policy=policy, backend=backend, return_lse=True)
     out, lse = mla_chunked_prefill_dcp(
         q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
         process_group=dist.group.WORLD, dcp_interleave=interleave, workspace_tokens=workspace,
-        policy=policy, return_lse=True, debug=True)
+        policy=policy, backend=backend, return_lse=True, debug=True)
     torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
     # 3. The one-call helper delegates to DCP when the group has more than one rank.
     if check_delegation:
         out2 = mla_chunked_prefill(
             q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
-            workspace_tokens=workspace, policy=policy, process_group=dist.group.WORLD,
-            dcp_interleave=interleave)
+            workspace_tokens=workspace, policy=policy, backend=backend,
+            process_group=dist.group.WORLD, dcp_interleave=interleave)
         torch.testing.assert_close(out2, out, rtol=0, atol=0)
     if rank != 0:  # every rank checked equality with its own single-rank result above
         return
