@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
         help="show the chunk plan of a batch (pure CPU)",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 ok, 2 invalid input.",
     )
@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="packed: fewest iterations (default); equal: vLLM's chunking")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--batches", metavar="FILE",
-                   help="JSON lines, one batch per line; prints one JSON plan per line")
+                   help="JSON lines (- for stdin), one batch per line; prints one JSON plan per line")
     return p
 
 
