@@ -55,7 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="packed: fewest iterations (default); equal: vLLM's chunking")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--batches", metavar="FILE",
-                   help="JSON lines (- for stdin), one batch per line; prints one JSON plan per line")
+                   help="JSON lines (- for stdin), one batch per line; prints one JSON plan "
+                        "per line")
     return p
 
 
