@@ -79,3 +79,14 @@ def test_scenario_metadata_claims(name, over):
         assert prof["token_to_seq_bytes_max"] <= 2 * 65536 * 4
         assert prof["metadata_bytes_max"] < 0.6 * 2**20 < STALL_THRESHOLD_BYTES
         assert prof["steps_over_threshold_fraction"] == 0.0
+
+
+def test_max_seconds_truncates_evenly_and_skips_rounds(tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *SMALL, "--max-seconds", "0.001",
+                 "--warmup-steps", "0"]) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["repeats"] == 1 and doc["repeats_requested"] == 2
+    assert doc["stopped_early_for_max_seconds"] is True
+    for v in doc["variants"]:
+        assert v["metrics"]["truncated_runs"] == 1
+        assert v["metrics"]["num_steps_per_run"] >= 1  # a run always makes one step

@@ -102,3 +102,29 @@ def test_max_steps_stops_early_and_engine_is_reusable():
     full = engine.run(Variant.parse("pin+packed"))
     assert len(full.first_tokens) == 2
     assert np.isfinite(full.throughput_tok_s)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_ring_has_no_host_sync_and_pageable_is_seen():
+    """On CUDA: the ring variant's step loop issues no hidden host sync (only the engine's
+    deliberate event waits and the synchronize around the run); the pageable variant's plan
+    and engine arrays are all pageable copies."""
+    from mlaprefill.audit import no_host_sync
+
+    cfg = EngineConfig(preset="tiny", tp=1, num_layers=2, vocab_size=97, prompt_len=256,
+                       num_requests=4, max_concurrent=4, token_budget=64, workspace_tokens=128,
+                       page_size=16, share="fair", device="cuda")
+    engine = PrefillEngine(cfg)
+    engine.run(Variant.parse("ring+packed"), max_steps=2)  # warm-up outside the audit
+    with no_host_sync(allow=["synchronize"]) as audit:
+        ring = engine.run(Variant.parse("ring+equal"))
+    assert not audit.findings, audit.report()
+    with no_host_sync(allow=["synchronize"]) as audit:
+        pageable = engine.run(Variant.parse("pageable+equal"))
+    kinds = {f.kind for f in audit.findings}
+    assert kinds == {"pageable_h2d"}, audit.report()
+    # cu_query_lens, token_ids, positions, slot_mapping, block_table are never empty
+    assert sum(f.count for f in audit.findings) >= 5 * len(pageable.steps)
+    assert ring.first_tokens == pageable.first_tokens
+    assert len(ring.first_tokens) == cfg.num_requests
+    assert np.mean([s.device_end_ms - s.device_start_ms for s in ring.steps]) > 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -194,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write ``--out``/bench.json and bench.png."""
     from mlaprefill.bench.report import format_table, write_json, write_png
     from mlaprefill.bench.runner import run_suite
+    # Growing contexts ask for ever larger workspaces; expandable segments let the caching
+    # allocator grow in place instead of cudaMalloc + (at the memory limit) a syncing cudaFree.
+    # Must be set before the first CUDA allocation; an explicit setting is respected.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         name, scenario, config = build_config(args)
         variants = _parse_variants(args.variants)

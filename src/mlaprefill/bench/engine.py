@@ -235,11 +235,32 @@ class PrefillEngine:
         self.cache = PagedLatentCache(num_layers=cfg.num_layers, num_blocks=self.num_blocks,
                                       page_size=cfg.page_size, latent_dim=m.latent_dim,
                                       device=self.device, dtype=self.dtype)
+        if self.cuda:
+            self._prewarm_allocator()
         self.prompt_offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
         np.cumsum(self.prompt_lens, out=self.prompt_offsets[1:])
         rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=int(self.prompt_offsets[-1]),
                                           dtype=np.int32)
+
+    def _prewarm_allocator(self) -> None:
+        """Reserve the forward's largest per-iteration buffers once, then free them.
+
+        Contexts grow every step, so without this each step asks the caching allocator for a
+        slightly larger workspace than any cached block: a fresh ``cudaMalloc`` per step and, once
+        memory fills up, a cache flush (``cudaFree`` synchronizes the device) in the middle of a
+        run. One block of the maximal size up front is split for every later request instead.
+        """
+        cfg, m = self.config, self.dims.mla
+        rows = min(cfg.workspace_tokens,
+                   int(np.sort(self.prompt_lens)[::-1][:cfg.max_concurrent].sum()))
+        # gathered latent rows + K (nope|rope) + V (padded to the QK width in the worst case)
+        per_row = m.latent_dim + 2 * m.num_heads * m.qk_head_dim
+        per_tok = 2 * m.num_heads * m.qk_head_dim + 4 * self.dims.hidden_size \
+            + 3 * self.dims.intermediate_size
+        nbytes = (rows * per_row + cfg.token_budget * per_tok) * self.model.embed.element_size()
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        del block
 
     @property
     def backend_name(self) -> str:
@@ -255,11 +276,13 @@ class PrefillEngine:
     # ------------------------------------------------------------------ run
 
     def run(self, variant: Variant, *, repeat: int = 0, max_steps: int | None = None,
-            progress: ProgressFn | None = None) -> RunResult:
+            deadline: float | None = None, progress: ProgressFn | None = None) -> RunResult:
         """Prefill every request of the workload once with ``variant``; returns the measurements.
 
-        ``max_steps`` stops early (warm-up). Synchronizes the device only before the first step
-        and after the last one (plus the event waits described in the module docstring).
+        ``max_steps`` stops early (warm-up); ``deadline`` (a ``time.perf_counter()`` value) stops
+        scheduling new steps once passed and marks the result ``truncated``. Synchronizes the
+        device only before the first step and after the last one (plus the event waits
+        described in the module docstring).
         """
         cfg = self.config
         if variant.policy == "equal" and cfg.workspace_tokens < cfg.max_concurrent * cfg.page_size:
@@ -269,9 +292,9 @@ class PrefillEngine:
                 f"{cfg.max_concurrent} x {cfg.page_size}, got {cfg.workspace_tokens}; raise "
                 f"--workspace, lower --concurrency or use the packed policy.")
         with torch.inference_mode():
-            return self._run(variant, repeat, max_steps, progress)
+            return self._run(variant, repeat, max_steps, deadline, progress)
 
-    def _run(self, variant: Variant, repeat: int, max_steps: int | None,
+    def _run(self, variant: Variant, repeat: int, max_steps: int | None, deadline: float | None,
              progress: ProgressFn | None) -> RunResult:
         cfg = self.config
         scheduler = Scheduler(
@@ -296,7 +319,11 @@ class PrefillEngine:
         origin.synchronize()
         t0 = time.perf_counter()
         step_idx = 0
+        truncated = False
         while scheduler.has_unfinished() and (max_steps is None or step_idx < max_steps):
+            if deadline is not None and step_idx and time.perf_counter() > deadline:
+                truncated = True
+                break
             self._observe(state, block=False)
             now = time.perf_counter() - t0
             step = scheduler.schedule(now)
@@ -357,6 +384,7 @@ class PrefillEngine:
             first_tokens=dict(state.first_tokens),
             prompt_tokens=int(sum(rec.num_tokens for rec in records)),
             duration_ms=records[-1].device_end_ms if records else math.nan, wall_ms=wall_ms,
+            truncated=truncated,
             staging={"uploads": st.uploads, "bytes": st.bytes, "arenas_grown": st.arenas_grown,
                      "stalls": st.stalls, "pinned_bytes": st.pinned_bytes})
 

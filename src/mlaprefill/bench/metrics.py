@@ -68,6 +68,7 @@ class RunResult:
     prompt_tokens: int
     duration_ms: float  # start of run -> end of the last step (device timeline)
     wall_ms: float  # host wall time of the whole run loop
+    truncated: bool = False  # stopped at a deadline before every request finished
     staging: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -93,7 +94,7 @@ METRIC_KEYS = (
     "metadata_bytes_p50", "metadata_bytes_max", "token_to_seq_bytes_max",
     "steps_over_3mib_fraction", "iterations_p50", "iterations_max",
     "num_steps_per_run", "num_requests_per_run", "prompt_tokens_per_run", "repeats",
-    "staging_arenas_grown", "staging_stalls",
+    "staging_arenas_grown", "staging_stalls", "truncated_runs",
 )
 
 
@@ -119,13 +120,14 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
             for r in runs]
     tput = np.array([r.throughput_tok_s for r in runs])
     ttft = np.concatenate([r.ttft_ms for r in runs])
+    ttft_mean = float(ttft.mean()) if ttft.size else float("nan")
     n = len(runs)
     return {
         "throughput_tok_s": float(tput.mean()),
         "throughput_tok_s_min": float(tput.min()),
         "throughput_tok_s_max": float(tput.max()),
         "throughput_tok_s_per_repeat": [float(t) for t in tput],
-        "ttft_ms_mean": float(ttft.mean()),
+        "ttft_ms_mean": ttft_mean,
         "ttft_ms_p50": _pct(ttft, 50),
         "ttft_ms_p99": _pct(ttft, 99),
         "host_plan_upload_ms_p50": _pct(prep + upload, 50),
@@ -155,6 +157,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "repeats": n,
         "staging_arenas_grown": int(sum(r.staging.get("arenas_grown", 0) for r in runs)),
         "staging_stalls": int(sum(r.staging.get("stalls", 0) for r in runs)),
+        "truncated_runs": int(sum(r.truncated for r in runs)),
     }
 
 

@@ -24,6 +24,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
     try:
         import triton
@@ -86,6 +87,10 @@ def format_table(doc: dict[str, Any]) -> str:
             f"{m['host_blocked_ms_p50']:>11.3f} {m['host_blocked_ms_p99']:>7.2f} "
             f"{m['host_blocked_ms_max']:>7.1f} {m['gpu_busy_fraction']:>8.3f} "
             f"{m['step_time_ms_p50']:>8.2f} {m['metadata_bytes_max'] / 2**20:>8.2f}")
+    trunc = [v["name"] for v in rows if v["metrics"].get("truncated_runs")]
+    if trunc:
+        lines.append(f"note: runs of {', '.join(trunc)} hit --max-seconds and were truncated "
+                     f"(metrics cover the steps that ran)")
     return "\n".join(lines)
 
 

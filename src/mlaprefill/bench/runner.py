@@ -68,8 +68,9 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     slow drift of a shared machine spreads over all variants instead of deciding the ranking.
     Each variant first runs ``warmup_steps`` unmeasured steps (kernel selection, compilation,
     allocator and pinned-pool warm-up). With ``max_seconds``, no new round of repeats starts when
-    it would likely end past that budget (at least one round always runs; every variant keeps
-    the same number of repeats).
+    it would likely end past that budget (every variant keeps the same number of repeats), and
+    the first round gives each variant an equal share of the time left: a run that reaches its
+    share stops early and is marked ``truncated`` (a fallback for a slower machine).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
@@ -101,10 +102,14 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         if k == 0:
             t_first_round = t_round  # warm-up excluded from the per-round estimate
         order = variants[k % len(variants):] + variants[:k % len(variants)]
-        for v in order:
+        for j, v in enumerate(order):
             if progress:
                 line.start_run(f"{v.name} repeat {k + 1}/{repeats}")
-            res = engine.run(v, repeat=k, progress=cb)
+            deadline = None
+            if k == 0 and max_seconds is not None:
+                left = t_start + max_seconds - t_round
+                deadline = t_round + left * (j + 1) / len(order)
+            res = engine.run(v, repeat=k, deadline=deadline, progress=cb)
             results[v.name].append(res)
             if progress:
                 line.end_run(res)
