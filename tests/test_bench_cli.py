@@ -26,6 +26,7 @@ def test_cli_writes_json_with_every_metric_and_png(tmp_path, capsys):
     assert "running on the CPU" in out.err
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["ran_on"] == "cpu" and doc["scenario"] == "cpu-tiny"
+    assert doc["warmup_run"] is True
     for key in ("machine", "command", "date", "config", "model", "attention_backend"):
         assert doc[key], key
     assert isinstance(doc["command"], list) and doc["options"]["prompt_len"] == 48
@@ -83,7 +84,7 @@ def test_scenario_metadata_claims(name, over):
 
 def test_max_seconds_truncates_evenly_and_skips_rounds(tmp_path):
     assert main(["bench", "--out", str(tmp_path), *SMALL, "--max-seconds", "0.001",
-                 "--warmup-steps", "0"]) == 0
+                 "--warmup-steps", "0", "--no-warmup-run"]) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["repeats"] == 1 and doc["repeats_requested"] == 2
     assert doc["stopped_early_for_max_seconds"] is True

@@ -117,6 +117,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "'all'; default pageable+equal,pin+equal,ring+equal,ring+packed")
     p.add_argument("--repeats", type=int, help="interleaved repeats per variant")
     p.add_argument("--warmup-steps", type=int, help="unmeasured steps per variant first")
+    p.add_argument("--no-warmup-run", action="store_true",
+                   help="skip the unmeasured full run that shows every step shape to the "
+                        "attention backend before measuring")
     p.add_argument("--backend", help="attention backend of MLAChunkedPrefill (default auto)")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
@@ -219,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             return _dry_run(name, config, variants)
         doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
                         scenario_note=scenario.note, progress=not args.no_progress,
-                        max_seconds=args.max_seconds)
+                        max_seconds=args.max_seconds, warmup_run=not args.no_warmup_run)
     except ValueError as exc:
         return _fail(str(exc))
     doc["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -61,16 +61,20 @@ class ProgressLine:
 def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2,
               warmup_steps: int = 3, scenario: str = "custom", scenario_note: str = "",
               progress: bool = True, engine: PrefillEngine | None = None,
-              max_seconds: float | None = None) -> dict[str, Any]:
+              max_seconds: float | None = None, warmup_run: bool = True) -> dict[str, Any]:
     """Measure every variant ``repeats`` times, interleaved, and return the result document.
 
     Repeat ``k`` runs the variants in the order rotated by ``k`` (A B C D, B C D A, ...), so
     slow drift of a shared machine spreads over all variants instead of deciding the ranking.
-    Each variant first runs ``warmup_steps`` unmeasured steps (kernel selection, compilation,
-    allocator and pinned-pool warm-up). With ``max_seconds``, no new round of repeats starts when
-    it would likely end past that budget (every variant keeps the same number of repeats), and
-    the first round gives each variant an equal share of the time left: a run that reaches its
-    share stops early and is marked ``truncated`` (a fallback for a slower machine).
+    With ``warmup_run``, the first variant first runs the whole workload unmeasured, so every
+    step shape has been seen once (attention backends that build a plan or compile per shape
+    would otherwise charge that host time to whichever variant meets the shape first); then each
+    variant runs ``warmup_steps`` unmeasured steps (its own pinned pools and arenas).
+
+    With ``max_seconds``, no new round of repeats starts when it would likely end past that
+    budget (every variant keeps the same number of repeats), and the first round gives each
+    variant an equal share of the time left: a run that reaches its share stops early and is
+    marked ``truncated`` (a fallback for a slower machine).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
@@ -81,8 +85,17 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         raise ValueError(f"variants repeat: {names}; list each TRANSFER+POLICY once.")
     t_start = time.perf_counter()
     engine = engine if engine is not None else PrefillEngine(config)
-    line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0)))
+    line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0))
+                        + (1 if warmup_run else 0))
     cb: ProgressFn | None = line if progress else None
+    if warmup_run:
+        if progress:
+            line.start_run(f"warm-up run {variants[0].name} (all step shapes)")
+        # Capped at a quarter of the budget: a slow machine still gets measured runs.
+        cap = None if max_seconds is None else t_start + max_seconds / 4
+        res = engine.run(variants[0], deadline=cap, progress=cb)
+        if progress:
+            line.end_run(res)
     if warmup_steps:
         for v in variants:
             if progress:
@@ -156,6 +169,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "stopped_early_for_max_seconds": stopped_early,
         "max_seconds": max_seconds,
         "warmup_steps": warmup_steps,
+        "warmup_run": warmup_run,
         "baseline": names[0],
         "variants": out_variants,
         "first_tokens": {str(k): v for k, v in sorted(reference.items())},
