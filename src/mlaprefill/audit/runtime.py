@@ -207,6 +207,11 @@ def _h2d_stages_through_pageable(
         return False
 
 
+def _is_pageable_memcpy(name: str) -> bool:
+    """``Memcpy HtoD (Pageable -> Device)``, as named by CUPTI/kineto."""
+    return "HtoD" in name and "Pageable" in name
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -281,6 +286,7 @@ class _FunctionLayer(TorchFunctionMode):
             and self._audit._is_device(out.device)
             and out.numel() > 0
         ):
+            self._audit._pageable_h2d_seen += 1  # built in a fresh pageable host tensor
             self._audit._record("sync_h2d", factory, out, f"cpu->{out.device}")
         return out
 
@@ -648,10 +654,10 @@ class HostSyncAudit(TorchDispatchMode):
 
     def _stop_profiler(self) -> None:
         prof, self._profiler = self._profiler, None
-        torch.cuda.synchronize()  # the original: wrappers are already restored
+        # the unwrapped function: an enclosing audit must not record the profiler's own sync
+        getattr(torch.cuda.synchronize, _SYNC_ORIGINAL, torch.cuda.synchronize)()
         prof.__exit__(None, None, None)
-        count = sum(1 for e in prof.events() if "Pageable -> Device" in e.name
-                    and "HtoD" in e.name)
+        count = sum(1 for e in prof.events() if _is_pageable_memcpy(e.name))
         self.profiler_pageable_memcpy = count
         extra = count - self._pageable_h2d_seen
         if extra > 0:
