@@ -265,9 +265,12 @@ class MLAChunkedPrefill:
         k_new = torch.empty(num_tokens, h, qk, dtype=dtype, device=device)
         v_new = torch.empty(num_tokens, h, v_out, dtype=dtype, device=device)
         self._up_project(kv_c_new, k_pe_new, k_new, v_new, w_k, w_v)
+        cu_q_host = plan.cu_query_lens
+        cu_k_host = getattr(plan, "cu_seq_lens", None)  # host ints for per-sequence backends
         out_a, lse_a = backend.attend(q, k_new, v_new, cu_q, cu_q, plan.max_query_len,
                                       plan.max_query_len, causal=True, softmax_scale=scale,
-                                      seq_ids_q=seq_ids_q)
+                                      seq_ids_q=seq_ids_q, cu_seqlens_q_host=cu_q_host,
+                                      cu_seqlens_k_host=cu_q_host)
         out = out_a[..., :self.v_head_dim]
         if not out.is_contiguous():
             out = out.contiguous()  # merged in place below; must be our own dense buffer
@@ -299,7 +302,10 @@ class MLAChunkedPrefill:
             self._up_project(rows[:, :rank], rows[:, rank:], k_i, v_i, w_k, w_v)
             out_i, lse_i = backend.attend(q, k_i, v_i, cu_q, cu_seq_lens[i], plan.max_query_len,
                                           plan.max_chunk_lens[i], causal=False,
-                                          softmax_scale=scale, seq_ids_q=seq_ids_q)
+                                          softmax_scale=scale, seq_ids_q=seq_ids_q,
+                                          cu_seqlens_q_host=cu_q_host,
+                                          cu_seqlens_k_host=(None if cu_k_host is None
+                                                             else cu_k_host[i]))
             merge_attention_states(out, lse, out_i[..., :self.v_head_dim], lse_i)
         return (out, lse) if return_lse else out
 

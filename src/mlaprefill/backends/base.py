@@ -16,6 +16,7 @@ memory to decide a shape, so ``attend`` never synchronizes.
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 
@@ -64,7 +65,8 @@ class AttentionBackend(abc.ABC):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
+               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of a packed varlen batch.
 
         Parameters
@@ -75,6 +77,9 @@ class AttentionBackend(abc.ABC):
         causal : query i of a sequence attends keys 0..i (equal q/k lengths per sequence)
         softmax_scale : float
         seq_ids_q : int64 [Tq], optional — sequence of each query (saves recomputing it)
+        cu_seqlens_q_host, cu_seqlens_k_host : host int arrays [num_seqs + 1], optional
+            The same offsets as host ints (the plan has them). Backends that launch one kernel
+            per sequence (``cudnn``) use them; without them they fall back to a varlen kernel.
 
         Returns
         -------

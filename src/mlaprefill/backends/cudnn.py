@@ -1,13 +1,22 @@
-"""``cudnn`` backend: cuDNN's fused attention through ``aten._cudnn_attention_forward``.
+"""``cudnn`` backend: cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``).
 
-The ragged (varlen) form takes packed ``q [Tq, H, Dqk]``, ``k [Tk, H, Dqk]``, ``v [Tk, H, Dv]``
-with ``cum_seq_q`` / ``cum_seq_k`` and supports ``Dv != Dqk`` (192/128 without padding). cuDNN
-computes ragged offsets as ``cum_seq * H * D``, so q, k and v must be contiguous. Its softmax
-stats come back as ``[Tq, H, 1]`` (natural log). A sequence with no keys is undefined in cuDNN;
-:func:`fix_empty_rows` sets those rows to ``out = 0, lse = -inf``.
+Measured on the H200 (benchmarks/results/attention_h200.json): the *ragged* form
+(``aten._cudnn_attention_forward`` with ``cum_seq_q/k``) rebuilds its cuDNN graph on every call in
+torch 2.11 (no graph cache on that path), ~75 ms of host time per call. So, when the caller passes
+the sequence offsets as host ints (the forward always does, from the plan), this backend launches
+the *dense* cached-graph kernel once per sequence, on ``[1, H, n, D]`` views of the packed tensors
+(no copies in), and writes each result into the packed output. Sequences with no keys are never
+launched: their rows stay ``out = 0, lse = -inf``. Without host offsets it falls back to the
+ragged call (correct, slow). cuDNN supports ``Dv != Dqk`` (192/128 without padding); stats are
+natural-log LSE.
+
+Host cost: a cuDNN graph is built once per distinct (q_len, k_len) shape and cached by torch; a
+step with never-seen lengths pays that build on the host (see the benchmark's ``first_call_ms``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,7 +31,7 @@ __all__ = ["CudnnBackend"]
 
 
 class CudnnBackend(AttentionBackend):
-    """cuDNN SDPA, ragged batch (CUDA, fp16/bf16, head dims <= 256 and multiples of 8)."""
+    """cuDNN SDPA (CUDA, fp16/bf16, head dims <= 256 and multiples of 8)."""
 
     name = "cudnn"
 
@@ -38,14 +47,42 @@ class CudnnBackend(AttentionBackend):
             return "cuDNN is not available"
         if (torch.backends.cudnn.version() or 0) < 90000:
             return f"cuDNN {torch.backends.cudnn.version()} < 9.0"
-        if not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-            return "torch has no aten._cudnn_attention_forward"
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+            return "torch has no aten._scaled_dot_product_cudnn_attention"
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
+               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if cu_seqlens_q_host is None or cu_seqlens_k_host is None:
+            return self._ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal=causal, softmax_scale=softmax_scale, seq_ids_q=seq_ids_q)
+        num_q, num_heads, _ = q.shape
+        out = torch.zeros(num_q, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+        cq = [int(x) for x in cu_seqlens_q_host]
+        ck = [int(x) for x in cu_seqlens_k_host]
+        for r in range(len(cq) - 1):  # a loop over sequences (host ints), not tokens
+            q0, q1, k0, k1 = cq[r], cq[r + 1], ck[r], ck[r + 1]
+            if q1 == q0 or k1 == k0:
+                continue
+            q4 = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, nq, Dqk] view
+            k4 = k[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dqk] view
+            v4 = v[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dv] view
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q4, k4, v4, None, True, 0.0, causal, False, scale=softmax_scale)
+            out[q0:q1].copy_(res[0][0].transpose(0, 1))  # [nq, H, Dv]
+            lse[q0:q1].copy_(res[1].reshape(num_heads, q1 - q0).t())  # [nq, H]
+        return out, lse
+
+    def _ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
+                seq_ids_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # Ragged offsets are computed as cum_seq * H * D: q, k, v must be contiguous.
         num_q, num_heads, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         res = torch.ops.aten._cudnn_attention_forward(

@@ -43,13 +43,16 @@ class FlexBackend(AttentionBackend):
         if self._compiled is None:
             from torch.nn.attention.flex_attention import flex_attention
 
-            self._compiled = torch.compile(flex_attention, dynamic=False)
+            # dynamic=None: the first shape change marks lengths dynamic instead of recompiling per
+            # shape (dynamic=False hit dynamo's recompile limit and fell back to the unfused path).
+            self._compiled = torch.compile(flex_attention)
         return self._compiled
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
+               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
         num_q, num_k = q.shape[0], k.shape[0]

@@ -7,6 +7,8 @@ small batches, not for 64k-token contexts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mlaprefill.backends.base import AttentionBackend, seq_ids_from_cu
@@ -28,7 +30,8 @@ class MathBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
+               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         num_q, num_k = q.shape[0], k.shape[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         if seq_ids_q is None:

@@ -8,6 +8,8 @@ weight; standalone calls pad with a copy. FA2 reports a query without keys as ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mlaprefill.backends.base import (
@@ -42,7 +44,8 @@ class VarlenFlashBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
+               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         num_q, num_heads, qk_dim = q.shape
         v_dim = v.shape[-1]
         v_in = pad_v(v, qk_dim)

@@ -1,0 +1,627 @@
+# ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
+"""H200 checks and benchmark of the forward: backends, gather, merge, whole chunked forward.
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/attention.py --out benchmarks/results/attention_h200.json
+
+Sections (each recorded in the JSON; a failing section records its error and the rest runs):
+
+* ``checks`` — every backend against the float64 math reference (bf16 tolerances), the full
+  forward per backend against :func:`mlaprefill.reference.mla_prefill_reference`, the Triton
+  gather/merge against their torch fallbacks, and the no-sync proof: plan + upload + forward
+  under ``torch.cuda.set_sync_debug_mode("error")`` and under the profiler, counting
+  ``Memcpy HtoD (Pageable -> Device)`` and ``Memcpy DtoH`` events.
+* ``attention`` — TFLOP/s per backend, non-causal context chunks of 4k-64k keys, 1-16 requests;
+  FLOPs = 2 * sum_r(q_r * k_r) * H * (qk_head_dim + v_head_dim) (= 2·Tq·Tk·H·(192+128) for one
+  request).
+* ``gather`` — GB/s, bytes = rows * 576 * 2 (read) + same (written) + rows * 16 (index reads),
+  against a plain device-to-device copy of the same bytes measured in the same run.
+* ``merge`` — GB/s, bytes = 3 * T * H * 128 * 2 + 3 * T * H * 4.
+* ``forward`` — the whole chunked-context forward vs the sum of its parts each timed alone.
+
+Times: ``triton.testing.do_bench`` (CUDA events, warm-up excluded), median over its repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+H = 128
+RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
+QK = NOPE + ROPE
+PAGE = 64
+
+
+def _bench(fn: Any, rep: int = 60) -> dict[str, float]:
+    import triton.testing
+
+    q = triton.testing.do_bench(fn, warmup=10, rep=rep, quantiles=[0.5, 0.2, 0.8],
+                                return_mode="median")
+    return {"median_ms": q[0], "p20_ms": q[1], "p80_ms": q[2]}
+
+
+def _section(results: dict, name: str, fn: Any, dump: Any = None) -> None:
+    t0 = time.time()
+    try:
+        results[name] = fn()
+    except Exception as exc:  # record and continue: one broken backend must not hide the rest
+        results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()[-3000:]}
+    print(f"[{name}] {time.time() - t0:.1f} s", flush=True)
+    if dump is not None:
+        dump()  # write partial results: a run stopped at its time limit keeps what it measured
+
+
+def _varlen_inputs(q_lens: list[int], k_lens: list[int], heads: int, dtype: torch.dtype,
+                   device: str, v_dim: int = VDIM) -> dict[str, Any]:
+    def cu(lens: list[int]) -> torch.Tensor:
+        c = [0]
+        for n in lens:
+            c.append(c[-1] + n)
+        return torch.tensor(c, dtype=torch.int32, device=device)
+
+    tq, tk = sum(q_lens), sum(k_lens)
+    g = torch.Generator(device=device).manual_seed(0)
+    return {
+        "q": torch.randn(tq, heads, QK, device=device, dtype=dtype, generator=g),
+        "k": torch.randn(tk, heads, QK, device=device, dtype=dtype, generator=g),
+        "v": torch.randn(tk, heads, v_dim, device=device, dtype=dtype, generator=g),
+        "cu_q": cu(q_lens), "cu_k": cu(k_lens), "max_q": max(q_lens), "max_k": max(k_lens),
+        "cu_q_host": cu(q_lens).cpu().numpy(), "cu_k_host": cu(k_lens).cpu().numpy(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+def check_backends(device: str) -> dict:
+    from mlaprefill.backends import BACKENDS, get_backend
+
+    out: dict[str, Any] = {}
+    cases = {
+        "noncausal": ([37, 1, 64, 5], [100, 0, 129, 64], False),
+        "causal": ([37, 1, 64, 5], [37, 1, 64, 5], True),
+    }
+    ref_be = BACKENDS["math"]()
+    for case, (ql, kl, causal) in cases.items():
+        x = _varlen_inputs(ql, kl, 8, torch.bfloat16, device)
+        ro, rl = ref_be.attend(x["q"].double(), x["k"].double(), x["v"].double(), x["cu_q"],
+                               x["cu_k"], x["max_q"], x["max_k"], causal=causal,
+                               softmax_scale=QK ** -0.5)
+        for name in [*BACKENDS, "cudnn_ragged"]:
+            key = f"{name}/{case}"
+            try:
+                be = get_backend(name.split("_")[0], device=device, dtype=torch.bfloat16,
+                                 qk_head_dim=QK, v_head_dim=VDIM)
+                host = {} if name.endswith("ragged") else {
+                    "cu_seqlens_q_host": x["cu_q_host"], "cu_seqlens_k_host": x["cu_k_host"]}
+                o, lse = be.attend(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"],
+                                   x["max_k"], causal=causal, softmax_scale=QK ** -0.5, **host)
+                finite = torch.isfinite(rl)
+                rel = ((o.double() - ro).norm() / ro.norm()).item()
+                lse_err = (lse.double()[finite] - rl[finite]).abs().max().item()
+                empty_ok = bool(torch.equal(torch.isinf(lse), ~finite)
+                                and (o[~finite.all(1)] == 0).all().item()
+                                and not torch.isnan(o).any().item())
+                out[key] = {"rel_err": rel, "lse_max_abs_err": lse_err, "empty_rows_ok": empty_ok,
+                            "pass": rel <= 1e-2 and lse_err <= 1e-3 * 10 and empty_ok}
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+    # raw LSE layouts, to document conventions
+    x = _varlen_inputs([5, 3], [7, 2], 4, torch.bfloat16, device)
+    raw = {}
+    try:
+        r = torch.ops.aten._flash_attention_forward(
+            x["q"], x["k"], torch.nn.functional.pad(x["v"], (0, QK - VDIM)), x["cu_q"],
+            x["cu_k"], 5, 7, 0.0, False, False, scale=0.1)
+        raw["flash_lse_shape"] = list(r[1].shape)
+    except Exception as exc:
+        raw["flash_lse_shape"] = str(exc)[:300]
+    try:
+        r = torch.ops.aten._cudnn_attention_forward(
+            x["q"], x["k"], x["v"], None, x["cu_q"], x["cu_k"], 5, 7, True, 0.0, False, False,
+            scale=0.1)
+        raw["cudnn_lse_shape"] = list(r[1].shape)
+        raw["cudnn_lse_stride"] = list(r[1].stride())
+    except Exception as exc:
+        raw["cudnn_lse_shape"] = str(exc)[:300]
+    out["raw_lse_layouts"] = raw
+    return out
+
+
+def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
+                    dtype: torch.dtype, device: str, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    num_reqs = len(query_lens)
+    blocks_per_req = [max(1, -(-c // PAGE)) for c in context_lens]
+    max_blocks = max(blocks_per_req)
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
+    table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32, device=device)
+    off = 0
+    for r, nb in enumerate(blocks_per_req):
+        table[r, :nb] = perm[off:off + nb]
+        off += nb
+    t = sum(query_lens)
+    return {
+        "q": torch.randn(t, heads, QK, device=device, dtype=dtype, generator=g),
+        "kv_c_new": torch.randn(t, RANK, device=device, dtype=dtype, generator=g),
+        "k_pe_new": torch.randn(t, ROPE, device=device, dtype=dtype, generator=g),
+        "kv_cache": torch.randn(num_blocks, PAGE, RANK + ROPE, device=device, dtype=dtype,
+                                generator=g),
+        "block_table": table,
+        "weight": torch.randn(heads * (NOPE + VDIM), RANK, device=device, dtype=dtype,
+                              generator=g) * RANK ** -0.5,
+        "query_lens": query_lens, "context_lens": context_lens,
+    }
+
+
+def check_forward(device: str) -> dict:
+    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.backends import BACKENDS
+    from mlaprefill.reference import mla_prefill_reference
+
+    x = _forward_inputs([17, 1, 64, 5, 33], [0, 64, 200, 1, 128], 16, torch.bfloat16, device)
+    ro, rl = mla_prefill_reference(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                   x["block_table"], x["query_lens"], x["context_lens"],
+                                   x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM)
+    out: dict[str, Any] = {}
+    for name in BACKENDS:
+        for policy, ws in (("packed", 128), ("equal", 256), ("packed", 4096)):
+            key = f"{name}/{policy}/ws{ws}"
+            try:
+                o, lse = mla_chunked_prefill(
+                    x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                    x["query_lens"], x["context_lens"], x["weight"], workspace_tokens=ws,
+                    policy=policy, backend=name, return_lse=True)
+                rel = ((o.double().cpu() - ro).norm() / ro.norm()).item()
+                lse_err = (lse.double().cpu() - rl).abs().max().item()
+                out[key] = {"rel_err": rel, "lse_max_abs_err": lse_err,
+                            "pass": rel <= 1e-2 and lse_err <= 1e-2}
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+    return out
+
+
+def check_kernels(device: str) -> dict:
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.kernels import (
+        gather_context_rows,
+        gather_context_rows_torch,
+        merge_attention_states,
+        merge_attention_states_torch,
+    )
+    from mlaprefill.plan import ChunkPlanner
+
+    out: dict[str, Any] = {}
+    x = _forward_inputs([3, 2, 4], [1000, 64, 4097], 4, torch.bfloat16, device)
+    plan = ChunkPlanner(1024, PAGE).plan(PrefillBatch(x["query_lens"], x["context_lens"],
+                                                      page_size=PAGE))
+    tts = torch.from_numpy(plan.token_to_seq).to(device)
+    cu = torch.from_numpy(plan.cu_seq_lens).to(device)
+    cs = torch.from_numpy(plan.chunk_starts).to(device)
+    ok = True
+    for i in range(plan.num_iterations):
+        n = plan.iteration_tokens[i]
+        w1 = torch.zeros(plan.max_iteration_tokens, RANK + ROPE, device=device,
+                         dtype=torch.bfloat16)
+        w2 = w1.clone()
+        gather_context_rows(x["kv_cache"], x["block_table"], tts[i], cu[i], cs[i], w1, n,
+                            use_kernel=True)
+        gather_context_rows_torch(x["kv_cache"], x["block_table"], tts[i], cu[i], cs[i], w2, n)
+        ok &= bool(torch.equal(w1, w2))
+    out["gather_equal_torch"] = ok
+    t, h = 1000, 16
+    g = torch.Generator(device=device).manual_seed(1)
+    o = torch.randn(t, h, VDIM, device=device, generator=g).bfloat16()
+    lse = torch.randn(t, h, device=device, generator=g)
+    po = torch.randn(t, h, QK, device=device, generator=g).bfloat16()[..., :VDIM]
+    pl = torch.randn(h, t, device=device, generator=g).t()
+    lse[:10] = float("-inf")
+    pl[5:20] = float("-inf")
+    po[5:20] = float("nan")
+    o1, l1, o2, l2 = o.clone(), lse.clone(), o.clone(), lse.clone()
+    merge_attention_states(o1, l1, po, pl, use_kernel=True)
+    merge_attention_states_torch(o2, l2, po, pl)
+    diff = (o1.float() - o2.float()).abs()
+    out["merge_max_abs_diff"] = diff.max().item()
+    worst = int(diff.argmax().item()) // (h * VDIM)
+    out["merge_worst_token"] = {"token": worst, "lse": lse[worst].tolist()[:4],
+                                "part_lse": pl[worst].tolist()[:4],
+                                "kernel_lse": l1[worst].tolist()[:4],
+                                "torch_lse": l2[worst].tolist()[:4]}
+    out["merge_tolerance"] = 1e-2 * o2.float().abs().max().item()  # bf16 rounding of the result
+    out["merge_lse_equal_inf"] = bool(torch.equal(torch.isinf(l1), torch.isinf(l2)))
+    out["merge_both_inf_rows_zero"] = bool((o1[5:10] == 0).all().item()
+                                           and torch.isinf(l1[5:10]).all().item())
+    out["merge_no_nan"] = not bool(torch.isnan(o1).any().item())
+    out["pass"] = (ok and out["merge_max_abs_diff"] <= out["merge_tolerance"]
+                   and out["merge_lse_equal_inf"] and out["merge_both_inf_rows_zero"]
+                   and out["merge_no_nan"])
+    return out
+
+
+def check_no_sync(device: str, backends: list[str]) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    x = _forward_inputs([512, 1, 300, 64], [4096, 0, 1000, 64 * 20], 16, torch.bfloat16,
+                        device)
+    results: dict[str, Any] = {}
+    for name in backends:
+        try:
+            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                   backend=name)
+            ring = StagingRing(device)
+            planner = ChunkPlanner(2048, PAGE, policy="packed")
+            batch = PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE)
+
+            def step() -> torch.Tensor:
+                plan = planner.plan(batch)
+                dplan = ring.upload(plan)
+                return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], dplan)
+
+            step()  # warm-up: JIT/compile/cuDNN graph build
+            torch.cuda.synchronize()
+            error = None
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        step()
+                    torch.cuda.set_sync_debug_mode(0)
+                    torch.cuda.synchronize()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:600]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            names: dict[str, int] = {}
+            if error is None:
+                for ev in prof.events():
+                    if "Memcpy" in ev.name or "Memset" in ev.name:
+                        names[ev.name] = names.get(ev.name, 0) + 1
+            pageable = sum(v for k, v in names.items() if "Pageable" in k and "HtoD" in k)
+            dtoh = sum(v for k, v in names.items() if "DtoH" in k)
+            results[name] = {"sync_debug_error": error, "memcpy_events": names,
+                             "pageable_htod": pageable, "dtoh": dtoh, "steps": 3,
+                             "pass": error is None and pageable == 0 and dtoh == 0}
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
+    (1, 4096, 4096), (1, 4096, 16384), (1, 4096, 65536),
+    (4, 4096, 16384), (16, 4096, 65536), (16, 4096, 16384),
+]
+
+
+def bench_attention(device: str, backends: list[str], quick: bool) -> dict:
+    from mlaprefill.backends import get_backend
+
+    rows = []
+    for nr, tq, tk in ATTN_SHAPES[:3] if quick else ATTN_SHAPES:
+        ql, kl = [tq // nr] * nr, [tk // nr] * nr
+        flops = 2 * sum(a * b for a, b in zip(ql, kl, strict=True)) * H * (QK + VDIM)
+        for name in backends:
+            if name == "flex" and (nr, tq, tk) not in ((1, 4096, 16384), (16, 4096, 65536)):
+                continue  # each new shape recompiles flex; two shapes keep the run short
+            try:
+                be = get_backend(name, device=device, dtype=torch.bfloat16, qk_head_dim=QK,
+                                 v_head_dim=VDIM)
+                x = _varlen_inputs(ql, kl, H, torch.bfloat16, device,
+                                   v_dim=QK if be.needs_v_padded else VDIM)
+
+                def run(be: Any = be, x: dict = x) -> Any:
+                    return be.attend(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"],
+                                     x["max_k"], causal=False, softmax_scale=QK ** -0.5,
+                                     cu_seqlens_q_host=x["cu_q_host"],
+                                     cu_seqlens_k_host=x["cu_k_host"])
+
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()  # first call of this shape: includes compile / cuDNN graph build
+                torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
+                t = _bench(run)
+                rows.append({"backend": name, "num_reqs": nr, "tq": tq, "tk": tk, **t,
+                             "first_call_ms": first_ms,
+                             "tflops": flops / (t["median_ms"] * 1e-3) / 1e12})
+            except Exception as exc:
+                rows.append({"backend": name, "num_reqs": nr, "tq": tq, "tk": tk,
+                             "error": f"{type(exc).__name__}: {exc}"[:400]})
+            torch.cuda.empty_cache()
+    return {"flops_formula": "2 * sum_r(q_r*k_r) * H * (192 + 128), H=128", "rows": rows}
+
+
+def bench_gather(device: str) -> dict:
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.kernels import gather_context_rows
+    from mlaprefill.plan import ChunkPlanner
+
+    rows = []
+    for nr, ctx in ((1, 16384), (4, 16384), (16, 4096), (1, 65536), (16, 8192)):
+        x = _forward_inputs([1] * nr, [ctx] * nr, 1, torch.bfloat16, device)
+        total = nr * ctx
+        plan = ChunkPlanner(total, PAGE).plan(PrefillBatch([1] * nr, [ctx] * nr,
+                                                           page_size=PAGE))
+        tts = torch.from_numpy(plan.token_to_seq[0]).to(device)
+        cu = torch.from_numpy(plan.cu_seq_lens[0]).to(device)
+        cs = torch.from_numpy(plan.chunk_starts[0]).to(device)
+        n = plan.iteration_tokens[0]
+        ws = torch.empty(n, RANK + ROPE, device=device, dtype=torch.bfloat16)
+        nbytes = n * (RANK + ROPE) * 2 * 2 + n * 16
+        src = torch.empty_like(ws)
+        copy_t = _bench(lambda ws=ws, src=src: ws.copy_(src))
+        best = None
+        sweep = {}
+        for br in (8, 16, 32, 64):
+            for nw in (2, 4, 8):
+                def fn(br: int = br, nw: int = nw) -> Any:
+                    return gather_context_rows(x["kv_cache"], x["block_table"], tts, cu, cs, ws,
+                                               n, block_rows=br, num_warps=nw)
+                fn()
+                t = _bench(fn, rep=25)
+                sweep[f"rows{br}_warps{nw}"] = nbytes / (t["median_ms"] * 1e-3) / 1e9
+                if best is None or t["median_ms"] < best[1]["median_ms"]:
+                    best = ((br, nw), t)
+        default_t = _bench(lambda: gather_context_rows(x["kv_cache"], x["block_table"], tts, cu,
+                                                       cs, ws, n))
+        rows.append({
+            "num_reqs": nr, "rows": n, "bytes": nbytes,
+            "default_gbps": nbytes / (default_t["median_ms"] * 1e-3) / 1e9,
+            "default_ms": default_t["median_ms"],
+            "best_config": {"block_rows": best[0][0], "num_warps": best[0][1]},
+            "best_gbps": nbytes / (best[1]["median_ms"] * 1e-3) / 1e9,
+            "d2d_copy_gbps": 2 * n * (RANK + ROPE) * 2 / (copy_t["median_ms"] * 1e-3) / 1e9,
+            "sweep_gbps": sweep,
+        })
+        torch.cuda.empty_cache()
+    big = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    big2 = torch.empty_like(big)
+    t = _bench(lambda: big2.copy_(big))
+    return {"bytes_formula": "rows*576*2 read + rows*576*2 written + rows*16 index reads",
+            "rows": rows, "d2d_copy_2GiB_gbps": 2 * big.numel() / (t["median_ms"] * 1e-3) / 1e9}
+
+
+def bench_merge(device: str) -> dict:
+    from mlaprefill.kernels import merge_attention_states
+
+    rows = []
+    for t_, strided in ((4096, False), (4096, True), (16384, False)):
+        o = torch.randn(t_, H, VDIM, device=device).bfloat16()
+        lse = torch.randn(t_, H, device=device)
+        po = (torch.randn(t_, H, QK, device=device).bfloat16()[..., :VDIM] if strided
+              else torch.randn(t_, H, VDIM, device=device).bfloat16())
+        pl = torch.randn(t_, H, device=device)
+        nbytes = 3 * t_ * H * VDIM * 2 + 3 * t_ * H * 4
+        best = None
+        for br in (4, 8, 16, 32):
+            for nw in (2, 4, 8):
+                tm = _bench(lambda br=br, nw=nw: merge_attention_states(
+                    o, lse, po, pl, block_rows=br, num_warps=nw), rep=25)
+                if best is None or tm["median_ms"] < best[1]:
+                    best = ((br, nw), tm["median_ms"])
+        tm = _bench(lambda: merge_attention_states(o, lse, po, pl))
+        rows.append({"tokens": t_, "part_out_strided": strided, "bytes": nbytes,
+                     "default_gbps": nbytes / (tm["median_ms"] * 1e-3) / 1e9,
+                     "best_config": {"block_rows": best[0][0], "num_warps": best[0][1]},
+                     "best_gbps": nbytes / (best[1] * 1e-3) / 1e9})
+    return {"bytes_formula": "3*T*H*128*2 + 3*T*H*4", "rows": rows}
+
+
+FORWARD_SHAPES = [  # (query_lens, context_lens, workspace_tokens)
+    ([4096], [65536], 32768),
+    ([1024] * 4, [16384] * 4, 32768),
+    ([256] * 16, [4096] * 16, 16384),
+]
+
+
+def bench_forward(device: str, backends: list[str]) -> dict:
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.kernels import gather_context_rows, merge_attention_states
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    rows = []
+    for ql, cl, ws in FORWARD_SHAPES:
+        x = _forward_inputs(ql, cl, H, torch.bfloat16, device)
+        plan = ChunkPlanner(ws, PAGE).plan(PrefillBatch(ql, cl, page_size=PAGE))
+        dplan = StagingRing(device).upload(plan)
+        for name in backends:
+            if name == "flex":
+                continue
+            try:
+                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                       backend=name)
+
+                def fwd(op: Any = op) -> Any:
+                    return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                      x["block_table"], dplan, return_lse=True)
+
+                fwd()
+                t_fwd = _bench(fwd, rep=100)
+                # Parts, each alone on the same shapes.
+                be = op.backend
+                t = sum(ql)
+                w_k, w_v = op._up_weights(ROPE, torch.bfloat16, torch.device(device))
+                w_hf = x["weight"]  # [H*(nope+v), rank]: the ideal up-projection (no zero rows)
+                k_new = torch.empty(t, H, QK, device=device, dtype=torch.bfloat16)
+                v_new = torch.empty(t, H, w_v.shape[0] // H, device=device,
+                                    dtype=torch.bfloat16)
+                op._up_project(x["kv_c_new"], x["k_pe_new"], k_new, v_new, w_k, w_v)
+                cu_q = dplan.tensors["cu_query_lens"]
+                parts = {"up_new": _bench(lambda: x["kv_c_new"] @ w_hf.t())["median_ms"]}
+                hq = plan.cu_query_lens
+                parts["attn_new"] = _bench(lambda: be.attend(
+                    x["q"], k_new, v_new, cu_q, cu_q, plan.max_query_len, plan.max_query_len,
+                    causal=True, softmax_scale=QK ** -0.5, cu_seqlens_q_host=hq,
+                    cu_seqlens_k_host=hq))["median_ms"]
+                wsp = torch.empty(plan.max_iteration_tokens, RANK + ROPE, device=device,
+                                  dtype=torch.bfloat16)
+                out = torch.zeros(t, H, VDIM, device=device, dtype=torch.bfloat16)
+                lse = torch.zeros(t, H, device=device)
+                for key in ("gather", "up_ctx", "attn_ctx", "merge"):
+                    parts[key] = 0.0
+                for i in range(plan.num_iterations):
+                    n = plan.iteration_tokens[i]
+                    tts, cu = dplan.tensors["token_to_seq"][i], dplan.tensors["cu_seq_lens"][i]
+                    cs = dplan.tensors["chunk_starts"][i]
+                    parts["gather"] += _bench(lambda n=n, tts=tts, cu=cu, cs=cs: (
+                        gather_context_rows(x["kv_cache"], x["block_table"], tts, cu, cs, wsp,
+                                            n)))["median_ms"]
+                    kv_c = wsp[:n, :RANK]
+                    parts["up_ctx"] += _bench(lambda kv_c=kv_c: kv_c @ w_hf.t())["median_ms"]
+                    k_i = torch.empty(n, H, QK, device=device, dtype=torch.bfloat16)
+                    v_i = torch.empty(n, H, w_v.shape[0] // H, device=device,
+                                      dtype=torch.bfloat16)
+                    op._up_project(wsp[:n, :RANK], wsp[:n, RANK:], k_i, v_i, w_k, w_v)
+                    hk = plan.cu_seq_lens[i]
+                    parts["attn_ctx"] += _bench(lambda k_i=k_i, v_i=v_i, cu=cu, i=i, hk=hk: (
+                        be.attend(x["q"], k_i, v_i, cu_q, cu, plan.max_query_len,
+                                  plan.max_chunk_lens[i], causal=False, softmax_scale=QK ** -0.5,
+                                  cu_seqlens_q_host=hq, cu_seqlens_k_host=hk)))["median_ms"]
+                    o_i, l_i = be.attend(x["q"], k_i, v_i, cu_q, cu, plan.max_query_len,
+                                         plan.max_chunk_lens[i], causal=False,
+                                         softmax_scale=QK ** -0.5, cu_seqlens_q_host=hq,
+                                         cu_seqlens_k_host=hk)
+                    parts["merge"] += _bench(lambda o_i=o_i, l_i=l_i: merge_attention_states(
+                        out, lse, o_i[..., :VDIM], l_i))["median_ms"]
+                    del k_i, v_i, o_i, l_i
+                ideal = sum(parts.values())
+                flops_attn = 2 * H * (QK + VDIM) * sum(
+                    q * (c + (q + 1) / 2) for q, c in zip(ql, cl, strict=True))
+                rows.append({
+                    "backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
+                    "context_lens": f"{len(cl)}x{cl[0]}", "workspace_tokens": ws,
+                    "iterations": plan.num_iterations, "forward_ms": t_fwd["median_ms"],
+                    "forward_p20_ms": t_fwd["p20_ms"], "forward_p80_ms": t_fwd["p80_ms"],
+                    "parts_ms": parts, "ideal_sum_ms": ideal,
+                    "ratio_forward_over_ideal": t_fwd["median_ms"] / ideal,
+                    "attention_tflops_effective": flops_attn / (t_fwd["median_ms"] * 1e-3) / 1e12,
+                })
+                del op
+            except Exception as exc:
+                rows.append({"backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
+                             "error": f"{type(exc).__name__}: {exc}"[:600],
+                             "traceback": traceback.format_exc()[-1500:]})
+            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+    return {"ideal": "sum of parts each timed alone: new-token up-projection (HF weight, no "
+                     "zero rows) + causal attention, and per iteration gather + up-projection "
+                     "+ attention + merge", "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+def _table(results: dict) -> str:
+    lines = []
+    att = results.get("attention", {})
+    if "rows" in att:
+        lines.append("attention (non-causal context chunk, H=128, 192/128, bf16), TFLOP/s:")
+        for r in att["rows"]:
+            val = f"{r['tflops']:7.1f}" if "tflops" in r else "  error"
+            lines.append(f"  {r['backend']:7s} reqs={r['num_reqs']:2d} tq={r['tq']:5d} "
+                         f"tk={r['tk']:6d}  {val}")
+    ga = results.get("gather", {})
+    if "rows" in ga:
+        lines.append(f"gather GB/s (D2D copy 2 GiB: {ga['d2d_copy_2GiB_gbps']:.0f}):")
+        for r in ga["rows"]:
+            lines.append(f"  reqs={r['num_reqs']:2d} rows={r['rows']:6d} default "
+                         f"{r['default_gbps']:6.0f} best {r['best_gbps']:6.0f} "
+                         f"{r['best_config']}  same-bytes copy {r['d2d_copy_gbps']:6.0f}")
+    me = results.get("merge", {})
+    if "rows" in me:
+        lines.append("merge GB/s:")
+        for r in me["rows"]:
+            lines.append(f"  T={r['tokens']:5d} strided={r['part_out_strided']!s:5s} default "
+                         f"{r['default_gbps']:6.0f} best {r['best_gbps']:6.0f} "
+                         f"{r['best_config']}")
+    fw = results.get("forward", {})
+    if "rows" in fw:
+        lines.append("forward vs ideal sum of parts:")
+        for r in fw["rows"]:
+            if "error" in r:
+                lines.append(f"  {r['backend']:7s} {r['query_lens']}: error")
+                continue
+            lines.append(f"  {r['backend']:7s} q={r['query_lens']:8s} ctx={r['context_lens']:8s}"
+                         f" it={r['iterations']} fwd {r['forward_ms']:7.2f} ms ideal "
+                         f"{r['ideal_sum_ms']:7.2f} ms ratio {r['ratio_forward_over_ideal']:.3f}"
+                         f" ({r['attention_tflops_effective']:.0f} TFLOP/s eff)")
+    ch = results.get("checks", {})
+    for key in ("backends", "forward", "kernels", "no_sync"):
+        sec = ch.get(key, {})
+        if isinstance(sec, dict):
+            bad = [k for k, v in sec.items()
+                   if isinstance(v, dict) and (v.get("pass") is False or "error" in v)]
+            lines.append(f"check {key}: {'ok' if not bad else 'FAILED ' + ', '.join(bad)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip")
+    parser.add_argument("--backends", default="cudnn,flex,varlen")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    import triton
+
+    device = "cuda"
+    backends = [b for b in args.backends.split(",") if b]
+    skip = set(args.skip.split(","))
+    results: dict[str, Any] = {
+        "command": " ".join(sys.argv), "argv": sys.argv,
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
+                    "torch": torch.__version__, "triton": triton.__version__,
+                    "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+                    "python": platform.python_version()},
+    }
+    checks: dict[str, Any] = {}
+    results["checks"] = checks
+
+    def dump() -> None:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    if "checks" not in skip:
+        _section(checks, "backends", lambda: check_backends(device), dump)
+        _section(checks, "kernels", lambda: check_kernels(device), dump)
+        _section(checks, "forward", lambda: check_forward(device), dump)
+        _section(checks, "no_sync", lambda: check_no_sync(device, ["auto", *backends]), dump)
+    if "gather" not in skip:
+        _section(results, "gather", lambda: bench_gather(device), dump)
+    if "merge" not in skip:
+        _section(results, "merge", lambda: bench_merge(device), dump)
+    if "attention" not in skip:
+        _section(results, "attention", lambda: bench_attention(device, backends, args.quick),
+                 dump)
+    if "forward" not in skip:
+        _section(results, "forward", lambda: bench_forward(device, backends), dump)
+    print(json.dumps(checks, indent=1, default=str)[:6000])
+    print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""GPU tests of the forward, backends and kernels (marked ``gpu``; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.backends import BACKENDS, get_backend
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.kernels import (
+    gather_context_rows,
+    gather_context_rows_torch,
+    merge_attention_states,
+    merge_attention_states_torch,
+)
+from mlaprefill.plan import ChunkPlanner
+from mlaprefill.reference import mla_prefill_reference
+from mlaprefill.staging import StagingRing
+
+pytestmark = pytest.mark.gpu
+
+RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
+GPU_BACKENDS = ["cudnn", "flex", "varlen", "math"]
+
+
+def _inputs(query_lens, context_lens, heads, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [max(1, -(-c // PAGE)) for c in context_lens]
+    num_blocks = sum(blocks) + 2
+    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
+    off = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[off:off + nb]
+        off += nb
+    t = sum(query_lens)
+    return dict(
+        q=torch.randn(t, heads, NOPE + ROPE, device="cuda", dtype=dtype, generator=g),
+        kv_c_new=torch.randn(t, RANK, device="cuda", dtype=dtype, generator=g),
+        k_pe_new=torch.randn(t, ROPE, device="cuda", dtype=dtype, generator=g),
+        kv_cache=torch.randn(num_blocks, PAGE, RANK + ROPE, device="cuda", dtype=dtype,
+                             generator=g),
+        block_table=table,
+        weight=torch.randn(heads * (NOPE + V), RANK, device="cuda", dtype=dtype,
+                           generator=g) * RANK ** -0.5,
+    )
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("policy,workspace", [("packed", 128), ("equal", 256), ("packed", 4096)])
+def test_forward_matches_reference(backend, policy, workspace):
+    # zero context, one token, page-boundary context (128 = 2 pages), single-token context
+    query_lens, context_lens = [17, 1, 64, 5, 33], [0, 64, 200, 1, 128]
+    x = _inputs(query_lens, context_lens, heads=16)
+    out, lse = mla_chunked_prefill(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+        context_lens, x["weight"], workspace_tokens=workspace, policy=policy, backend=backend,
+        return_lse=True)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+        context_lens, x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V)
+    rel = (out.double().cpu() - ref_out).norm() / ref_out.norm()
+    assert rel <= 1e-2, f"{backend}: relative error {rel:.2e}"
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    lse_err = (lse.double().cpu() - ref_lse).abs().max()
+    assert lse_err <= 1e-2, f"{backend}: LSE max abs error {lse_err:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flex", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backend_matches_math_with_empty_sequences(backend, causal):
+    q_lens = [37, 1, 64, 5]
+    k_lens = q_lens if causal else [100, 0, 129, 64]
+    heads, qk = 8, NOPE + ROPE
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                            device="cuda")
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(q_lens), heads, qk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(sum(k_lens), heads, qk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
+    args = (cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), *args,
+                                            causal=causal, softmax_scale=qk ** -0.5)
+    be = get_backend(backend, device="cuda", dtype=torch.bfloat16, qk_head_dim=qk, v_head_dim=V)
+    o, lse = be.attend(q, k, v, *args, causal=causal, softmax_scale=qk ** -0.5)
+    assert o.shape == (sum(q_lens), heads, V) and lse.shape == (sum(q_lens), heads)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(torch.isfinite(lse), finite)  # empty key sequence -> -inf
+    assert (lse[~finite] == float("-inf")).all()
+    assert (o[~finite.all(1)] == 0).all()
+    assert (o.double() - ref_o).norm() / ref_o.norm() <= 1e-2
+    assert (lse.double()[finite] - ref_l[finite]).abs().max() <= 1e-3 * 10
+
+
+def test_triton_gather_matches_torch():
+    query_lens, context_lens = [3, 2, 4], [1000, 64, 4097]
+    x = _inputs(query_lens, context_lens, heads=1)
+    plan = ChunkPlanner(1024, PAGE).plan(PrefillBatch(query_lens, context_lens, page_size=PAGE))
+    dplan = StagingRing("cuda").upload(plan)
+    for i in range(plan.num_iterations):
+        n = plan.iteration_tokens[i]
+        a = torch.zeros(plan.max_iteration_tokens, RANK + ROPE, device="cuda",
+                        dtype=torch.bfloat16)
+        b = a.clone()
+        args = (x["kv_cache"], x["block_table"], dplan.token_to_seq[i], dplan.cu_seq_lens[i],
+                dplan.chunk_starts[i])
+        gather_context_rows(*args, a, n, use_kernel=True)
+        gather_context_rows_torch(*args, b, n)
+        assert torch.equal(a, b)
+
+
+def test_triton_merge_matches_torch_and_inf_rules():
+    t, h = 1000, 16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    o = torch.randn(t, h, V, device="cuda", generator=g).bfloat16()
+    lse = torch.randn(t, h, device="cuda", generator=g)
+    part = torch.randn(t, h, NOPE + ROPE, device="cuda", generator=g).bfloat16()[..., :V]
+    part_lse = torch.randn(h, t, device="cuda", generator=g).t()  # strided, like FA2's
+    lse[:10] = float("-inf")
+    part_lse[5:20] = float("-inf")
+    part[5:20] = float("nan")  # a -inf side contributes nothing, whatever it holds
+    o1, l1, o2, l2 = o.clone(), lse.clone(), o.clone(), lse.clone()
+    merge_attention_states(o1, l1, part, part_lse, use_kernel=True)
+    merge_attention_states_torch(o2, l2, part, part_lse)
+    assert not torch.isnan(o1).any()
+    assert (o1[5:10] == 0).all() and torch.isneginf(l1[5:10]).all()
+    assert torch.allclose(o1.float(), o2.float(), atol=1e-2 * o2.float().abs().max().item())
+    assert torch.allclose(l1, l2, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cudnn", "varlen"])
+def test_plan_upload_forward_never_syncs(backend):
+    from torch.profiler import ProfilerActivity, profile
+
+    query_lens, context_lens = [512, 1, 300, 64], [4096, 0, 1000, 64 * 20]
+    x = _inputs(query_lens, context_lens, heads=16)
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V, backend=backend)
+    ring = StagingRing("cuda")
+    planner = ChunkPlanner(2048, PAGE)
+    batch = PrefillBatch(query_lens, context_lens, page_size=PAGE)
+
+    def step():
+        dplan = ring.upload(planner.plan(batch))
+        return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                          x["block_table"], dplan)
+
+    step()  # warm-up (JIT, cuDNN graph build)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    names = [ev.name for ev in prof.events()]
+    assert not [n for n in names if "Memcpy HtoD (Pageable" in n]
+    assert not [n for n in names if "Memcpy DtoH" in n]
+    assert sum("Memcpy HtoD" in n for n in names) >= 3  # the one plan upload per step

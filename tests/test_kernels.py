@@ -1,0 +1,197 @@
+"""CPU tests of the gather and merge kernels (torch fallbacks; Triton via TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.kernels import (
+    gather_context_rows,
+    gather_context_rows_torch,
+    merge_attention_states,
+    merge_attention_states_torch,
+)
+from mlaprefill.plan import ChunkPlanner
+
+NEG_INF = float("-inf")
+
+
+def _paged_cache(context_lens, page_size, latent_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = [max(1, -(-c // page_size)) for c in context_lens]
+    num_blocks = sum(blocks) + 2
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.full((len(blocks), max(blocks)), num_blocks - 1, dtype=torch.int32)
+    off = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[off:off + nb]
+        off += nb
+    cache = torch.randn(num_blocks, page_size, latent_dim, generator=g)
+    return cache, table
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    context_lens=st.lists(st.integers(0, 70), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 4, 16]),
+    workspace=st.integers(16, 80),
+    policy=st.sampled_from(["packed", "equal"]),
+)
+def test_gather_matches_plain_indexing(context_lens, page_size, workspace, policy):
+    """Every iteration's workspace rows are exactly the cache rows the plan names."""
+    n_with_ctx = sum(c > 0 for c in context_lens)
+    workspace = max(workspace, page_size * max(n_with_ctx, 1))
+    cache, table = _paged_cache(context_lens, page_size, latent_dim=24)
+    plan = ChunkPlanner(workspace, page_size, policy=policy).plan(
+        PrefillBatch([1] * len(context_lens), context_lens, page_size=page_size))
+    covered = [[] for _ in context_lens]
+    ws = torch.full((max(plan.max_iteration_tokens, 1), 24), float("nan"))
+    for i in range(plan.num_iterations):
+        n = plan.iteration_tokens[i]
+        rows = gather_context_rows(
+            cache, table, torch.from_numpy(plan.token_to_seq[i].copy()),
+            torch.from_numpy(plan.cu_seq_lens[i].copy()),
+            torch.from_numpy(plan.chunk_starts[i].copy()), ws, n)
+        # Plain per-request indexing, written independently of the kernel's row formula.
+        expected = []
+        for r in range(len(context_lens)):
+            start, length = int(plan.chunk_starts[i, r]), int(plan.chunk_lens[i, r])
+            for pos in range(start, start + length):
+                expected.append(cache[table[r, pos // page_size], pos % page_size])
+                covered[r].append(pos)
+        assert rows.shape == (n, 24)
+        assert torch.equal(rows, torch.stack(expected))
+    assert covered == [list(range(c)) for c in context_lens]  # every token once, in order
+
+
+def test_gather_validates_inputs():
+    cache, table = _paged_cache([8], 4, latent_dim=8)
+    tts, cu, cs = (torch.zeros(4, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                   torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="workspace has 2 rows"):
+        gather_context_rows_torch(cache, table, tts, cu, cs, torch.empty(2, 8), 4)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        gather_context_rows_torch(cache, table.long(), tts, cu, cs, torch.empty(4, 8), 4)
+    with pytest.raises(ValueError, match="workspace dtype"):
+        gather_context_rows_torch(cache, table, tts, cu, cs, torch.empty(4, 8).double(), 4)
+
+
+def _merge_ref(o1, l1, o2, l2):
+    """float64 merge written from the definition: softmax-weighted average of the two parts."""
+    o1, l1, o2, l2 = o1.double(), l1.double(), o2.double(), l2.double()
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.where(torch.isneginf(l1), 0.0, torch.exp(l1 - lse))
+    w2 = torch.where(torch.isneginf(l2), 0.0, torch.exp(l2 - lse))
+    w1 = torch.nan_to_num(w1)
+    w2 = torch.nan_to_num(w2)
+    out = (torch.where(w1[..., None] > 0, o1, 0.0) * w1[..., None]
+           + torch.where(w2[..., None] > 0, o2, 0.0) * w2[..., None])
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_merge_matches_definition_and_inf_rules(dtype):
+    g = torch.Generator().manual_seed(0)
+    t, h, v = 9, 3, 16
+    o1 = torch.randn(t, h, v, generator=g).to(dtype)
+    o2 = torch.randn(t, h, v, generator=g).to(dtype)
+    l1 = torch.randn(t, h, generator=g) * 3
+    l2 = torch.randn(t, h, generator=g) * 3
+    l1[0], l2[1] = NEG_INF, NEG_INF   # one side empty
+    l1[2], l2[2] = NEG_INF, NEG_INF   # both empty
+    o1[2] = float("nan")              # an empty side contributes nothing, even NaN
+    o2[1] = float("nan")
+    l1[3, 0], l2[3, 0] = 80.0, -80.0  # extreme, must not overflow
+    ref_o, ref_l = _merge_ref(o1, l1, o2, l2)
+    out, lse = o1.clone(), l1.clone()
+    merge_attention_states(out, lse, o2, l2)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    assert torch.allclose(out.double(), ref_o, atol=tol, rtol=tol)
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse.double()[finite], ref_l[finite], atol=1e-5)
+
+
+def test_merge_accepts_strided_parts():
+    """A V-padded partial output (slice) and a transposed [H, T] LSE merge like dense ones."""
+    g = torch.Generator().manual_seed(1)
+    t, h, v = 5, 4, 8
+    out = torch.randn(t, h, v, generator=g)
+    lse = torch.randn(t, h, generator=g)
+    part = torch.randn(t, h, 12, generator=g)[..., :v]
+    part_lse = torch.randn(h, t, generator=g).t()
+    a_o, a_l = out.clone(), lse.clone()
+    merge_attention_states(a_o, a_l, part, part_lse)
+    b_o, b_l = out.clone(), lse.clone()
+    merge_attention_states_torch(b_o, b_l, part.contiguous(), part_lse.contiguous())
+    assert torch.equal(a_o, b_o) and torch.equal(a_l, b_l)
+
+
+def test_merge_validates_shapes():
+    with pytest.raises(ValueError, match="part_out shape"):
+        merge_attention_states(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3, 5),
+                               torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"must be \[T, H\]"):
+        merge_attention_states(torch.zeros(2, 3, 4), torch.zeros(3, 2), torch.zeros(2, 3, 4),
+                               torch.zeros(2, 3))
+
+
+_INTERPRET_SCRIPT = textwrap.dedent("""
+    import torch
+    from mlaprefill.kernels import (gather_context_rows, gather_context_rows_torch,
+                                    merge_attention_states, merge_attention_states_torch)
+    g = torch.Generator().manual_seed(0)
+    # gather: 2 requests, page 4, latent 40 (BLOCK_D 8: five column tiles), 13 rows
+    cache = torch.randn(12, 4, 40, generator=g).bfloat16()
+    table = torch.randperm(12, generator=g)[:10].view(2, 5).to(torch.int32)
+    tts = torch.tensor([0] * 6 + [1] * 7 + [0, 0, 0], dtype=torch.int32)
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+    starts = torch.tensor([3, 8], dtype=torch.int32)
+    a = torch.zeros(16, 40).bfloat16(); b = a.clone()
+    gather_context_rows(cache, table, tts, cu, starts, a, 13, use_kernel=True)
+    gather_context_rows_torch(cache, table, tts, cu, starts, b, 13)
+    assert torch.equal(a, b), "gather differs"
+    assert (a[13:] == 0).all(), "gather wrote past num_rows"
+    # merge with -inf rules, strided partial, head dim 24 (BLOCK_D 32 masked)
+    t, h, v = 7, 3, 24
+    o = torch.randn(t, h, v, generator=g); l = torch.randn(t, h, generator=g)
+    po = torch.randn(t, h, 32, generator=g)[..., :v]; pl = torch.randn(h, t, generator=g).t()
+    l[0] = float("-inf"); pl[0] = float("-inf"); pl[1] = float("-inf"); po[1] = float("nan")
+    o1, l1, o2, l2 = o.clone(), l.clone(), o.clone(), l.clone()
+    merge_attention_states(o1, l1, po, pl, use_kernel=True)
+    merge_attention_states_torch(o2, l2, po, pl)
+    assert not torch.isnan(o1).any(), "NaN leaked"
+    assert (o1[0] == 0).all() and torch.isneginf(l1[0]).all(), "-inf rule"
+    assert torch.allclose(o1, o2, atol=1e-5), (o1 - o2).abs().max()
+    assert torch.allclose(l1[1:], l2[1:], atol=1e-5)
+    print("INTERPRET_OK")
+""")
+
+
+def test_triton_kernels_in_interpreter():
+    """The Triton kernels' logic, run on CPU tensors by Triton's interpreter (own process:
+    TRITON_INTERPRET must be set before triton is imported)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INTERPRET_OK" in proc.stdout
+
+
+def test_plan_arrays_are_int32():
+    # The kernels index with the plan's int32 tables; guard the contract they rely on.
+    plan = ChunkPlanner(64, 4).plan(PrefillBatch([1, 2], [9, 30], page_size=4))
+    for name, arr in plan.device_arrays().items():
+        assert arr.dtype == np.int32, name
