@@ -133,6 +133,17 @@ class _Timer:
         return _quantiles(ms)
 
 
+def _host_ms(fn: Any, reps: int = 20) -> float:
+    """Median host time of ``fn`` in ms (planning: pure CPU)."""
+    fn()
+    ms = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ms))
+
+
 def _inputs(cfg: MLAConfig, query_lens: list[int], context_lens: list[int], page_size: int,
             dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """Identical on every rank: generated on the CPU from ``seed``, then moved."""
@@ -178,6 +189,14 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     dcp_plan = DCPChunkPlanner(workspace, page_size, world=world, interleave=interleave,
                                policy=policy).plan(batch, rank=rank)
     check_dcp_consistency(dcp_plan, group, device if device.type == "cuda" else "cpu")
+    host_plan = {
+        "single_ms": _host_ms(lambda: ChunkPlanner(workspace, page_size, policy).plan(batch)),
+        "dcp_ms": _host_ms(lambda: DCPChunkPlanner(
+            workspace, page_size, world=world, interleave=interleave,
+            policy=policy).plan(batch, rank=rank)),
+        "single_upload_bytes": int(sum(a.nbytes for a in single_plan.device_arrays().values())),
+        "dcp_upload_bytes": int(sum(a.nbytes for a in dcp_plan.device_arrays().values())),
+    }
     ring = StagingRing(device)
     single_dp = ring.upload(single_plan)
     dcp_dp = ring.upload(dcp_plan)
@@ -286,6 +305,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
                   "max_abs_diff_out": maxs[1], "max_abs_diff_lse": maxs[2],
                   "tolerance": tol, "ranks_agree": ranks_agree},
         "host_syncs_in_dcp_forward": host_syncs,
+        "host_plan": host_plan,
         "timings": timings,
     }
 
@@ -293,7 +313,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
 def _table(doc: dict[str, Any]) -> str:
     head = (f"{'case':<12} {'I':>4} {'policy':<6} {'it':>3} {'match':<5} {'max|d|':>8} "
             f"{'fwd 1gpu':>9} {'fwd dcp':>9} {'ratio':>6} {'ctx/it 1':>9} {'ctx/it dcp':>10} "
-            f"{'ag/it':>8} {'ag GB/s':>8} {'syncs':>5}")
+            f"{'ag/it':>8} {'ag GB/s':>8} {'syncs':>5} {'plan 1/dcp':>11}")
     cfg = doc["config"]
     lines = [f"DCP world={doc['world']} on {doc['machine']['device_name']} ({cfg['dtype']}, "
              f"{cfg['preset']}, page {cfg['page_size']}, workspace {cfg['workspace_tokens']}); "
@@ -312,7 +332,8 @@ def _table(doc: dict[str, Any]) -> str:
             f"{med('forward_single'):>9.3f} {med('forward_dcp'):>9.3f} {ratio:>6.2f} "
             f"{med('context_single') / n:>9.3f} {med('context_dcp') / n:>10.3f} "
             f"{med('context_dcp_all_gather') / n:>8.3f} "
-            f"{(f'{bw:.3g}' if bw else '-'):>8} {syncs:>5}")
+            f"{(f'{bw:.3g}' if bw else '-'):>8} {syncs:>5} "
+            f"{c['host_plan']['single_ms']:>5.2f}/{c['host_plan']['dcp_ms']:<5.2f}")
     for s in doc["skipped"]:
         lines.append(f"{s['name']:<12} {s['interleave']:>4} {s['policy']:<6} skipped: {s['why']}")
     verdict = "ALL MATCH" if doc["all_match"] else "MISMATCH"

@@ -36,12 +36,99 @@ __all__ = ["DCPChunkPlan", "DCPChunkPlanner", "dcp_config_digest", "derive_dcp_a
 _MAX_REPLANS = 64
 
 
-def _segments(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flattened segments of ``lens`` (any shape): (flat segment id, offset in segment)."""
-    flat = np.asarray(lens, dtype=np.int64).ravel()
-    seg = np.repeat(np.arange(flat.size, dtype=np.int64), flat)
-    starts = np.cumsum(flat) - flat
-    return seg, np.arange(seg.size, dtype=np.int64) - starts[seg]
+def _local_shares(starts: np.ndarray, lens: np.ndarray, *, world: int,
+                  interleave: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's share of every piece: O(world * num_iterations * num_reqs), no per-token work.
+
+    Returns ``lo`` (local start), ``local_lens``, ``local_cu`` ([world, K, R(+1)], int64) and
+    ``capacity`` [K] (largest share total of each iteration over ranks).
+    """
+    n_it, n_req = starts.shape
+    ranks = np.arange(world, dtype=np.int64)[:, None, None]
+    lo = dcp_local_count(starts[None], ranks, world=world, interleave=interleave)
+    hi = dcp_local_count((starts + lens)[None], ranks, world=world, interleave=interleave)
+    local_lens = hi - lo  # [world, K, R]
+    local_cu = np.zeros((world, n_it, n_req + 1), dtype=np.int64)
+    np.cumsum(local_lens, axis=2, out=local_cu[:, :, 1:])
+    capacity = local_cu[:, :, -1].max(axis=0) if n_it else np.zeros(0, np.int64)
+    return lo, local_lens, local_cu, capacity
+
+
+def _zeros_view(shape: tuple[int, int]) -> np.ndarray:
+    # Read-only all-zero view without memory (one request: every row is request 0).
+    return np.broadcast_to(np.zeros(1, dtype=np.int32), shape)
+
+
+def _rows_to_seq(lens: np.ndarray, width: int) -> np.ndarray:
+    """int32 [K, width]: request of each row for pieces ``lens`` [K, R]; padding rows 0."""
+    n_it, n_req = lens.shape
+    if n_req == 1:
+        return _zeros_view((n_it, width))
+    # One repeat over [K, R+1] segments: the R pieces of each row, then its padding (value 0).
+    ids = np.zeros((n_it, n_req + 1), dtype=np.int32)
+    ids[:, :n_req] = np.arange(n_req, dtype=np.int32)
+    counts = np.empty((n_it, n_req + 1), dtype=np.int64)
+    counts[:, :n_req] = lens
+    counts[:, n_req] = width - lens.sum(axis=1)
+    return np.repeat(ids.ravel(), counts.ravel()).reshape(n_it, width)
+
+
+def _reorder_index(starts: np.ndarray, lens: np.ndarray, cu: np.ndarray, lo: np.ndarray,
+                   local_cu: np.ndarray, capacity: np.ndarray, *, world: int, interleave: int,
+                   width: int) -> np.ndarray:
+    """int32 [K, width]: gathered-buffer row of every workspace row (padding rows 0).
+
+    Row ``j`` of piece ``(i, r)`` is context token ``t = starts[i, r] + j``, owned by rank
+    ``k = (t // I) % world`` at local index ``l``; rank k's share of the piece sits in the
+    gathered buffer from ``k * capacity[i] + local_cu[k, i, r]`` on and starts at local index
+    ``lo[k, i, r]``, so the row is ``base[i, r, k] + l`` with a small per-(piece, rank) table.
+    Per token: contiguous passes only (repeats of per-piece values, a few int64 ops, one
+    gather from the small table) — no scatter, no per-token 2-D indexing.
+    """
+    n_it, n_req = starts.shape
+    if n_it == 0 or width == 0:
+        return np.zeros((n_it, width), dtype=np.int32)
+    # Segments of the flat [K * width] output: the R pieces of each iteration, then its padding.
+    counts = np.empty((n_it, n_req + 1), dtype=np.int64)
+    counts[:, :n_req] = lens
+    counts[:, n_req] = width - cu[:, -1]
+    counts = counts.ravel()
+    first_row = np.cumsum(counts) - counts  # flat output row where each segment starts
+    # token of a row = row + (segment start token - segment first row); padding: anything >= 0
+    tok_start = np.zeros((n_it, n_req + 1), dtype=np.int64)
+    tok_start[:, :n_req] = starts
+    tok_shift = tok_start.ravel() - first_row
+    # table[seg, k] = k * capacity[i] + local_cu[k, i, r] - lo[k, i, r]; padding rows -> 0
+    table = np.zeros((n_it, n_req + 1, world), dtype=np.int64)
+    table[:, :n_req, :] = np.moveaxis(
+        np.arange(world, dtype=np.int64)[:, None, None] * capacity[None, :, None]
+        + local_cu[:, :, :n_req] - lo, 0, -1)
+    table = table.reshape(-1, world)
+    valid = np.ones((n_it, n_req + 1), dtype=np.int64)
+    valid[:, n_req] = 0
+    seg_rows = np.arange(counts.size, dtype=np.intp) * world  # table row offset per segment
+
+    # int32 (PrefillBatch bounds lengths by INT32_MAX) and in-place ops: at 10^5..10^6 rows the
+    # cost is allocation/page faults as much as arithmetic.
+    n = n_it * width
+    tok = np.repeat(tok_shift.astype(np.int32), counts)
+    scratch = np.arange(n, dtype=np.int32)
+    tok += scratch
+    np.maximum(tok, 0, out=tok)  # padding rows may go negative; their result is zeroed below
+    if interleave == 1:
+        unit = tok
+    else:
+        unit = np.floor_divide(tok, interleave, out=scratch)
+        tok -= unit * np.int32(interleave)  # tok = position inside the interleave unit
+    cycle = np.floor_divide(unit, world)
+    owner = np.remainder(unit, world, out=unit)
+    np.multiply(cycle, interleave, out=cycle)
+    local = cycle if interleave == 1 else np.add(cycle, tok, out=cycle)
+    owner += np.repeat(seg_rows.astype(np.int32), counts)
+    index = np.take(table.ravel().astype(np.int32), owner)
+    index += local
+    index *= np.repeat(valid.ravel().astype(np.int32), counts)
+    return index.reshape(n_it, width)
 
 
 def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
@@ -71,39 +158,18 @@ def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
     starts = np.asarray(chunk_starts, dtype=np.int64)
     lens = np.asarray(chunk_lens, dtype=np.int64)
     cu = np.asarray(cu_seq_lens, dtype=np.int64)
-    n_it, n_req = starts.shape
-    ranks = np.arange(world, dtype=np.int64)[:, None, None]
-    lo = dcp_local_count(starts[None], ranks, world=world, interleave=interleave)
-    hi = dcp_local_count((starts + lens)[None], ranks, world=world, interleave=interleave)
-    local_lens = hi - lo  # [world, n_it, n_req]
-    local_cu = np.zeros((world, n_it, n_req + 1), dtype=np.int64)
-    np.cumsum(local_lens, axis=2, out=local_cu[:, :, 1:])
-    local_totals = local_cu[:, :, -1]  # [world, n_it]
-    capacity = local_totals.max(axis=0, initial=0) if n_it else np.zeros(0, np.int64)
+    lo, local_lens, local_cu, capacity = _local_shares(starts, lens, world=world,
+                                                       interleave=interleave)
     max_cap = int(capacity.max(initial=0))
-
-    # This rank's local token_to_seq (padding rows = 0, as in the base plan).
-    seg, off = _segments(local_lens[rank])
-    it, req = seg // max(n_req, 1), seg % max(n_req, 1)
-    token_to_seq = np.zeros((n_it, max_cap), dtype=np.int32)
-    token_to_seq[it, local_cu[rank, it, req] + off] = req
-
-    # Reorder: workspace row (global order) -> row of the rank-major gathered buffer.
-    seg, off = _segments(lens)
-    it, req = seg // max(n_req, 1), seg % max(n_req, 1)
-    tok = starts[it, req] + off
-    owner = (tok // interleave) % world
-    local = (tok // (interleave * world)) * interleave + tok % interleave
-    pos = local_cu[owner, it, req] + local - lo[owner, it, req]
-    reorder = np.zeros((n_it, max_iteration_tokens), dtype=np.int32)
-    reorder[it, cu[it, req] + off] = owner * capacity[it] + pos
+    reorder = _reorder_index(starts, lens, cu, lo, local_cu, capacity, world=world,
+                             interleave=interleave, width=max_iteration_tokens)
     return {
         "local_chunk_starts": lo[rank].astype(np.int32),
         "local_chunk_lens": local_lens[rank].astype(np.int32),
         "local_cu_seq_lens": local_cu[rank].astype(np.int32),
-        "local_token_to_seq": token_to_seq,
+        "local_token_to_seq": _rows_to_seq(local_lens[rank], max_cap),
         "reorder_index": reorder,
-        "local_totals": local_totals,
+        "local_totals": local_cu[:, :, -1],
         "rank_capacity": capacity.astype(np.int64),
     }
 
@@ -273,11 +339,11 @@ class DCPChunkPlanner:
                     f"{base_w}-token base workspace fails: {exc}); increase workspace_tokens, "
                     f"lower dcp_interleave, or use policy='packed'."
                 ) from None
-            arrays = derive_dcp_arrays(
-                base.chunk_starts, base.chunk_lens, base.cu_seq_lens, world=self.world,
-                interleave=self.interleave, rank=int(rank),
-                max_iteration_tokens=int(base.max_iteration_tokens))
-            gathered = self.world * int(arrays["rank_capacity"].max(initial=0))
+            # Capacities only (no per-token work) until the plan fits.
+            *_, capacity = _local_shares(base.chunk_starts.astype(np.int64),
+                                         base.chunk_lens.astype(np.int64), world=self.world,
+                                         interleave=self.interleave)
+            gathered = self.world * int(capacity.max(initial=0))
             if gathered <= w:
                 break
             if base_w <= self.page_size:
@@ -294,6 +360,10 @@ class DCPChunkPlanner:
                          base_w - -(-excess // self.page_size) * self.page_size)
         else:  # pragma: no cover - replanning shrinks by >= one page each time
             raise ValueError(f"could not fit the DCP plan into workspace_tokens={w}")
+        arrays = derive_dcp_arrays(
+            base.chunk_starts, base.chunk_lens, base.cu_seq_lens, world=self.world,
+            interleave=self.interleave, rank=int(rank),
+            max_iteration_tokens=int(base.max_iteration_tokens))
         totals = arrays["local_totals"]
         return DCPChunkPlan(
             base=base, world=self.world, rank=int(rank), interleave=self.interleave,
