@@ -91,3 +91,11 @@ def test_max_seconds_truncates_evenly_and_skips_rounds(tmp_path):
     for v in doc["variants"]:
         assert v["metrics"]["truncated_runs"] == 1
         assert v["metrics"]["num_steps_per_run"] >= 1  # a run always makes one step
+
+
+def test_uneven_scenario_packed_needs_fewer_iterations_and_stays_below_threshold():
+    cfg = EngineConfig(**SCENARIOS["uneven"].engine)
+    equal, packed = metadata_profile(cfg, "equal"), metadata_profile(cfg, "packed")
+    assert packed["iterations"].sum() < 0.85 * equal["iterations"].sum()
+    assert equal["steps_over_threshold_fraction"] > 0.1
+    assert packed["steps_over_threshold_fraction"] == 0.0

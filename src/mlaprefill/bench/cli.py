@@ -18,6 +18,13 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     (``[2, 1048576]`` int32) past 64 Ki tokens, i.e. in the last ~40 % of the steps. Those copies
     are past the measured threshold, so ``pageable`` should block the host for about one step of
     GPU time per step there.
+``uneven`` (the planner's case)
+    16 prompts of 8-156 Ki tokens (``--prompt-len-spread 0.9``), 8 concurrent, the budget shared
+    fairly, vLLM's 65,536-token workspace, 2 layers: requests are admitted as others finish, so
+    a step mixes long and short contexts. ``equal`` gives every request ``W / n`` per chunk and
+    needs ``ceil(max context / chunk)`` iterations; ``packed`` needs about ``sum / W``. Dry run:
+    2375 vs 1843 iterations over the run (-22 %), and ``equal``'s largest table crosses 3 MiB on
+    19 % of the steps while ``packed`` never does. Variants: pageable and ring x equal and packed.
 ``cpu-tiny`` (default without CUDA)
     Preset ``tiny``, 2 layers, 8 prompts of 512 tokens, 4 concurrent, 128-token steps shared
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
@@ -48,6 +55,7 @@ class Scenario:
     repeats: int = 2
     warmup_steps: int = 3
     needs_cuda: bool = True
+    variants: tuple[str, ...] | None = None  # None: runner.DEFAULT_VARIANTS
 
 
 _V3_TP8 = {"preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
@@ -62,12 +70,19 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
         note="budget shared by 16 running prefills + 1 Mi-token workspace: token_to_seq ~4 B x "
              "sum(context) reaches 3-8 MiB per step (past the measured pageable-stall threshold)",
         engine={**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576, "share": "fair"}),
+    "uneven": Scenario(
+        note="mixed 8-156 Ki prompts, 8 concurrent, fair share, 65,536-token workspace: steps "
+             "mix long and short contexts, where packed needs fewer iterations and smaller "
+             "tables than equal",
+        engine={**_V3_TP8, "num_layers": 2, "workspace_tokens": 65536, "share": "fair",
+                "max_concurrent": 8, "prompt_len_spread": 0.9},
+        variants=("pageable+equal", "pageable+packed", "ring+equal", "ring+packed")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine={"preset": "tiny", "tp": 1, "num_layers": 2, "vocab_size": 64, "prompt_len": 512,
                 "num_requests": 8, "max_concurrent": 4, "token_budget": 128,
                 "workspace_tokens": 256, "page_size": 16, "share": "fair"},
-        repeats=2, warmup_steps=1, needs_cuda=False),
+        repeats=3, warmup_steps=1, needs_cuda=False),
 })
 
 # CLI option dest -> EngineConfig field
@@ -139,13 +154,13 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _parse_variants(text: str | None) -> list:
+def _parse_variants(text: str | None, default: tuple[str, ...] | None = None) -> list:
     from mlaprefill.bench.engine import Variant
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     from mlaprefill.plan import POLICIES
     from mlaprefill.staging import MODES
     if text is None:
-        items = list(DEFAULT_VARIANTS)
+        items = list(default or DEFAULT_VARIANTS)
     elif text.strip() == "all":
         items = [f"{m}+{p}" for m in ("pageable", "pin", "ring") if m in MODES for p in POLICIES]
     else:
@@ -164,6 +179,9 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     if scenario.needs_cuda and not has_cuda and not getattr(args, "dry_run", False):
         raise ValueError(f"scenario {name!r} needs a CUDA device (it is sized for an H200); "
                          f"use --scenario cpu-tiny on this machine.")
+    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} requested but CUDA is not available; use "
+                         f"--device cpu (or leave it out).")
     values = dict(scenario.engine)
     for opt, fld in _ENGINE_OPTS.items():
         v = getattr(args, opt, None)
@@ -204,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         name, scenario, config = build_config(args)
-        variants = _parse_variants(args.variants)
+        variants = _parse_variants(args.variants, scenario.variants)
         repeats = args.repeats if args.repeats is not None else scenario.repeats
         warmup = args.warmup_steps if args.warmup_steps is not None else scenario.warmup_steps
         if repeats < 1 or warmup < 0:
@@ -233,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
           f"budget {config.token_budget}, workspace {config.workspace_tokens}, share "
           f"{config.share}, {repeats} repeats, {doc['total_seconds']:.1f} s")
     print(format_table(doc))
+    if doc["ran_on"] == "cpu":
+        print("ran on the CPU: every transfer mode is a plain CPU copy here, so this shows the "
+              "engine working, not the pageable stall (that needs a GPU).")
     if args.out is not None:
         out = Path(args.out)
         write_json(doc, out / "bench.json")

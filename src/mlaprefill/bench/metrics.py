@@ -25,7 +25,8 @@ Definitions (all times in milliseconds unless the name says otherwise):
 ``ttft_ms``
     From a request's arrival to the device-timeline end of the step that sampled its first token.
 ``throughput_tok_s``
-    Prompt tokens / (end of the last step - start of the run), seconds.
+    Prompt tokens / (end of the last step - start of the run), seconds; the median over repeats
+    (robust to one disturbed run on a shared machine), with mean, min and max beside it.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 # Keys every variant's "metrics" dict has (the JSON contract; tests check all are present).
 METRIC_KEYS = (
-    "throughput_tok_s", "throughput_tok_s_min", "throughput_tok_s_max",
+    "throughput_tok_s", "throughput_tok_s_mean", "throughput_tok_s_min", "throughput_tok_s_max",
     "throughput_tok_s_per_repeat",
     "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99",
     "host_plan_upload_ms_p50", "host_plan_upload_ms_p99",
@@ -92,7 +93,7 @@ METRIC_KEYS = (
     "host_launch_ms_p50", "host_wait_ms_total_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "token_to_seq_bytes_max",
-    "steps_over_3mib_fraction", "iterations_p50", "iterations_max",
+    "steps_over_3mib_fraction", "iterations_p50", "iterations_max", "iterations_total_per_run",
     "num_steps_per_run", "num_requests_per_run", "prompt_tokens_per_run", "repeats",
     "staging_arenas_grown", "staging_stalls", "truncated_runs",
 )
@@ -101,8 +102,8 @@ METRIC_KEYS = (
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
     """Aggregate the repeats of one variant into the metrics dict (keys: :data:`METRIC_KEYS`).
 
-    Percentiles pool the steps / requests of all repeats; throughput is the mean over repeats
-    with its min and max.
+    Percentiles pool the steps / requests of all repeats; throughput is the median over repeats
+    with its mean, min and max.
     """
     if not runs:
         raise ValueError("summarize: no runs to summarize.")
@@ -123,7 +124,8 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     ttft_mean = float(ttft.mean()) if ttft.size else float("nan")
     n = len(runs)
     return {
-        "throughput_tok_s": float(tput.mean()),
+        "throughput_tok_s": float(np.median(tput)),
+        "throughput_tok_s_mean": float(tput.mean()),
         "throughput_tok_s_min": float(tput.min()),
         "throughput_tok_s_max": float(tput.max()),
         "throughput_tok_s_per_repeat": [float(t) for t in tput],
@@ -151,6 +153,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "steps_over_3mib_fraction": float(np.mean(t2s >= 3 * 2**20)),
         "iterations_p50": _pct(col("num_iterations"), 50),
         "iterations_max": float(col("num_iterations").max()),
+        "iterations_total_per_run": float(col("num_iterations").sum() / n),
         "num_steps_per_run": len(steps) / n,
         "num_requests_per_run": float(np.mean([r.ttft_ms.size for r in runs])),
         "prompt_tokens_per_run": float(np.mean([r.prompt_tokens for r in runs])),

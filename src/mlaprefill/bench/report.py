@@ -42,8 +42,19 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["driver"] = _driver_version()
     else:
-        info["device_name"] = platform.processor() or platform.machine()
+        info["device_name"] = _cpu_name()
     return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _driver_version() -> str | None:
@@ -131,7 +142,7 @@ def write_png(doc: dict[str, Any], path: Path) -> str | None:
     hi = [v["metrics"]["throughput_tok_s_max"] - t for t, v in zip(tput, rows, strict=True)]
     ax.bar(x, tput, color=colors, yerr=[lo, hi], capsize=4)
     ax.set_xticks(x, names, rotation=20)
-    ax.set_ylabel("prompt tokens / s (mean, min-max over repeats)")
+    ax.set_ylabel("prompt tokens / s (median, min-max over repeats)")
     ax.set_title("throughput")
     if tput:
         ax.set_ylim(min(tput) * 0.9, max(tput) * 1.05)
