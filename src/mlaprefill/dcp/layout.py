@@ -75,7 +75,9 @@ def dcp_local_count(x: np.ndarray, rank: np.ndarray | int, *, world: int,
     rank = np.asarray(rank, dtype=np.int64)
     cycle = interleave * world
     rem = x % cycle
-    return (x // cycle) * interleave + np.clip(rem - rank * interleave, 0, interleave)
+    # np.minimum/np.maximum: np.clip's Python wrapper costs more than the math at these sizes
+    return (x // cycle) * interleave + np.minimum(np.maximum(rem - rank * interleave, 0),
+                                                  interleave)
 
 
 def dcp_local_context_lens(context_lens: np.ndarray, *, world: int,

@@ -133,7 +133,8 @@ def _reorder_index(starts: np.ndarray, lens: np.ndarray, cu: np.ndarray, lo: np.
 
 def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
                       cu_seq_lens: np.ndarray, *, world: int, interleave: int,
-                      rank: int, max_iteration_tokens: int) -> dict[str, Any]:
+                      rank: int, max_iteration_tokens: int,
+                      shares: tuple[np.ndarray, ...] | None = None) -> dict[str, Any]:
     """Per-rank local arrays and the reorder index from a single-rank chunk layout.
 
     Parameters
@@ -146,6 +147,8 @@ def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
         DCP layout and the rank whose local arrays to return.
     max_iteration_tokens : int
         Width of the reorder index (the base plan's ``max_iteration_tokens``).
+    shares : tuple, optional
+        ``_local_shares(...)`` of these pieces if already computed.
 
     Returns
     -------
@@ -158,8 +161,9 @@ def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
     starts = np.asarray(chunk_starts, dtype=np.int64)
     lens = np.asarray(chunk_lens, dtype=np.int64)
     cu = np.asarray(cu_seq_lens, dtype=np.int64)
-    lo, local_lens, local_cu, capacity = _local_shares(starts, lens, world=world,
-                                                       interleave=interleave)
+    if shares is None:
+        shares = _local_shares(starts, lens, world=world, interleave=interleave)
+    lo, local_lens, local_cu, capacity = shares
     max_cap = int(capacity.max(initial=0))
     reorder = _reorder_index(starts, lens, cu, lo, local_cu, capacity, world=world,
                              interleave=interleave, width=max_iteration_tokens)
@@ -340,10 +344,10 @@ class DCPChunkPlanner:
                     f"lower dcp_interleave, or use policy='packed'."
                 ) from None
             # Capacities only (no per-token work) until the plan fits.
-            *_, capacity = _local_shares(base.chunk_starts.astype(np.int64),
-                                         base.chunk_lens.astype(np.int64), world=self.world,
-                                         interleave=self.interleave)
-            gathered = self.world * int(capacity.max(initial=0))
+            shares = _local_shares(base.chunk_starts.astype(np.int64),
+                                   base.chunk_lens.astype(np.int64), world=self.world,
+                                   interleave=self.interleave)
+            gathered = self.world * int(shares[3].max(initial=0))
             if gathered <= w:
                 break
             if base_w <= self.page_size:
@@ -363,7 +367,7 @@ class DCPChunkPlanner:
         arrays = derive_dcp_arrays(
             base.chunk_starts, base.chunk_lens, base.cu_seq_lens, world=self.world,
             interleave=self.interleave, rank=int(rank),
-            max_iteration_tokens=int(base.max_iteration_tokens))
+            max_iteration_tokens=int(base.max_iteration_tokens), shares=shares)
         totals = arrays["local_totals"]
         return DCPChunkPlan(
             base=base, world=self.world, rank=int(rank), interleave=self.interleave,
