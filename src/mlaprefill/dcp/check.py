@@ -69,6 +69,9 @@ SCENARIOS: dict[str, dict[str, tuple[list[int], list[int]]]] = {
         "mixed": ([4, 1, 3, 2, 1], [0, 1, 63, 200, 16]),
     },
 }
+# A peer stuck for this long (e.g. it failed) ends the run instead of hanging it for NCCL's
+# default 10 minutes; generous enough for a first call that compiles kernels.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -244,8 +247,8 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
 
     # -- time ----------------------------------------------------------------------------------
     timer = _Timer(device, group, args.reps, args.warmup)
-    ws = torch.empty(max(single_plan.max_iteration_tokens, 1), cfg.latent_dim, dtype=dtype,
-                     device=device)
+    ws = torch.empty(max(single_plan.max_iteration_tokens, dcp_plan.max_iteration_tokens, 1),
+                     cfg.latent_dim, dtype=dtype, device=device)
     iters = range(single_plan.num_iterations)
 
     def single_ctx() -> None:
@@ -359,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=_COLLECTIVE_TIMEOUT)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
     group = dist.group.WORLD
     size = "gpu" if use_cuda else "cpu"
     cfg = MLAConfig.from_preset(args.preset or ("deepseek-v3" if use_cuda else "tiny"))
@@ -374,42 +377,42 @@ def main(argv: list[str] | None = None) -> int:
     names = args.scenarios.split(",") if args.scenarios else list(SCENARIOS[size])
     t_start = time.time()
     cases, skipped = [], []
-    try:
-        for k, name in enumerate(names):
-            query_lens, context_lens = SCENARIOS[size][name]
-            policies = ["packed", "equal"] if name.startswith("mixed") else ["packed"]
-            data = _inputs(cfg, query_lens, context_lens, page_size, dtype, device,
-                           args.seed + k)
-            for interleave in interleaves:
-                shard = shard_paged_cache(data["kv_cache"], data["block_table"],
-                                          np.array(context_lens), world=world,
-                                          interleave=interleave)[rank]
-                for policy in policies:
-                    if policy == "equal" and interleave != interleaves[-1]:
-                        continue  # one equal-policy case per scenario keeps the run short
-                    # every rank must agree on skipping: take the slowest rank's clock
-                    _, (elapsed,) = _all_min_max([time.time() - t_start], group, device)
-                    if elapsed > args.time_budget:
-                        skipped.append({"name": name, "interleave": interleave,
-                                        "policy": policy,
-                                        "why": f"time budget {args.time_budget:.0f} s spent"})
-                        continue
-                    case = _run_case(name, query_lens, context_lens, interleave, policy, data,
-                                     shard, args=args, cfg=cfg, page_size=page_size,
-                                     workspace=workspace, rank=rank, world=world, group=group,
-                                     device=device, dtype=dtype)
-                    cases.append(case)
-                    if rank == 0:
-                        print(f"[dcp] {name} I={interleave} {policy}: match="
-                              f"{case['check']['match']} ({time.time() - t_start:.0f} s)",
-                              flush=True)
-                del shard
-            del data
-            if use_cuda:
-                torch.cuda.empty_cache()
-    finally:
-        dist.barrier(group=group)
-        dist.destroy_process_group()
+    # No try/finally around the collectives: a rank that raises just exits and torchrun stops
+    # the others (a barrier in a finally could wait forever on peers inside another collective).
+    for k, name in enumerate(names):
+        query_lens, context_lens = SCENARIOS[size][name]
+        policies = ["packed", "equal"] if name.startswith("mixed") else ["packed"]
+        data = _inputs(cfg, query_lens, context_lens, page_size, dtype, device,
+                       args.seed + k)
+        for interleave in interleaves:
+            shard = shard_paged_cache(data["kv_cache"], data["block_table"],
+                                      np.array(context_lens), world=world,
+                                      interleave=interleave)[rank]
+            for policy in policies:
+                if policy == "equal" and interleave != interleaves[-1]:
+                    continue  # one equal-policy case per scenario keeps the run short
+                # every rank must agree on skipping: take the slowest rank's clock
+                _, (elapsed,) = _all_min_max([time.time() - t_start], group, device)
+                if elapsed > args.time_budget:
+                    skipped.append({"name": name, "interleave": interleave,
+                                    "policy": policy,
+                                    "why": f"time budget {args.time_budget:.0f} s spent"})
+                    continue
+                case = _run_case(name, query_lens, context_lens, interleave, policy, data,
+                                 shard, args=args, cfg=cfg, page_size=page_size,
+                                 workspace=workspace, rank=rank, world=world, group=group,
+                                 device=device, dtype=dtype)
+                cases.append(case)
+                if rank == 0:
+                    print(f"[dcp] {name} I={interleave} {policy}: match="
+                          f"{case['check']['match']} ({time.time() - t_start:.0f} s)",
+                          flush=True)
+            del shard
+        del data
+        if use_cuda:
+            torch.cuda.empty_cache()
+    dist.barrier(group=group)
+    dist.destroy_process_group()
     from mlaprefill.bench.report import machine_info
 
     machine = machine_info(device)
