@@ -320,6 +320,7 @@ class PrefillEngine:
         t0 = time.perf_counter()
         step_idx = 0
         truncated = False
+        wait_mark = 0.0  # waits since the last record, including ones with nothing to schedule
         while scheduler.has_unfinished() and (max_steps is None or step_idx < max_steps):
             if deadline is not None and step_idx and time.perf_counter() > deadline:
                 truncated = True
@@ -352,7 +353,6 @@ class PrefillEngine:
             td = time.perf_counter()
             events.append((start, end))
             state.pending.append(_InFlight(step_idx, end, slot, step.req_ids[step.finishing]))
-            wait0 = state.wait_ms
             while len(state.pending) > 1:  # keep one step queued behind the running one
                 self._observe(state, block=True)
             records.append(StepRecord(
@@ -362,7 +362,8 @@ class PrefillEngine:
                 metadata_bytes=step_plan.nbytes,
                 token_to_seq_bytes=int(chunk_plan.token_to_seq.nbytes),
                 host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
-                host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait0))
+                host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark))
+            wait_mark = state.wait_ms
             step_idx += 1
             if progress is not None:
                 progress(variant.name, repeat, step_idx, scheduler.num_finished,
