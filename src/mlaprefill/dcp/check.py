@@ -286,6 +286,11 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     for k, v in zip(names, slowest, strict=True):
         timings[k]["max_rank_median_ms"] = v
 
+    per_iteration = {k.removeprefix("context_"): v["max_rank_median_ms"] / dcp_plan.num_iterations
+                     for k, v in timings.items() if k.startswith("context_dcp")}
+    if "context_single" in timings:
+        per_iteration["single"] = (timings["context_single"]["max_rank_median_ms"]
+                                   / single_plan.num_iterations)
     elt = torch.empty((), dtype=dtype).element_size()
     gather_bytes = sum(world * c for c in dcp_plan.rank_capacity) * cfg.latent_dim * elt
     ag = timings.get("context_dcp_all_gather")
@@ -310,6 +315,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
         "host_syncs_in_dcp_forward": host_syncs,
         "host_plan": host_plan,
         "timings": timings,
+        "context_fetch_per_iteration_ms": per_iteration,
     }
 
 

@@ -17,6 +17,13 @@ Memory bound: the gathered buffer (``world * rank_capacity[i]`` rows, padding in
 fit ``workspace_tokens``. Shares are not always balanced (a page-aligned piece can start
 mid-cycle), so when the plan at ``workspace_tokens`` overflows, the base plan is redone with a
 smaller workspace, by whole pages, until it fits; if even one page does not fit, ``ValueError``.
+(When no replanning is needed — balanced shares, e.g. one long request — the iterations are
+exactly the single-rank ones and the DCP output is bitwise the single-rank output.)
+
+Host cost: the shares are O(world * num_iterations * num_reqs); the reorder index is about a
+dozen contiguous int32 numpy passes over the context tokens (measured on the 2-core CI VM:
+~0.3 ms for a 5-request batch of ~300 tokens, 1-3 ms for 128k context tokens, ~10 ms for 1M),
+plus 4 bytes per context token in the upload.
 """
 
 from __future__ import annotations
