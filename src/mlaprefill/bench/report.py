@@ -143,9 +143,12 @@ def write_png(doc: dict[str, Any], path: Path) -> str | None:
     ax.bar(x, tput, color=colors, yerr=[lo, hi], capsize=4)
     ax.set_xticks(x, names, rotation=20)
     ax.set_ylabel("prompt tokens / s (median, min-max over repeats)")
-    ax.set_title("throughput")
+    ax.set_title("throughput (% vs first variant)")
+    for i, t in enumerate(tput):
+        ax.annotate(f"{t:.0f}\n{(t / tput[0] - 1) * 100:+.1f}%", (i, t + hi[i]), xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8)
     if tput:
-        ax.set_ylim(min(tput) * 0.9, max(tput) * 1.05)
+        ax.set_ylim(0, max(hi_ + t for hi_, t in zip(hi, tput, strict=True)) * 1.2)
     ax = axes[1]
     w = 0.38
     mean = [v["metrics"]["ttft_ms_mean"] / 1e3 for v in rows]
