@@ -12,8 +12,9 @@
 # uneven:       mixed 8-156 Ki prompts, 8 concurrent: equal needs ~22 % more iterations than
 #               packed and crosses 3 MiB on ~19 % of the steps, packed never.
 # The dry run printed before each scenario shows those bytes (scheduler + planner only).
-# Each scenario is capped by --max-seconds 165 (a round of repeats that would not fit is
-# skipped; a first round that is too slow is truncated evenly across variants and flagged).
+# Each scenario is capped at 165 s of measuring (--max-seconds: a round of repeats that would
+# not fit is skipped; a first round that is too slow is truncated evenly across variants and
+# flagged in the table and JSON).
 set -euo pipefail
 out=${1:?usage: benchmarks/bench_h200.sh OUT_DIR [SCENARIO ...]}
 shift

@@ -56,6 +56,9 @@ class Scenario:
     warmup_steps: int = 3
     needs_cuda: bool = True
     variants: tuple[str, ...] | None = None  # None: runner.DEFAULT_VARIANTS
+    # Wall-clock cap of the measuring part (see runner.run_suite); keeps the defaults within
+    # 3 minutes on an H200 / 60 s on a CPU even on a slower machine.
+    max_seconds: float | None = 165.0
 
 
 # GPU scenarios use the FlashAttention-2 varlen backend: one kernel per call for the whole ragged
@@ -87,7 +90,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
         engine={"preset": "tiny", "tp": 1, "num_layers": 2, "vocab_size": 64, "prompt_len": 512,
                 "num_requests": 8, "max_concurrent": 4, "token_budget": 128,
                 "workspace_tokens": 256, "page_size": 16, "share": "fair"},
-        repeats=3, warmup_steps=1, needs_cuda=False),
+        repeats=3, warmup_steps=1, needs_cuda=False, max_seconds=45.0),
 })
 
 # CLI option dest -> EngineConfig field
@@ -147,7 +150,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
     p.add_argument("--max-seconds", type=float,
-                   help="start no new round of repeats that would end past this (wall seconds)")
+                   help="wall-clock cap in seconds: no new round of repeats that would end past "
+                        "it, a too-slow first round is truncated evenly (default: 165 on GPU "
+                        "scenarios, 45 on cpu-tiny; 0 = no cap)")
     p.add_argument("--dry-run", action="store_true",
                    help="no model, no device: print the metadata bytes per step the scenario's "
                         "steps would upload (per planner policy) and exit")
@@ -237,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         variants = _parse_variants(args.variants, scenario.variants)
         repeats = args.repeats if args.repeats is not None else scenario.repeats
         warmup = args.warmup_steps if args.warmup_steps is not None else scenario.warmup_steps
+        max_seconds = scenario.max_seconds if args.max_seconds is None else args.max_seconds
+        max_seconds = max_seconds or None  # 0 = no cap
         if repeats < 1 or warmup < 0:
             raise ValueError(f"--repeats must be >= 1 and --warmup-steps >= 0, got {repeats} "
                              f"and {warmup}.")
@@ -252,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             return _dry_run(name, config, variants)
         doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
                         scenario_note=scenario.note, progress=not args.no_progress,
-                        max_seconds=args.max_seconds, warmup_run=not args.no_warmup_run)
+                        max_seconds=max_seconds, warmup_run=not args.no_warmup_run)
     except ValueError as exc:
         return _fail(str(exc))
     doc["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
