@@ -51,7 +51,7 @@ class Scenario:
     """Named defaults: engine settings plus repeats and warm-up steps."""
 
     note: str
-    engine: Mapping[str, Any] = field(default_factory=dict)
+    engine: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     repeats: int = 2
     warmup_steps: int = 3
     needs_cuda: bool = True
@@ -65,36 +65,41 @@ class Scenario:
 # batch, nothing built per shape. cuDNN's cached-graph path (the forward's `auto` choice) builds a
 # graph per new (q_len, k_len), and contexts grow every step, so every step would meet new
 # shapes: host time that is not what this benchmark measures. Falls back to `auto` without FA2.
-_V3_TP8 = {"preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
-           "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
-           "backend": "varlen"}
+_V3_TP8: Mapping[str, Any] = MappingProxyType({
+    "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
+    "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
+    "backend": "varlen"})
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
         note="vLLM defaults: FCFS 4096-token steps, 65,536-token workspace; metadata <= ~0.6 MiB "
              "per step (below the ~3 MiB pageable-stall threshold measured on the H200)",
-        engine={**_V3_TP8, "num_layers": 4, "workspace_tokens": 65536, "share": "fcfs"}),
+        engine=MappingProxyType({**_V3_TP8, "num_layers": 4, "workspace_tokens": 65536,
+                                 "share": "fcfs"})),
     "stall": Scenario(
         note="budget shared by 16 running prefills + 1 Mi-token workspace: token_to_seq ~4 B x "
              "sum(context) reaches 3-8 MiB per step (past the measured pageable-stall threshold)",
-        engine={**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576, "share": "fair"}),
+        engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576,
+                                 "share": "fair"})),
     "uneven": Scenario(
         note="mixed 8-156 Ki prompts, 8 concurrent, fair share, 65,536-token workspace: steps "
              "mix long and short contexts, where packed needs fewer iterations and smaller "
              "tables than equal",
-        engine={**_V3_TP8, "num_layers": 2, "workspace_tokens": 65536, "share": "fair",
-                "max_concurrent": 8, "prompt_len_spread": 0.9},
+        engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 65536,
+                                 "share": "fair", "max_concurrent": 8,
+                                 "prompt_len_spread": 0.9}),
         variants=("pageable+equal", "pageable+packed", "ring+equal", "ring+packed")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
-        engine={"preset": "tiny", "tp": 1, "num_layers": 2, "vocab_size": 64, "prompt_len": 512,
-                "num_requests": 8, "max_concurrent": 4, "token_budget": 128,
-                "workspace_tokens": 256, "page_size": 16, "share": "fair"},
+        engine=MappingProxyType({
+            "preset": "tiny", "tp": 1, "num_layers": 2, "vocab_size": 64, "prompt_len": 512,
+            "num_requests": 8, "max_concurrent": 4, "token_budget": 128,
+            "workspace_tokens": 256, "page_size": 16, "share": "fair"}),
         repeats=3, warmup_steps=1, needs_cuda=False, max_seconds=45.0),
 })
 
 # CLI option dest -> EngineConfig field
-_ENGINE_OPTS = {
+_ENGINE_OPTS: Mapping[str, str] = MappingProxyType({
     "preset": "preset", "tp": "tp", "layers": "num_layers", "vocab": "vocab_size",
     "prompt_len": "prompt_len", "prompt_len_spread": "prompt_len_spread",
     "num_requests": "num_requests", "request_rate": "request_rate",
@@ -102,7 +107,7 @@ _ENGINE_OPTS = {
     "workspace": "workspace_tokens", "page_size": "page_size", "share": "share",
     "num_blocks": "num_blocks", "seed": "seed", "backend": "backend", "dtype": "dtype",
     "device": "device",
-}
+})
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
