@@ -29,6 +29,11 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     Preset ``tiny``, 2 layers, 8 prompts of 512 tokens, 4 concurrent, 128-token steps shared
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
     a plain copy, so the variants differ only in planner policy and host overhead.
+
+GPU scenarios: bf16, the FlashAttention-2 ``varlen`` backend (see ``_V3_TP8``), 2 interleaved
+repeats after one unmeasured full warm-up run, capped at 165 s of measuring. ``fair`` sharing is
+what vLLM V0's ``--max-num-partial-prefills`` does for concurrent long prefills; a prefix-cache
+heavy workload gives steps the same shape (many long contexts, few new tokens each).
 """
 
 from __future__ import annotations
