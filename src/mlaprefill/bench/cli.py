@@ -32,8 +32,8 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
 
 GPU scenarios: bf16, the FlashAttention-2 ``varlen`` backend (see ``_V3_TP8``), 2 interleaved
 repeats after one unmeasured full warm-up run, capped at 165 s of measuring. ``fair`` sharing is
-what vLLM V0's ``--max-num-partial-prefills`` does for concurrent long prefills; a prefix-cache
-heavy workload gives steps the same shape (many long contexts, few new tokens each).
+close to vLLM V0's ``--max-num-partial-prefills`` (several long prefills advancing together);
+a prefix-cache heavy workload gives steps the same shape (many long contexts, few new tokens).
 """
 
 from __future__ import annotations
