@@ -150,6 +150,8 @@ def test_item_and_bool_of_device_tensor() -> None:
     ("unique", lambda d: torch.unique(d)),
     ("repeat_interleave", lambda d: torch.repeat_interleave(d.long())),
     ("repeat_interleave_self", lambda d: d.repeat_interleave(d.long())),
+    ("bincount", lambda d: torch.bincount(d.long())),
+    ("histc_no_range", lambda d: torch.histc(d)),
 ])
 def test_data_dependent_shapes(name: str, op) -> None:
     d = torch.zeros(6, device="meta")
@@ -160,9 +162,19 @@ def test_data_dependent_shapes(name: str, op) -> None:
     assert kinds == {("data_dependent_shape", op.__code__.co_firstlineno, THIS)}, name
 
 
+def test_equal_and_allclose_are_host_reads() -> None:
+    d = torch.zeros(3, device="meta")
+    with no_host_sync() as audit:
+        line = _next_line()
+        _attempt(lambda: torch.equal(d, d))
+        _attempt(lambda: torch.allclose(d, d))
+    assert [(f.kind, f.lineno) for f in audit.findings] == [("item", line), ("item", line + 1)]
+
+
 def test_static_shape_forms_are_clean() -> None:
     d = torch.zeros(6, device="meta")
     with no_host_sync() as audit:
+        torch.histc(d, bins=4, min=0.0, max=1.0)
         torch.repeat_interleave(d.long(), output_size=12)
         d.repeat_interleave(2)
         torch.where(d > 0, d, 1.0)

@@ -13,10 +13,11 @@ kind                        what
 ``sync_h2d``                blocking host->device copy (``non_blocking=False``; ``torch.tensor``
                             or ``torch.as_tensor`` of host data with a device)
 ``d2h``                     device->host copy (``.cpu()``, ``.tolist()``, ``.to("cpu")``, ...)
-``item``                    ``.item()`` / ``bool()`` / ``int()`` of a device tensor
+``item``                    ``.item()`` / ``bool()`` / ``int()`` of a device tensor,
+                            ``torch.equal``, ``torch.allclose``
 ``data_dependent_shape``    output size depends on device data (``nonzero``, ``masked_select``,
                             boolean-mask indexing, ``unique``, ``repeat_interleave`` without
-                            ``output_size``, ``bincount``, ``torch.equal`` ...)
+                            ``output_size``, ``bincount``, ``histc`` without a range)
 ``synchronize``             ``torch.cuda.synchronize``, ``Event.synchronize``,
                             ``Stream.synchronize`` (wrapped while an audit is active)
 ``profiler_pageable_memcpy``  with ``profile=True``: pageable memcpy events the profiler saw
@@ -305,6 +306,20 @@ class HostSyncAudit(TorchDispatchMode):
         profiler recorded in the block; ``None`` otherwise.
     """
 
+    # Higher-order ops (flex_attention, cond, ...) pass through: func(*args) runs them with the
+    # mode popped, and the aten ops they issue are audited as usual.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile traces and runs compiled code as if the audit were off.
+
+        Compiled graphs cannot host-sync inside (dynamo graph-breaks at ``.item()`` and
+        friends, and those run eagerly, where the audit sees them); without this, dynamo
+        refuses to compile while a dispatch mode is active (``fullgraph=True`` fails).
+        """
+        return True
+
     def __init__(
         self,
         *,
@@ -338,6 +353,7 @@ class HostSyncAudit(TorchDispatchMode):
         self._internal_cache: dict[str, bool] = {}
         self._pinned_storages: set[int] = set()
         self._api_stack: list[str] = []
+        self._paused = 0
         self.findings: list[Finding] = []
         self.allowed: list[Finding] = []
         self.profiler_pageable_memcpy: int | None = None
@@ -357,9 +373,14 @@ class HostSyncAudit(TorchDispatchMode):
                 handlers[overload] = self._on_index_put
         for packet in ("nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique",
                        "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
-                       "bincount", "histc", "equal", "masked_scatter", "masked_scatter_"):
+                       "bincount"):
             for overload in self._overloads(packet):
                 handlers[overload] = self._on_data_dependent
+        for packet in ("equal", "allclose"):  # return a host bool computed on the device
+            for overload in self._overloads(packet):
+                handlers[overload] = self._on_item
+        for overload in self._overloads("histc"):
+            handlers[overload] = self._on_histc
         for overload in self._overloads("repeat_interleave"):
             if overload.__name__.split(".")[-1] != "self_int":
                 handlers[overload] = self._on_repeat_interleave
@@ -375,6 +396,15 @@ class HostSyncAudit(TorchDispatchMode):
         """
         for t in tensors:
             self._pinned_storages.add(t.untyped_storage().data_ptr())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside this block (e.g. a test's own result checks); reentrant."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def groups(self) -> list[dict[str, Any]]:
         """Findings grouped by (location, kind, op), in order of first occurrence."""
@@ -544,6 +574,12 @@ class HostSyncAudit(TorchDispatchMode):
         if t is not None and self._is_device(t.device):
             self._record("data_dependent_shape", func, t, str(t.device))
 
+    def _on_histc(self, func: Any, args: tuple, kwargs: dict) -> None:
+        lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        if lo == hi:  # the range is then read back from the device (min/max)
+            self._on_data_dependent(func, args, kwargs)
+
     def _on_repeat_interleave(self, func: Any, args: tuple, kwargs: dict) -> None:
         if kwargs.get("output_size") is None:
             self._on_data_dependent(func, args, kwargs)
@@ -634,6 +670,8 @@ class HostSyncAudit(TorchDispatchMode):
                           code=linecache.getline(filename, lineno).strip()))
 
     def _add(self, finding: Finding) -> None:
+        if self._paused:
+            return
         if self._is_allowed(finding):
             self.allowed.append(finding)
             return
