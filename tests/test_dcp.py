@@ -222,3 +222,33 @@ def test_single_rank_path_is_the_plain_forward() -> None:
     want = mla_chunked_prefill(*args, workspace_tokens=16, return_lse=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 500), min_size=1, max_size=6),
+    world=st.integers(2, 4),
+    interleave=st.sampled_from([8, 16, 24, 64]),
+    page_size=st.sampled_from([8, 16, 64]),
+    workspace_pages=st.integers(2, 30),
+    policy=st.sampled_from(["packed", "equal"]),
+)
+def test_reorder_runs_path_equals_per_token_path(lens, world, interleave, page_size,
+                                                 workspace_pages, policy) -> None:
+    from mlaprefill.dcp import plan as dcp_plan
+
+    batch = PrefillBatch([1] * len(lens), lens, page_size=page_size)
+    planner = DCPChunkPlanner(workspace_pages * page_size, page_size, world=world,
+                              interleave=interleave, policy=policy)
+    try:
+        runs = planner.plan(batch, rank=0)
+    except ValueError:
+        return
+    saved = dcp_plan._RUNS_MIN_INTERLEAVE
+    dcp_plan._RUNS_MIN_INTERLEAVE = 10**9  # force the per-token path
+    try:
+        per_token = planner.plan(batch, rank=0)
+    finally:
+        dcp_plan._RUNS_MIN_INTERLEAVE = saved
+    assert runs.reorder_index.dtype == per_token.reorder_index.dtype == np.int32
+    np.testing.assert_array_equal(runs.reorder_index, per_token.reorder_index)
