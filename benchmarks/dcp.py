@@ -13,7 +13,7 @@ from pathlib import Path
 # This checkout's package first, so the code measured is the code in the tree.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from mlaprefill.dcp.check import main  # noqa: E402
+from mlaprefill.dcp.check import main
 
 if __name__ == "__main__":
     sys.exit(main())
