@@ -167,6 +167,20 @@ def _run_errors(rank, world, device):
     except ValueError as exc:
         assert "disagree on context_lens" in str(exc), exc
         assert "query_lens" not in str(exc).split("(")[0], exc
+    # The environment switch reaches the one-call helper's delegation too.
+    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.dcp.forward import DEBUG_ENV
+
+    os.environ[DEBUG_ENV] = "1"
+    try:
+        mla_chunked_prefill(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1],
+                            context_lens, weight, process_group=group, dcp_interleave=16,
+                            workspace_tokens=64)
+        raise AssertionError("inconsistent context_lens did not raise with the env switch")
+    except ValueError as exc:
+        assert "disagree on context_lens" in str(exc), exc
+    finally:
+        del os.environ[DEBUG_ENV]
 
 
 def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind: str) -> None:

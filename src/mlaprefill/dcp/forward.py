@@ -17,6 +17,7 @@ optional cross-rank consistency check (``debug=True``), which reads one small te
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -30,12 +31,15 @@ from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner
 from mlaprefill.kernels import gather_context_rows
 
 __all__ = [
+    "DEBUG_ENV",
     "DCPContextSource",
     "check_dcp_consistency",
     "dcp_world",
     "mla_chunked_prefill_dcp",
 ]
 
+#: Environment variable that turns on the cross-rank consistency check by default.
+DEBUG_ENV = "MLAPREFILL_DCP_DEBUG"
 _DIGEST_FIELDS = ("query_lens", "context_lens", "config (world/interleave/workspace/page/policy)")
 
 
@@ -160,7 +164,7 @@ def mla_chunked_prefill_dcp(
     kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
     softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     page_size: int | None = None, policy: str = "packed", backend: str = "auto",
-    return_lse: bool = False, debug: bool = False, staging: Any = None,
+    return_lse: bool = False, debug: bool | None = None, staging: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
 
@@ -183,9 +187,11 @@ def mla_chunked_prefill_dcp(
     softmax_scale, workspace_tokens, page_size, policy, backend, return_lse
         As in :func:`mlaprefill.attention.mla_chunked_prefill`; ``workspace_tokens`` also bounds
         the all-gathered rows of an iteration, ``page_size`` defaults to ``kv_cache.shape[1]``.
-    debug : bool
+    debug : bool, optional
         Check with one small collective that all ranks passed the same lengths and config
-        (raises ``ValueError`` naming what differs). Synchronizes the host once.
+        (raises ``ValueError`` naming what differs). Synchronizes the host once. Default: on
+        when the environment has ``MLAPREFILL_DCP_DEBUG=1`` (reaches the one-call
+        ``mla_chunked_prefill(..., process_group=...)`` path too).
     staging : StagingRing, optional
         Reused for the upload; default a fresh ``StagingRing(q.device)``.
 
@@ -220,6 +226,8 @@ def mla_chunked_prefill_dcp(
                               policy=policy)
     plan = planner.plan(batch, rank=rank)
     _check_local_cache(kv_cache, block_table, plan)
+    if debug is None:
+        debug = os.environ.get(DEBUG_ENV) == "1"
     if debug:
         device = "cpu" if dist.get_backend(process_group) == "gloo" else q.device
         check_dcp_consistency(plan, process_group, device)
