@@ -270,3 +270,31 @@ def test_backend_choice_is_visible():
     assert op.backend_name == "math"
     assert MLAChunkedPrefill(x["weight"], qk_nope_head_dim=8, v_head_dim=6,
                              backend="math").backend_name == "math"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, world_size):
+    import torch.distributed as dist
+
+    import mlaprefill.dcp as dcp
+
+    query_lens, context_lens = [2, 1], [5, 0]
+    x = make_inputs(query_lens, context_lens)
+    seen = {}
+
+    def fake_dcp(*args, **kwargs):
+        seen.update(kwargs, num_args=len(args))
+        return "dcp"
+
+    group = object()
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: world_size if g is group else 0)
+    monkeypatch.setattr(dcp, "mla_chunked_prefill_dcp", fake_dcp)
+    result = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                 x["block_table"], query_lens, context_lens, x["weight"],
+                                 workspace_tokens=8, process_group=group, dcp_interleave=4)
+    if world_size == 1:
+        assert isinstance(result, torch.Tensor) and not seen  # the single-rank path
+    else:
+        assert result == "dcp"
+        assert seen["process_group"] is group and seen["dcp_interleave"] == 4
+        assert seen["workspace_tokens"] == 8 and seen["num_args"] == 8
