@@ -334,3 +334,14 @@ def test_console_script_exit_code(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "mlaprefill", "audit", str(script)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "pageable_h2d" in proc.stdout
+
+
+def test_torch_compile_fullgraph_runs_under_the_audit() -> None:
+    compiled = torch.compile(lambda t: (t * 2).sin() + 1, backend="eager", fullgraph=True)
+    x = torch.ones(4)
+    with no_host_sync() as audit:
+        out = compiled(x)
+        line = _next_line()
+        x.to("meta", non_blocking=True)  # eager code around compiled code is still audited
+    assert torch.allclose(out, torch.full((4,), 2.0).sin() + 1)
+    _only(audit.findings, "pageable_h2d", line)

@@ -122,3 +122,17 @@ def test_pinned_copy_does_not_block_behind_queued_work() -> None:
     blocked, queued = min(timer(4 << 20, "pinned") for _ in range(3))
     assert queued > 10.0  # the calibrated sleep really queued work
     assert blocked < 0.25 * queued
+
+
+def test_graph_break_item_in_compiled_code_is_found() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # dynamo graph-breaks here; the read runs eagerly
+            return x + 1
+        return x - 1
+
+    compiled = torch.compile(step, backend="eager")
+    x = torch.ones(8, device="cuda")
+    compiled(x)  # compile outside the audit
+    with no_host_sync() as audit:
+        compiled(x)
+    assert "item" in [f.kind for f in audit.findings]
