@@ -51,6 +51,11 @@ def test_fixture_setup_not_audited(device_tensor, no_host_sync):
     assert device_tensor.shape == (2,)
 
 
+def test_fails_on_its_own(no_host_sync):
+    torch.zeros(2).to("meta")
+    assert False, "its own failure"
+
+
 def test_not_audited():
     torch.arange(4).to("meta", non_blocking=True)
 """
@@ -66,7 +71,7 @@ def test_fixture_and_marker_fail_syncing_tests(pytester: pytest.Pytester) -> Non
     # A subprocess, not in-process: pytester's in-process run restores sys.modules afterwards,
     # and torch's first dispatch mode imports triton, whose C extension cannot be re-imported.
     result = pytester.runpytest_subprocess("--strict-markers", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4, failed=3)
+    result.assert_outcomes(passed=4, failed=4)
     result.stdout.fnmatch_lines([
         "*test_fixture_syncs*",
         f"*test_sample.py:{_line('arange(4).to')} in test_fixture_syncs: 1x pageable_h2d*",
@@ -77,6 +82,8 @@ def test_fixture_and_marker_fail_syncing_tests(pytester: pytest.Pytester) -> Non
     line = _line("non_blocking=True)", 1)
     result.stdout.fnmatch_lines([f"*HostSyncError*test_sample.py:{line} in test_marker_strict*"])
     assert "strict mode must stop" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*its own failure*", "*Captured host syncs call*",
+                                 "*1x sync_h2d*"])
 
 
 def test_marker_registered(pytester: pytest.Pytester) -> None:

@@ -68,8 +68,14 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     if audit is None:
         audit = _make_audit(item)
         item.stash[_STASH_KEY] = audit
-    with audit:
-        result = yield
+    failed = True
+    try:
+        with audit:
+            result = yield
+        failed = False
+    finally:
+        if failed and audit.findings:  # the test failed on its own: still show the syncs
+            item.add_report_section("call", "host syncs", audit.report())
     if audit.findings:
         pytest.fail(audit.report(), pytrace=False)
     return result
