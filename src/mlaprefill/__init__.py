@@ -1,10 +1,62 @@
 """mlaprefill: MLA chunked-context prefill whose host side never stalls the GPU.
 
-Three stages (see docs/DESIGN.md): ``ChunkPlanner.plan`` (pure CPU) -> ``StagingRing.upload``
-(the only host-to-device crossing, one copy from pinned memory) -> the device forward.
+Three stages (see docs/DESIGN.md)::
+
+    PrefillBatch --ChunkPlanner.plan()--> ChunkPlan --StagingRing.upload()--> DevicePlan
+                 (pure CPU)                          (one H2D copy from pinned memory)
+    DevicePlan --MLAChunkedPrefill.forward()--> out [T, H, v_head_dim], lse [T, H] (natural log)
+               (device only, never syncs)
+
+``mla_chunked_prefill`` does all three in one call. ``mlaprefill.audit`` finds hidden host syncs
+in any PyTorch code; ``mlaprefill.dcp`` shards the context over ranks.
 """
+
+from typing import TYPE_CHECKING
 
 from mlaprefill.config import PRESETS, MLAConfig
 
-__all__ = ["PRESETS", "MLAConfig"]
+# Lazy exports: `mlaprefill lint`, `mlaprefill plan` and the flake8/pytest plugins must not pay
+# for importing torch and Triton.
+_LAZY = {
+    "MLAChunkedPrefill": "mlaprefill.attention",
+    "mla_chunked_prefill": "mlaprefill.attention",
+    "PrefillBatch": "mlaprefill.batch",
+    "ChunkPlan": "mlaprefill.plan",
+    "ChunkPlanner": "mlaprefill.plan",
+    "mla_prefill_reference": "mlaprefill.reference",
+    "DevicePlan": "mlaprefill.staging",
+    "StagingRing": "mlaprefill.staging",
+    "StagingStats": "mlaprefill.staging",
+}
+
+if TYPE_CHECKING:
+    from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlan, ChunkPlanner
+    from mlaprefill.reference import mla_prefill_reference
+    from mlaprefill.staging import DevicePlan, StagingRing, StagingStats
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlaprefill' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "PRESETS",
+    "ChunkPlan",
+    "ChunkPlanner",
+    "DevicePlan",
+    "MLAChunkedPrefill",
+    "MLAConfig",
+    "PrefillBatch",
+    "StagingRing",
+    "StagingStats",
+    "mla_chunked_prefill",
+    "mla_prefill_reference",
+]
 __version__ = "0.1.0"
