@@ -167,6 +167,17 @@ def _run_errors(rank, world, device):
     except ValueError as exc:
         assert "disagree on context_lens" in str(exc), exc
         assert "query_lens" not in str(exc).split("(")[0], exc
+    # A local error on one rank only (rank 1's block table too narrow): in debug mode every
+    # rank raises after the check collective instead of the others hanging in the all-gather.
+    bad_table = local_table[:, :0] if rank == 1 else local_table
+    try:
+        mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, bad_table, [2, 1], [40, 9],
+                                weight, process_group=group, dcp_interleave=16,
+                                workspace_tokens=64, debug=True)
+        raise AssertionError("a too-narrow block table on rank 1 did not raise")
+    except ValueError as exc:
+        expect = "local block_table covers" if rank == 1 else "another DCP rank failed"
+        assert expect in str(exc), exc
     # The environment switch reaches the one-call helper's delegation too.
     from mlaprefill.attention import mla_chunked_prefill
     from mlaprefill.dcp.forward import DEBUG_ENV

@@ -191,7 +191,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     single_plan = ChunkPlanner(workspace, page_size, policy).plan(batch)
     dcp_plan = DCPChunkPlanner(workspace, page_size, world=world, interleave=interleave,
                                policy=policy).plan(batch, rank=rank)
-    check_dcp_consistency(dcp_plan, group, device if device.type == "cuda" else "cpu")
+    check_dcp_consistency(dcp_plan.digest, group, device if device.type == "cuda" else "cpu")
     host_plan = {
         "single_ms": _host_ms(lambda: ChunkPlanner(workspace, page_size, policy).plan(batch)),
         "dcp_ms": _host_ms(lambda: DCPChunkPlanner(

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill, mla_chunked_prefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp.layout import check_dcp_config
-from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner
+from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner, dcp_config_digest
 from mlaprefill.kernels import gather_context_rows
 
 __all__ = [
@@ -115,26 +115,42 @@ class DCPContextSource:
         return out
 
 
-def check_dcp_consistency(plan: DCPChunkPlan, process_group: Any,
-                          device: torch.device | str) -> None:
-    """Raise ``ValueError`` unless every rank planned the same global lengths and config.
+def check_dcp_consistency(digest: tuple[int, int, int], process_group: Any,
+                          device: torch.device | str, *,
+                          local_error: BaseException | None = None) -> None:
+    """Raise ``ValueError`` unless every rank has the same global lengths/config and no error.
 
-    One ``all_reduce(MIN)`` of ``[digest, -digest]`` (6 int64) gives the min and max of each
-    checksum over ranks. **Synchronizes the host** (reads 48 bytes back): debug use only.
-    Collective: every rank of the group must call it.
+    One ``all_reduce(MIN)`` of ``[digest, failed, -digest, -failed]`` (8 int64) gives the min
+    and max of each checksum over ranks and whether any rank failed its local checks
+    (``local_error``: raised again here, after the collective, so that no rank is left waiting
+    in a collective its peers never join). **Synchronizes the host** (reads 64 bytes back):
+    debug use only. Collective: every rank of the group must call it.
+
+    Parameters
+    ----------
+    digest : (query_lens, context_lens, config) checksums, see
+        :func:`~mlaprefill.dcp.plan.dcp_config_digest`
     """
-    digest = np.asarray(plan.digest, dtype=np.int64)
-    both = torch.from_numpy(np.concatenate([digest, -digest])).to(device)
+    mine = np.asarray([*digest, 0 if local_error is None else 1], dtype=np.int64)
+    both = torch.from_numpy(np.concatenate([mine, -mine])).to(device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=process_group)
     values = both.cpu().numpy()  # the one documented host sync of debug mode
-    lo, hi = values[:3], -values[3:]
-    bad = [name for name, a, b in zip(_DIGEST_FIELDS, lo, hi, strict=True) if a != b]
+    lo, hi = values[:4], -values[4:]
+    rank, world = dcp_world(process_group)
+    bad = [name for name, a, b in zip(_DIGEST_FIELDS, lo[:3], hi[:3], strict=True) if a != b]
     if bad:
         raise ValueError(
-            f"DCP ranks disagree on {', '.join(bad)} (rank {plan.rank} of {plan.world}); every "
+            f"DCP ranks disagree on {', '.join(bad)} (rank {rank} of {world}); every "
             f"rank must pass the same global query_lens/context_lens and the same "
             f"workspace_tokens/page_size/policy/dcp_interleave (only kv_cache and block_table "
             f"are rank-local)."
+        )
+    if local_error is not None:
+        raise local_error
+    if hi[3]:
+        raise ValueError(
+            f"another DCP rank failed its input checks (this is rank {rank} of {world}; see "
+            f"that rank's error)."
         )
 
 
@@ -206,7 +222,9 @@ def mla_chunked_prefill_dcp(
     ValueError
         Before any collective: non-positive ``dcp_interleave``, a workspace that cannot hold an
         iteration's gathered rows, a local block table too short for this rank's share, and
-        the planner's own errors. With ``debug``: ranks that disagree.
+        the planner's own errors. With ``debug`` the input errors are raised right after the
+        one check collective, on every rank (also ranks whose own inputs were fine), and ranks
+        that disagree on the global lengths/config raise naming what differs.
 
     Notes
     -----
@@ -222,15 +240,25 @@ def mla_chunked_prefill_dcp(
             page_size=page_size, policy=policy, backend=backend, return_lse=return_lse)
     page = kv_cache.shape[1] if page_size is None else page_size
     batch = PrefillBatch(query_lens, context_lens, page_size=page)
-    planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
-                              policy=policy)
-    plan = planner.plan(batch, rank=rank)
-    _check_local_cache(kv_cache, block_table, plan)
     if debug is None:
         debug = os.environ.get(DEBUG_ENV) == "1"
+    try:
+        planner = DCPChunkPlanner(workspace_tokens, page, world=world,
+                                  interleave=dcp_interleave, policy=policy)
+        plan = planner.plan(batch, rank=rank)
+        _check_local_cache(kv_cache, block_table, plan)
+    except ValueError as exc:
+        if not debug:
+            raise  # before any collective; identical inputs fail identically on every rank
+        error: ValueError | None = exc
+    else:
+        error = None
     if debug:
+        # Inconsistent inputs can fail on some ranks only: agree first, then raise everywhere.
         device = "cpu" if dist.get_backend(process_group) == "gloo" else q.device
-        check_dcp_consistency(plan, process_group, device)
+        digest = dcp_config_digest(batch, world=world, interleave=dcp_interleave,
+                                   workspace_tokens=workspace_tokens, policy=policy)
+        check_dcp_consistency(digest, process_group, device, local_error=error)
     if staging is None:
         from mlaprefill.staging import StagingRing
 
