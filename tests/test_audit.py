@@ -277,6 +277,17 @@ def test_is_device_predicate_and_profile_needs_cuda() -> None:
             pass
 
 
+def test_reentering_the_same_audit_is_an_error() -> None:
+    audit = no_host_sync()
+    with audit, pytest.raises(RuntimeError, match="already active"), audit:
+        pass
+    with audit:  # reusable once exited; findings accumulate
+        torch.zeros(1).to("meta")
+    with audit:
+        torch.zeros(1).to("meta")
+    assert len(audit.findings) == 2
+
+
 def test_kinds_have_text_and_fix() -> None:
     assert set(KINDS) >= {"pageable_h2d", "strided_pinned_h2d", "sync_h2d", "d2h", "item",
                           "data_dependent_shape", "synchronize"}
