@@ -1,0 +1,158 @@
+"""Findings of the runtime audit: kinds, the :class:`Finding` record, grouping and reports.
+
+Pure Python (no torch import), shared by :mod:`mlaprefill.audit.runtime` and the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["KINDS", "Finding", "HostSyncError", "format_report", "group_findings"]
+
+# kind -> (what happened, how to fix it). Keys are the public vocabulary of findings.
+KINDS: dict[str, tuple[str, str]] = {
+    "pageable_h2d": (
+        "non_blocking host->device copy from pageable (unpinned) memory; the host can block "
+        "until all queued GPU work is done (size/platform dependent)",
+        "allocate the source with pin_memory=True or copy from a pinned staging buffer",
+    ),
+    "strided_pinned_h2d": (
+        "non_blocking host->device copy from pinned memory that is not densely laid out like "
+        "the destination; torch stages it through a pageable temporary, which stalls",
+        "copy from a contiguous pinned tensor (pack the data into the pinned buffer first)",
+    ),
+    "sync_h2d": (
+        "blocking host->device copy; the host waits for the copy and all work queued before it",
+        "build the data in a pinned buffer and copy with non_blocking=True",
+    ),
+    "d2h": (
+        "device->host copy; the host waits for the device",
+        "keep the value on the device or in host-side bookkeeping; if it must come back, copy "
+        "non_blocking into pinned memory and wait on an event only where it is read",
+    ),
+    "item": (
+        "reading a device scalar (.item(), bool()/int()/float() of a tensor); the host waits",
+        "keep host copies of the integers you need (compute them on the CPU, e.g. in the plan)",
+    ),
+    "data_dependent_shape": (
+        "op whose output size depends on device data; the host must read it back",
+        "use a static-size form (nonzero_static, repeat_interleave(output_size=...), "
+        "torch.where(cond, a, b), masked_fill) or precompute the size on the host",
+    ),
+    "synchronize": (
+        "explicit synchronize; the host waits for the device",
+        "remove it from the hot path; order work with streams/events (Event.wait does not "
+        "block the host) and synchronize only where a host read needs it",
+    ),
+    "profiler_pageable_memcpy": (
+        "the profiler saw pageable host->device memcpys that the dispatcher did not attribute "
+        "(copies inside C++ code or extensions)",
+        "find the copy with the profiler trace; pin its source",
+    ),
+}
+
+class HostSyncError(RuntimeError):
+    """Raised by a strict audit at the first host sync; ``.finding`` holds the details."""
+
+    def __init__(self, finding: Finding) -> None:
+        self.finding = finding
+        super().__init__(finding.describe())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finding:
+    """One host-synchronizing operation and where user code issued it.
+
+    ``nbytes`` is the size of the data moved or inspected (the source of a copy, the input of a
+    data-dependent op); ``shape``/``dtype`` describe that tensor. ``filename``/``lineno``/
+    ``function`` are the first frame outside torch and ``mlaprefill.audit``; ``code`` is that
+    source line. ``count`` is 1 except for the aggregated profiler finding.
+    """
+
+    kind: str
+    op: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    filename: str
+    lineno: int
+    function: str
+    code: str = ""
+    devices: str = ""
+    count: int = 1
+
+    @property
+    def location(self) -> str:
+        """``file:line`` of the user frame."""
+        return f"{self.filename}:{self.lineno}"
+
+    @property
+    def fix(self) -> str:
+        """How to remove this kind of sync."""
+        return KINDS[self.kind][1]
+
+    def describe(self) -> str:
+        """One paragraph for an error message: what, where, and the fix."""
+        what = KINDS[self.kind][0]
+        size = f"{_fmt_bytes(self.nbytes)} {self.dtype}{list(self.shape)}" if self.dtype else ""
+        dev = f" {self.devices}" if self.devices else ""
+        code = f"\n    {self.code}" if self.code else ""
+        return (
+            f"{self.location} in {self.function}: {self.kind}: {self.op}{dev} {size}".rstrip()
+            + f"{code}\n  {what}.\n  fix: {self.fix}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``location`` and ``fix`` included)."""
+        out = dataclasses.asdict(self)
+        out["shape"] = list(self.shape)
+        out["location"] = self.location
+        out["fix"] = self.fix
+        return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def group_findings(findings: Iterable[Finding]) -> list[dict[str, Any]]:
+    """Findings grouped by (location, kind, op) in order of first occurrence, with the number
+    of occurrences (``count``) and the bytes they moved or inspected (``nbytes``)."""
+    grouped: dict[tuple[str, int, str, str], dict[str, Any]] = {}
+    for f in findings:
+        key = (f.filename, f.lineno, f.kind, f.op)
+        g = grouped.get(key)
+        if g is None:
+            g = grouped[key] = {
+                "location": f.location, "filename": f.filename, "lineno": f.lineno,
+                "function": f.function, "kind": f.kind, "op": f.op, "code": f.code,
+                "count": 0, "nbytes": 0, "fix": f.fix,
+            }
+        g["count"] += f.count
+        g["nbytes"] += f.nbytes
+    return list(grouped.values())
+
+
+def format_report(findings: list[Finding], *, num_allowed: int = 0,
+                  profiler_pageable_memcpy: int | None = None) -> str:
+    """Human-readable report grouped by location, with counts, bytes and the fix."""
+    groups = group_findings(findings)
+    total = sum(g["count"] for g in groups)
+    locations = len({g["location"] for g in groups})
+    lines = [f"host syncs: {total} in {locations} location(s)"
+             + (f", {num_allowed} allowed" if num_allowed else "")]
+    if profiler_pageable_memcpy is not None:
+        lines.append(f"profiler: {profiler_pageable_memcpy} x Memcpy HtoD (Pageable -> Device)")
+    for g in groups:
+        lines.append(f"{g['location']} in {g['function']}: {g['count']}x {g['kind']} "
+                     f"{g['op']} ({_fmt_bytes(g['nbytes'])})")
+        if g["code"]:
+            lines.append(f"    {g['code']}")
+        lines.append(f"    fix: {g['fix']}")
+    return "\n".join(lines)
