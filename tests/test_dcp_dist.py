@@ -120,12 +120,15 @@ def _run_case(rank, world, case, seed, device, check_delegation):
         policy=policy, backend=backend, return_lse=True, debug=True)
     torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
-    # 3. The one-call helper delegates to DCP when the group has more than one rank.
+    # 3. The one-call helper delegates to DCP when the group has more than one rank, and the
+    #    whole call (plan, upload, gathers, collectives, attention) makes no host sync.
     if check_delegation:
-        out2 = mla_chunked_prefill(
-            q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
-            workspace_tokens=workspace, policy=policy, backend=backend,
-            process_group=dist.group.WORLD, dcp_interleave=interleave)
+        with no_host_sync(is_device=lambda d: d.type in ("cpu", "cuda")) as audit:
+            out2 = mla_chunked_prefill(
+                q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens,
+                weight, workspace_tokens=workspace, policy=policy, backend=backend,
+                process_group=dist.group.WORLD, dcp_interleave=interleave)
+        assert not audit.findings, [str(f) for f in audit.findings]
         torch.testing.assert_close(out2, out, rtol=0, atol=0)
     if rank != 0:  # every rank checked equality with its own single-rank result above
         return
