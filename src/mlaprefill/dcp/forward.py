@@ -73,13 +73,23 @@ class DCPContextSource:
     Notes
     -----
     Allocates its two buffers once (``max_rank_capacity`` and ``max_gathered_tokens`` rows).
-    Each call is device work only (gather, all-gather, index_select), never synchronizes;
-    not CUDA-graph safe only insofar as the process group's collectives are not.
+    Each call is device work only (gather, all-gather, index_select) with shapes from host ints
+    of the plan and never synchronizes; whether it can be captured in a CUDA graph is up to the
+    process group's collectives (not tested here).
     """
 
     def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any,
                  process_group: Any) -> None:
-        plan: DCPChunkPlan = device_plan.plan
+        plan = device_plan.plan
+        if not isinstance(plan, DCPChunkPlan):
+            raise TypeError(f"device_plan must be the upload of a DCPChunkPlan, got one of "
+                            f"{type(plan).__name__}; plan with DCPChunkPlanner(...).plan(batch, "
+                            f"rank=rank)")
+        rank, world = dcp_world(process_group)
+        if (rank, world) != (plan.rank, plan.world):
+            raise ValueError(f"the plan is for rank {plan.rank} of {plan.world} but "
+                             f"process_group is rank {rank} of {world}; plan with this "
+                             f"group's rank and size")
         self.kv_cache = kv_cache
         self.block_table = block_table
         self.device_plan = device_plan
