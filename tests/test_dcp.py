@@ -252,3 +252,17 @@ def test_reorder_runs_path_equals_per_token_path(lens, world, interleave, page_s
         dcp_plan._RUNS_MIN_INTERLEAVE = saved
     assert runs.reorder_index.dtype == per_token.reorder_index.dtype == np.int32
     np.testing.assert_array_equal(runs.reorder_index, per_token.reorder_index)
+
+
+def test_context_source_rejects_wrong_plan_or_group() -> None:
+    from mlaprefill.dcp import DCPContextSource
+    from mlaprefill.staging import StagingRing
+
+    batch = PrefillBatch([1, 1], [40, 9], page_size=16)
+    cache, table = _random_cache([40, 9], 16, 24, seed=1)
+    ring = StagingRing("cpu")
+    with pytest.raises(TypeError, match="DCPChunkPlan"):
+        DCPContextSource(cache, table, ring.upload(ChunkPlanner(64, 16).plan(batch)), None)
+    dcp_plan = DCPChunkPlanner(64, 16, world=2, interleave=16).plan(batch, rank=1)
+    with pytest.raises(ValueError, match="rank 1 of 2"):
+        DCPContextSource(cache, table, ring.upload(dcp_plan), None)  # None = rank 0 of 1
