@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
-from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.config import MLAConfig
 from mlaprefill.dcp.forward import (
@@ -239,6 +238,8 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     # Host-sync audit of one DCP forward (plan already uploaded): ops that make the host wait
     # for a non-CPU device. Recorded, not raised (a raise on one rank would hang the others).
     try:
+        from mlaprefill.audit.runtime import no_host_sync
+
         with no_host_sync() as audit:
             dcp()
         host_syncs: Any = [f"{f.kind} {f.op} at {f.filename}:{f.lineno}" for f in audit.findings]
@@ -426,13 +427,17 @@ def main(argv: list[str] | None = None) -> int:
                     "nccl": str(torch.cuda.nccl.version()) if use_cuda else None})
     doc = {
         "benchmark": "dcp",
-        "command": f"torchrun --nproc-per-node {world} " + " ".join(sys.argv),
+        "command": (f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', world)} "
+                    + " ".join(sys.argv)),
+        "command_note": "torchrun does not pass its own arguments to the workers: the launcher "
+                        "part is rebuilt from LOCAL_WORLD_SIZE; argv is exact",
         "argv": sys.argv,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "world": world,
         "machine": machine,
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
-                                               "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+        "env": {k: os.environ.get(k) for k in (
+            "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")},
         "config": {"preset": args.preset or ("deepseek-v3" if use_cuda else "tiny"),
                    "dtype": str(dtype).removeprefix("torch."), "page_size": page_size,
                    "workspace_tokens": workspace, "interleaves": interleaves,
