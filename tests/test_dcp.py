@@ -266,3 +266,19 @@ def test_context_source_rejects_wrong_plan_or_group() -> None:
     dcp_plan = DCPChunkPlanner(64, 16, world=2, interleave=16).plan(batch, rank=1)
     with pytest.raises(ValueError, match="rank 1 of 2"):
         DCPContextSource(cache, table, ring.upload(dcp_plan), None)  # None = rank 0 of 1
+
+
+def test_larger_gather_bound_keeps_the_single_rank_iterations() -> None:
+    batch = PrefillBatch([1] * 4, [16, 16, 16, 16], page_size=16)
+    tight = DCPChunkPlanner(64, 16, world=4, interleave=16).plan(batch, rank=0)
+    loose = DCPChunkPlanner(64, 16, world=4, interleave=16,
+                            max_gathered_tokens=256).plan(batch, rank=0)
+    normal = ChunkPlanner(64, 16).plan(batch)
+    assert tight.num_iterations > normal.num_iterations
+    assert loose.base.to_json() == normal.to_json()
+    assert 64 < loose.max_gathered_tokens <= 256
+    with pytest.raises(ValueError, match="max_gathered_tokens=16 cannot hold"):
+        DCPChunkPlanner(64, 16, world=4, interleave=16, max_gathered_tokens=16).plan(batch,
+                                                                                     rank=0)
+    with pytest.raises(ValueError, match="max_gathered_tokens"):
+        DCPChunkPlanner(64, 16, world=4, interleave=16, max_gathered_tokens=0)

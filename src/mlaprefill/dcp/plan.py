@@ -14,9 +14,10 @@ Every rank plans from the *global* lengths with the normal :class:`~mlaprefill.p
   single-rank plan lays it out), its row in the gathered buffer.
 
 Memory bound: the gathered buffer (``world * rank_capacity[i]`` rows, padding included) must
-fit ``workspace_tokens``. Shares are not always balanced (a page-aligned piece can start
-mid-cycle), so when the plan at ``workspace_tokens`` overflows, the base plan is redone with a
-smaller workspace, by whole pages, until it fits; if even one page does not fit, ``ValueError``.
+fit ``max_gathered_tokens`` (default ``workspace_tokens``). Shares are not always balanced (a
+page-aligned piece can start mid-cycle), so when the plan at ``workspace_tokens`` overflows, the
+base plan is redone with a smaller workspace, by whole pages, until it fits; if even one page
+does not fit, ``ValueError``.
 (When no replanning is needed — balanced shares, e.g. one long request — the iterations are
 exactly the single-rank ones and the DCP output is bitwise the single-rank output.)
 
@@ -225,13 +226,15 @@ def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
 
 
 def dcp_config_digest(batch: PrefillBatch, *, world: int, interleave: int,
-                      workspace_tokens: int, policy: str) -> tuple[int, int, int]:
+                      workspace_tokens: int, policy: str,
+                      max_gathered_tokens: int | None = None) -> tuple[int, int, int]:
     """Three 62-bit checksums (query_lens, context_lens, config) that must agree on all ranks."""
 
     def h(data: bytes) -> int:
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
-    config = f"{world}/{interleave}/{workspace_tokens}/{batch.page_size}/{policy}".encode()
+    config = (f"{world}/{interleave}/{workspace_tokens}/{batch.page_size}/{policy}/"
+              f"{max_gathered_tokens or workspace_tokens}").encode()
     return (h(np.ascontiguousarray(batch.query_lens, dtype=np.int64).tobytes()),
             h(np.ascontiguousarray(batch.context_lens, dtype=np.int64).tobytes()),
             h(config))
@@ -252,7 +255,8 @@ class DCPChunkPlan:
         Single-rank plan of the global lengths (identical on every rank).
     world, rank, interleave : int
     workspace_tokens : int
-        Requested workspace; bounds both the base plan's iterations and the gathered rows.
+        Requested workspace; bounds the base plan's iterations (and, by default, the
+        gathered rows).
     local_chunk_starts, local_chunk_lens : np.int32 [num_iterations, num_reqs]
         This rank's share of each piece, in local token indices.
     local_cu_seq_lens : np.int32 [num_iterations, num_reqs + 1]
@@ -340,6 +344,11 @@ class DCPChunkPlanner:
         Tokens per interleave unit ``I`` (>= 1).
     policy : {"packed", "equal"}
         Base planner policy.
+    max_gathered_tokens : int, optional
+        Bound on the all-gathered rows of an iteration (``world * rank_capacity[i]``, padding
+        included); default ``workspace_tokens``. A larger bound (e.g. ``2 * workspace_tokens``)
+        trades a bigger gather buffer for never replanning: the iterations are then always the
+        single-rank ones.
 
     Raises
     ------
@@ -349,10 +358,15 @@ class DCPChunkPlanner:
     """
 
     def __init__(self, workspace_tokens: int, page_size: int, *, world: int, interleave: int,
-                 policy: str = "packed") -> None:
+                 policy: str = "packed", max_gathered_tokens: int | None = None) -> None:
         check_dcp_config(world, interleave)
         # Validates workspace_tokens/page_size/policy with the base planner's own messages.
         ChunkPlanner(workspace_tokens, page_size, policy=policy)
+        limit = workspace_tokens if max_gathered_tokens is None else max_gathered_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int | np.integer) or limit <= 0:
+            raise ValueError(f"max_gathered_tokens must be a positive int or None, got "
+                             f"{max_gathered_tokens!r}")
+        self.max_gathered_tokens = int(limit)
         self.workspace_tokens = int(workspace_tokens)
         self.page_size = int(page_size)
         self.world = int(world)
@@ -374,6 +388,8 @@ class DCPChunkPlanner:
                 f"{self.page_size}; build both with the local cache's page size."
             )
         w = self.workspace_tokens
+        limit = self.max_gathered_tokens
+        bound = f"workspace_tokens={w}" if limit == w else f"max_gathered_tokens={limit}"
         base_w = prev_w = w
         gathered = 0
         for _ in range(_MAX_REPLANS):
@@ -383,10 +399,10 @@ class DCPChunkPlanner:
                 if base_w == w:
                     raise
                 raise ValueError(
-                    f"workspace_tokens={w} cannot hold the all-gathered rows of one iteration "
+                    f"{bound} cannot hold the all-gathered rows of one iteration "
                     f"(world={self.world}, dcp_interleave={self.interleave}: shares padded to "
                     f"the largest rank need {gathered} rows at base workspace {prev_w}, and a "
-                    f"{base_w}-token base workspace fails: {exc}); increase workspace_tokens, "
+                    f"{base_w}-token base workspace fails: {exc}); increase {bound.split('=')[0]}, "
                     f"lower dcp_interleave, or use policy='packed'."
                 ) from None
             # Capacities only (no per-token work) until the plan fits.
@@ -394,17 +410,17 @@ class DCPChunkPlanner:
                                    base.chunk_lens.astype(np.int64), world=self.world,
                                    interleave=self.interleave)
             gathered = self.world * int(shares[3].max(initial=0))
-            if gathered <= w:
+            if gathered <= limit:
                 break
             if base_w <= self.page_size:
                 raise ValueError(
-                    f"workspace_tokens={w} cannot hold the all-gathered rows of one iteration "
+                    f"{bound} cannot hold the all-gathered rows of one iteration "
                     f"(world={self.world} x per-rank capacity, padding included, needs "
                     f"{gathered} rows even with a {self.page_size}-token base workspace); "
-                    f"increase workspace_tokens to at least world * page_size = "
+                    f"increase {bound.split('=')[0]} to at least world * page_size = "
                     f"{self.world * self.page_size}."
                 )
-            excess = gathered - w
+            excess = gathered - limit
             prev_w = base_w
             base_w = max(self.page_size,
                          base_w - -(-excess // self.page_size) * self.page_size)
@@ -428,5 +444,6 @@ class DCPChunkPlanner:
             local_context_lens=dcp_local_context_lens(
                 batch.context_lens, world=self.world, interleave=self.interleave)[int(rank)],
             digest=dcp_config_digest(batch, world=self.world, interleave=self.interleave,
-                                     workspace_tokens=w, policy=self.policy),
+                                     workspace_tokens=w, policy=self.policy,
+                                     max_gathered_tokens=limit),
         )
