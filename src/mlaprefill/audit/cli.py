@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import runpy
 import sys
 import traceback
@@ -26,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "audit",
         help="run a Python script and report its host syncs / host stalls",
-        description=__doc__.split("\n\n")[1],
+        description=re.sub(r":\w+:`([^`]*)`", r"\1", __doc__.split("\n\n")[1]).replace("``", ""),
     )
     p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     p.add_argument("--strict", action="store_true",

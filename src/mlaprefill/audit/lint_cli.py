@@ -12,6 +12,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -23,7 +24,7 @@ __all__ = ["add_parser", "collect_files", "run"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "lint", help="static host-sync lint (HS101 pageable non_blocking copy, HS102, HS201)",
-        description=__doc__.split("\n\n")[1])
+        description=re.sub(r":\w+:`([^`]*)`", r"\1", __doc__.split("\n\n")[1]).replace("``", ""))
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--select", default="HS", metavar="CODES",

@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -340,7 +341,7 @@ class CudaCopyTimer:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "stallmap", help="measure from which size a pageable non_blocking H2D copy stalls",
-        description=__doc__.split("\n\n")[1])
+        description=re.sub(r":\w+:`([^`]*)`", r"\1", __doc__.split("\n\n")[1]).replace("``", ""))
     p.add_argument("--queue-ms", type=float, default=50.0,
                    help="GPU work queued before each copy, ms (default 50)")
     p.add_argument("--repeats", type=int, default=5, help="measurements per point (median)")
