@@ -27,10 +27,13 @@ _LAZY = {
     "DevicePlan": "mlaprefill.staging",
     "StagingRing": "mlaprefill.staging",
     "StagingStats": "mlaprefill.staging",
+    "no_host_sync": "mlaprefill.audit",
+    "HostSyncError": "mlaprefill.audit",
 }
 
 if TYPE_CHECKING:
     from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+    from mlaprefill.audit import HostSyncError, no_host_sync
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.plan import ChunkPlan, ChunkPlanner
     from mlaprefill.reference import mla_prefill_reference
@@ -51,6 +54,7 @@ __all__ = [
     "ChunkPlan",
     "ChunkPlanner",
     "DevicePlan",
+    "HostSyncError",
     "MLAChunkedPrefill",
     "MLAConfig",
     "PrefillBatch",
@@ -58,5 +62,6 @@ __all__ = [
     "StagingStats",
     "mla_chunked_prefill",
     "mla_prefill_reference",
+    "no_host_sync",
 ]
 __version__ = "0.1.0"
