@@ -4,7 +4,7 @@
 #
 #   benchmarks/run_h200.sh OUT_DIR
 #
-# 1. DCP over NCCL on both GPUs (benchmarks/dcp.py under torchrun).
+# 1. DCP over NCCL on both GPUs (benchmarks/dcp.py under torchrun, then tests/test_dcp_gpu.py).
 # 2. Then, at the same time on separate GPUs:
 #    GPU 0: the end-to-end prefill benchmark (benchmarks/bench_h200.sh: vllm-default + stall);
 #    GPU 1: every `gpu`-marked test, then benchmarks/plan_upload.py and benchmarks/audit_gpu.py.
@@ -24,6 +24,9 @@ if [ "$ngpu" -ge 2 ]; then
     timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/dcp.py --out "$out/dcp_h200x2.json" >"$out/dcp.log" 2>&1
     echo "== dcp rc=$? ($(date -u +%T))"; tail -n 25 "$out/dcp.log"
+    # needs both GPUs visible, so it runs here rather than with the other gpu tests
+    timeout 180 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
+        tests/test_dcp_gpu.py 2>&1 | tail -n 15
     other=1
 else
     echo "== one GPU: DCP skipped; everything runs on GPU 0 in sequence"

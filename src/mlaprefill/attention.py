@@ -144,8 +144,13 @@ class MLAChunkedPrefill:
         torch.mm(kv_c, w_v.t(), out=v_out.view(n, -1))  # [n, rank] x [rank, H*v_out]
 
     def _validate(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
-                  kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any) -> int:
-        """Check every input against the weight and the plan's host ints; return rope dim."""
+                  kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
+                  context_source: Any = None) -> int:
+        """Check every input against the weight and the plan's host ints; return rope dim.
+
+        With a ``context_source`` the forward never reads ``block_table`` (the source gathers the
+        rows, e.g. from a rank's local shard), so its width is not checked against the contexts.
+        """
         plan = device_plan.plan
         for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new),
                         ("kv_cache", kv_cache), ("block_table", block_table)):
@@ -181,7 +186,7 @@ class MLAChunkedPrefill:
         if block_table.dtype != torch.int32:
             raise ValueError(f"block_table dtype is {block_table.dtype}, expected torch.int32")
         max_ctx = int(plan.context_lens.max()) if plan.num_reqs else 0
-        if block_table.shape[1] * plan.page_size < max_ctx:
+        if context_source is None and block_table.shape[1] * plan.page_size < max_ctx:
             raise ValueError(f"block_table has {block_table.shape[1]} blocks per request "
                              f"(x page_size {plan.page_size}), fewer than the longest context "
                              f"{max_ctx} tokens needs")
@@ -235,7 +240,8 @@ class MLAChunkedPrefill:
         Never synchronizes: shapes come from the plan's host ints only.
         """
         plan = device_plan.plan
-        rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan)
+        rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
+                              context_source=context_source)
         device, dtype = q.device, q.dtype
         nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
         qk = nope + rope

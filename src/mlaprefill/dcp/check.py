@@ -46,7 +46,6 @@ from mlaprefill.config import MLAConfig
 from mlaprefill.dcp.forward import (
     DCPContextSource,
     _all_gather_into_tensor,
-    _forward_block_table,
     check_dcp_consistency,
 )
 from mlaprefill.dcp.layout import shard_paged_cache
@@ -205,7 +204,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     mla = MLAChunkedPrefill(data["weight"], qk_nope_head_dim=cfg.qk_nope_head_dim,
                             v_head_dim=cfg.v_head_dim, backend=args.backend)
     source = DCPContextSource(local_cache, local_table, dcp_dp, group)
-    fwd_table = _forward_block_table(local_table, dcp_plan)
+    fwd_table = local_table
     q, kv_c_new, k_pe_new = data["q"], data["kv_c_new"], data["k_pe_new"]
     cache, table = data["kv_cache"], data["block_table"]
 

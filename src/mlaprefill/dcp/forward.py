@@ -279,18 +279,5 @@ def mla_chunked_prefill_dcp(
     mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope, v_head_dim=v_head_dim,
                             softmax_scale=softmax_scale, backend=backend)
     source = DCPContextSource(kv_cache, block_table, device_plan, process_group)
-    return mla.forward(q, kv_c_new, k_pe_new, kv_cache, _forward_block_table(block_table, plan),
+    return mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
                        device_plan, return_lse=return_lse, context_source=source)
-
-
-def _forward_block_table(block_table: torch.Tensor, plan: DCPChunkPlan) -> torch.Tensor:
-    """The block table handed to ``MLAChunkedPrefill.forward`` next to our context_source.
-
-    The forward never reads it when a context_source is given (the source holds the real local
-    table), but its validation checks the table covers the *global* context lengths. A local
-    table is narrower, so hand it a stride-0 view that is wide enough (no copy, no read).
-    """
-    need = -(-int(plan.context_lens.max(initial=0)) // plan.page_size)
-    if block_table.shape[1] >= need:
-        return block_table
-    return block_table.new_zeros((block_table.shape[0], 1)).expand(-1, need)
