@@ -29,7 +29,7 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
 for scenario in "${scenarios[@]}"; do
     echo "== $scenario ($(date -u +%H:%M:%S) UTC)"
     python -m mlaprefill bench --scenario "$scenario" --dry-run
-    python -m mlaprefill bench --scenario "$scenario" --max-seconds 165 --out "$out/$scenario" \
+    python -m mlaprefill bench --scenario "$scenario" --max-seconds "${BENCH_MAX_SECONDS:-165}" --out "$out/$scenario" \
         2> >(tee "$out/$scenario.stderr.log" >&2)
 done
 echo "== done ($(date -u +%H:%M:%S) UTC); results in $out/<scenario>/bench.{json,png}"

@@ -21,11 +21,11 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "== $(date -u +%FT%TZ) GPUs: $ngpu"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 if [ "$ngpu" -ge 2 ]; then
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    timeout 180 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/dcp.py --out "$out/dcp_h200x2.json" >"$out/dcp.log" 2>&1
     echo "== dcp rc=$? ($(date -u +%T))"; tail -n 25 "$out/dcp.log"
     # needs both GPUs visible, so it runs here rather than with the other gpu tests
-    timeout 180 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
+    timeout 120 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
         tests/test_dcp_gpu.py 2>&1 | tail -n 15
     other=1
 else
@@ -43,7 +43,7 @@ micro() {
     echo "== audit_gpu rc=${PIPESTATUS[0]} ($(date -u +%T))"
 }
 
-CUDA_VISIBLE_DEVICES=0 benchmarks/bench_h200.sh "$out/bench" >"$out/bench.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=0 BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-100} timeout 420 benchmarks/bench_h200.sh "$out/bench" >"$out/bench.log" 2>&1 &
 bench_pid=$!
 if [ "$other" = 1 ]; then
     CUDA_VISIBLE_DEVICES=1 micro >"$out/micro.log" 2>&1
