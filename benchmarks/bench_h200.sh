@@ -25,11 +25,11 @@ export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 for scenario in "${scenarios[@]}"; do
     echo "== $scenario ($(date -u +%H:%M:%S) UTC)"
-    python -m mlaprefill bench --scenario "$scenario" --dry-run
-    python -m mlaprefill bench --scenario "$scenario" --max-seconds "${BENCH_MAX_SECONDS:-165}" --out "$out/$scenario" \
+    python3 -m mlaprefill bench --scenario "$scenario" --dry-run
+    python3 -m mlaprefill bench --scenario "$scenario" --max-seconds "${BENCH_MAX_SECONDS:-165}" --out "$out/$scenario" \
         2> >(tee "$out/$scenario.stderr.log" >&2)
 done
 echo "== done ($(date -u +%H:%M:%S) UTC); results in $out/<scenario>/bench.{json,png}"
