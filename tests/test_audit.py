@@ -68,6 +68,23 @@ def test_pageable_copy_into_device_tensor() -> None:
     assert f.nbytes == 80 and f.devices == "cpu->meta"
 
 
+def test_copies_under_inference_mode_are_seen() -> None:
+    """Inference engines run under torch.inference_mode(), where the copy reaches the audit as
+    aten.to.* instead of _to_copy; it must be found all the same, once per copy."""
+    x = torch.arange(6, dtype=torch.int32)
+    pinned = torch.arange(6, dtype=torch.int32)
+    like = torch.empty(6, dtype=torch.int32, device="meta")
+    with torch.inference_mode(), no_host_sync() as audit:
+        audit.treat_as_pinned(pinned)
+        line = _next_line()
+        x.to("meta", non_blocking=True)
+        x.to(like, non_blocking=True)  # aten.to.other
+        x.to(torch.float32)  # host cast: no copy to a device
+        pinned.to("meta", non_blocking=True)  # pinned: clean
+    found = [(f.kind, f.lineno, f.count) for f in audit.findings]
+    assert found == [("pageable_h2d", line, 1), ("pageable_h2d", line + 1, 1)], found
+
+
 def test_pinned_copies_are_clean_and_non_dense_pinned_is_found() -> None:
     host = torch.arange(64, dtype=torch.int64).reshape(8, 8)
     dst = torch.empty(8, 4, dtype=torch.int64, device="meta")

@@ -258,7 +258,13 @@ class HostSyncAudit(TorchDispatchMode):
             aten.copy_.default: self._on_copy,
             aten._local_scalar_dense.default: self._on_item,
             aten.index.Tensor: self._on_index,
+            # Under torch.inference_mode() composite ops reach the mode undecomposed: the copy
+            # shows up as aten.to.* and .item() as aten.item, not as _to_copy /
+            # _local_scalar_dense (inference engines run there, so both spellings count).
+            aten.item.default: self._on_item,
         }
+        for overload in self._overloads("to"):
+            handlers[overload] = self._on_to
         for packet in ("index_put_", "index_put", "_index_put_impl_"):
             for overload in self._overloads(packet):
                 handlers[overload] = self._on_index_put
@@ -418,6 +424,20 @@ class HostSyncAudit(TorchDispatchMode):
         elif src_on_device and not dst_on_device and src.numel() > 0 and not non_blocking:
             # non_blocking D2H through _to_copy allocates a pinned output: truly async.
             self._record("d2h", func, src, devices)
+
+    def _on_to(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """aten.to.* (seen instead of _to_copy under inference mode): bind, then as _to_copy."""
+        bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+                 for i, a in enumerate(func._schema.arguments)}
+        other = bound.get("other")
+        device = other.device if isinstance(other, torch.Tensor) else bound.get("device")
+        dtype = other.dtype if isinstance(other, torch.Tensor) else bound.get("dtype")
+        if device is None or torch.device(device) == args[0].device:
+            return  # no device change: no copy, or a same-device dtype cast
+        self._on_to_copy(func, (args[0],), {
+            "device": device, "dtype": dtype if isinstance(dtype, torch.dtype) else None,
+            "non_blocking": bool(bound.get("non_blocking") or False),
+            "memory_format": bound.get("memory_format")})
 
     def _on_copy(self, func: Any, args: tuple, kwargs: dict) -> None:
         dst, src = args[0], args[1]
