@@ -73,8 +73,9 @@ def test_ring_thousands_of_uploads_under_load_never_races_nor_stalls():
 def test_ring_at_small_cap_stalls_but_stays_correct():
     ring = StagingRing("cuda", max_pinned_bytes=6 * 64 * 1024)
     per_ms = _sleep_cycles_per_ms()
+    # A 20 ms head start keeps every arena's copy pending while the host fills the cap.
     _run_and_check(ring, _plans(31, seed=1), num_uploads=600, sleep_cycles=int(0.5 * per_ms),
-                   sleep_every=3)
+                   sleep_every=3, head_cycles=int(20 * per_ms))
     assert ring.stats.stalls > 0 and ring.stats.pinned_bytes <= 6 * 64 * 1024
 
 
