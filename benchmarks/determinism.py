@@ -1,0 +1,134 @@
+"""Is the chunked-context forward bitwise run-to-run deterministic on the GPU, and if not, which
+stage is not? (The 2-GPU DCP check saw the single-GPU forward differ between two identical runs
+on one long-context case.)
+
+    PYTHONPATH=src python3 benchmarks/determinism.py --out determinism.json
+
+One request, 2048 new tokens over a 131,072-token context, DeepSeek-V3 heads, bf16, workspace
+32,768 (4 iterations): the whole forward 4 times per backend, then each stage of one iteration
+4 times on identical inputs (gather, up-projection, attention, merge). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from mlaprefill.attention import MLAChunkedPrefill
+from mlaprefill.backends import get_backend
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.kernels.gather import gather_context_rows
+from mlaprefill.kernels.merge import merge_attention_states
+from mlaprefill.plan import ChunkPlanner
+from mlaprefill.staging import StagingRing
+
+RUNS = 4
+
+
+def _same(results: list) -> tuple[bool, float]:
+    """(all bitwise equal to the first, max abs difference to the first)."""
+    first = results[0]
+    worst, equal = 0.0, True
+    for r in results[1:]:
+        for a, b in zip(first, r, strict=True):
+            equal &= bool(torch.equal(a, b))
+            fin = torch.isfinite(a) & torch.isfinite(b)
+            worst = max(worst, float((a.double() - b.double())[fin].abs().max()))
+    return equal, worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    h, nope, rope, v_dim, rank, page = 128, 128, 64, 128, 512, 64
+    q_len, ctx, ws = 2048, 131072, 32768
+    g = torch.Generator(device=dev).manual_seed(0)
+    nblocks = ctx // page
+    kv_cache = torch.randn(nblocks, page, rank + rope, device=dev, dtype=dt, generator=g)
+    block_table = torch.randperm(nblocks, device=dev, generator=g).to(torch.int32)[None]
+    q = torch.randn(q_len, h, nope + rope, device=dev, dtype=dt, generator=g)
+    kv_c_new = torch.randn(q_len, rank, device=dev, dtype=dt, generator=g)
+    k_pe_new = torch.randn(q_len, rope, device=dev, dtype=dt, generator=g)
+    weight = torch.randn(h * (nope + v_dim), rank, device=dev, dtype=dt, generator=g) * rank**-0.5
+    plan = ChunkPlanner(ws, page).plan(PrefillBatch([q_len], [ctx], page_size=page))
+    dp = StagingRing(dev).upload(plan)
+    rows_out: list[dict] = []
+
+    for name in ("cudnn", "varlen"):
+        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
+        fwd = [tuple(t.clone() for t in mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
+                                                     dp, return_lse=True)) for _ in range(RUNS)]
+        eq, worst = _same(fwd)
+        rows_out.append({"stage": "whole forward", "backend": name, "bitwise": eq,
+                         "max_abs_diff": worst})
+
+    # Stages of iteration 1 on identical inputs.
+    t = dp.tensors
+    n = plan.iteration_tokens[1]
+    ws_buf = torch.empty(plan.max_iteration_tokens, rank + rope, device=dev, dtype=dt)
+    gathers = [(gather_context_rows(kv_cache, block_table, t["token_to_seq"][1],
+                                    t["cu_seq_lens"][1], t["chunk_starts"][1], ws_buf,
+                                    n).clone(),) for _ in range(RUNS)]
+    eq, worst = _same(gathers)
+    rows_out.append({"stage": "gather", "backend": "-", "bitwise": eq, "max_abs_diff": worst})
+    rows = gathers[0][0]
+    for name in ("cudnn", "varlen"):
+        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
+        w_k, w_v = mla._up_weights(rope, dt, dev)
+        ups = []
+        for _ in range(RUNS):
+            k = torch.empty(n, h, nope + rope, device=dev, dtype=dt)
+            v = torch.empty(n, h, w_v.shape[0] // h, device=dev, dtype=dt)
+            mla._up_project(rows[:, :rank], rows[:, rank:], k, v, w_k, w_v)
+            ups.append((k, v))
+        eq, worst = _same(ups)
+        rows_out.append({"stage": "up-projection", "backend": name, "bitwise": eq,
+                         "max_abs_diff": worst})
+        k, v = ups[0]
+        backend = get_backend(name, device=dev, dtype=dt, qk_head_dim=nope + rope,
+                              v_head_dim=v_dim)
+        cu_q = t["cu_query_lens"]
+        att = [tuple(x.clone() for x in backend.attend(
+            q, k, v, cu_q, t["cu_seq_lens"][1], plan.max_query_len, plan.max_chunk_lens[1],
+            causal=False, softmax_scale=(nope + rope) ** -0.5,
+            cu_seqlens_q_host=plan.cu_query_lens, cu_seqlens_k_host=plan.cu_seq_lens[1]))
+            for _ in range(RUNS)]
+        eq, worst = _same(att)
+        rows_out.append({"stage": "attention", "backend": name, "bitwise": eq,
+                         "max_abs_diff": worst})
+        o, lse = att[0]
+        o = o[..., :v_dim]
+        merges = []
+        for _ in range(RUNS):
+            acc, acc_lse = o.clone().contiguous(), lse.clone().contiguous()
+            merge_attention_states(acc, acc_lse, att[1][0][..., :v_dim], att[1][1] - 0.5)
+            merges.append((acc, acc_lse))
+        eq, worst = _same(merges)
+        rows_out.append({"stage": "merge", "backend": name, "bitwise": eq,
+                         "max_abs_diff": worst})
+    torch.cuda.synchronize()
+    doc = {"benchmark": "determinism", "argv": sys.argv,
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+           "shape": {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,
+                     "iterations": plan.num_iterations, "runs": RUNS, "dtype": "bfloat16"},
+           "rows": rows_out}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"{'stage':<15} {'backend':<8} {'bitwise':<8} max|diff|")
+    for r in rows_out:
+        print(f"{r['stage']:<15} {r['backend']:<8} {r['bitwise']!s:<8} {r['max_abs_diff']:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
