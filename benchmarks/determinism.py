@@ -44,9 +44,65 @@ def _same(results: list) -> tuple[bool, float]:
     return equal, worst
 
 
+def _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim,
+           rows_out) -> None:
+    """Whole cuDNN forward, RUNS times, with one change each: which change makes it stable?"""
+    import types
+
+    import mlaprefill.attention as attention_mod
+
+    def run(mla, plan_obj):
+        outs = [tuple(t.clone() for t in mla.forward(q, kv_c_new, k_pe_new, kv_cache,
+                                                      block_table, plan_obj, return_lse=True))
+                for _ in range(RUNS)]
+        return _same(outs)
+
+    def synced(fn):
+        def wrapper(*a, **k):
+            r = fn(*a, **k)
+            torch.cuda.synchronize()
+            return r
+        return wrapper
+
+    cloned_dp = types.SimpleNamespace(plan=dp.plan,
+                                      tensors={k: v.clone() for k, v in dp.tensors.items()})
+    probes = ["baseline", "sync after attend", "sync after gather", "sync after merge",
+              "fresh DevicePlan tensors", "contiguous q/k/v into attend"]
+    for probe in probes:
+        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
+                                backend="cudnn")
+        orig_g, orig_m = attention_mod.gather_context_rows, attention_mod.merge_attention_states
+        plan_obj = dp
+        if probe == "sync after attend":
+            mla._backend.attend = synced(mla._backend.attend)
+        elif probe == "sync after gather":
+            attention_mod.gather_context_rows = synced(orig_g)
+        elif probe == "sync after merge":
+            attention_mod.merge_attention_states = synced(orig_m)
+
+        elif probe == "fresh DevicePlan tensors":
+            plan_obj = cloned_dp
+        elif probe == "contiguous q/k/v into attend":
+            orig_a = mla._backend.attend
+            mla._backend.attend = lambda q_, k_, v_, *a, _o=orig_a, **k: _o(
+                q_.contiguous(), k_.contiguous(), v_.contiguous(), *a, **k)
+        try:
+            eq, worst = run(mla, plan_obj)
+        finally:
+            attention_mod.gather_context_rows = orig_g
+            attention_mod.merge_attention_states = orig_m
+        rows_out.append({"stage": f"probe: {probe}", "backend": "cudnn", "bitwise": eq,
+                         "max_abs_diff": worst})
+        print(f"probe {probe:<30} bitwise={eq} max|diff|={worst:.3g}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--whole-only", action="store_true",
+                        help="only the whole-forward rows (e.g. under CUDA_LAUNCH_BLOCKING=1)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also rerun the whole cuDNN forward with one stage changed at a time")
     args = parser.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, nope, rope, v_dim, rank, page = 128, 128, 64, 128, 512, 64
@@ -70,6 +126,62 @@ def main() -> int:
         eq, worst = _same(fwd)
         rows_out.append({"stage": "whole forward", "backend": name, "bitwise": eq,
                          "max_abs_diff": worst})
+    if args.whole_only:
+        print(rows_out)
+        return 0
+    if args.probe:
+        _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim, rows_out)
+
+    # Trace: record every stage's output inside the forward, two runs, find the first divergence.
+    import mlaprefill.attention as attention_mod
+
+    for name in ("cudnn", "varlen"):
+        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
+        traces: list[list[tuple[str, tuple]]] = []
+        for _ in range(2):
+            trace: list[tuple[str, tuple]] = []
+            orig_gather, orig_merge = attention_mod.gather_context_rows, \
+                attention_mod.merge_attention_states
+            orig_attend = mla._backend.attend
+
+            def gather(*a, _o=orig_gather, _t=trace, **k):
+                r = _o(*a, **k)
+                _t.append(("gather", (r.clone(),)))
+                return r
+
+            def merge(o, lse, po, plse, _o=orig_merge, _t=trace):
+                _t.append(("merge-in", (o.clone(), lse.clone(), po.clone(), plse.clone())))
+                r = _o(o, lse, po, plse)
+                _t.append(("merge-out", (o.clone(), lse.clone())))
+                return r
+
+            def attend(*a, _o=orig_attend, _t=trace, **k):
+                r = _o(*a, **k)
+                _t.append(("attend-k" , (a[1].clone(), a[2].clone())))
+                _t.append(("attend-out", tuple(x.clone() for x in r)))
+                return r
+
+            attention_mod.gather_context_rows = gather
+            attention_mod.merge_attention_states = merge
+            mla._backend.attend = attend
+            try:
+                mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, dp, return_lse=True)
+            finally:
+                attention_mod.gather_context_rows = orig_gather
+                attention_mod.merge_attention_states = orig_merge
+                del mla._backend.attend
+            traces.append(trace)
+        first = None
+        for j, ((tag, a), (_, b)) in enumerate(zip(traces[0], traces[1], strict=True)):
+            eq, worst = _same([a, b])
+            if not eq:
+                first = f"#{j} {tag}: max|diff| {worst:.3g}"
+                break
+        rows_out.append({"stage": "trace first diff", "backend": name,
+                         "bitwise": first is None, "max_abs_diff": 0.0,
+                         "first_divergence": first,
+                         "calls": [t for t, _ in traces[0]]})
+        print(name, "first divergence:", first, [t for t, _ in traces[0]])
 
     # Stages of iteration 1 on identical inputs.
     t = dp.tensors
