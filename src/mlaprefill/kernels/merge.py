@@ -60,7 +60,6 @@ if HAS_TRITON:
         c1 = w1 / s_safe
         c2 = w2 / s_safe
         new_lse = tl.where(nonempty, m_safe + tl.log(s_safe), float("-inf"))
-        tl.store(lse_ptr + t * stride_lse_t + h * stride_lse_h, new_lse, mask=row_mask)
 
         cols = tl.arange(0, BLOCK_D)
         col_mask = cols < HEAD_DIM
@@ -72,6 +71,14 @@ if HAS_TRITON:
         # where(), not multiply: a -inf side may carry NaN/garbage and must not leak (0 * NaN).
         o = (tl.where((c1 > 0.0)[:, None], o1 * c1[:, None], 0.0)
              + tl.where((c2 > 0.0)[:, None], o2 * c2[:, None], 0.0))
+        # The [BLOCK_ROWS] LSE values are replicated across the program's warps: every warp
+        # loads l1 itself. Storing the merged LSE in place before *all* warps have read l1 let a
+        # late warp read the merged value and scale its columns of `out` wrongly: the likely
+        # cause of the run-to-run differences of the long-context forward measured on the H200
+        # (benchmarks/results/determinism_h200.json, taken before this barrier). So: every load
+        # is consumed above, all warps meet here, and only then is anything written.
+        tl.debug_barrier()
+        tl.store(lse_ptr + t * stride_lse_t + h * stride_lse_h, new_lse, mask=row_mask)
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
