@@ -166,7 +166,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="no model, no device: print the metadata bytes per step the scenario's "
                         "steps would upload (per planner policy) and exit")
-    p.add_argument("--out", type=Path, help="directory for bench.json and bench.png")
+    p.add_argument("--out", type=Path, default=Path("bench-out"),
+                   help="directory for bench.json and bench.png (default: ./bench-out)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
