@@ -26,7 +26,6 @@ Times: ``triton.testing.do_bench`` (CUDA events, warm-up excluded), median over 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import sys
@@ -35,6 +34,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from mlaprefill._env import utc_now
 
 H = 128
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
@@ -627,7 +628,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     results: dict[str, Any] = {
         "command": " ".join(sys.argv), "argv": sys.argv,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date_utc": utc_now(offset=True),
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
                     "torch": torch.__version__, "triton": triton.__version__,
                     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),

@@ -13,7 +13,6 @@ Prints the stall-map table last. About 30-40 s on an H200.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ import time
 
 import torch
 
+from mlaprefill._env import utc_now
 from mlaprefill.audit import no_host_sync
 from mlaprefill.audit.stallmap import format_table, machine_info, plot_stallmap, stallmap
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     meta = {"machine": machine_info(), "command": list(sys.argv),
-            "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "date_utc": utc_now()}
     checks = audit_checks()
     overhead = [overhead_us_per_op("cpu"), overhead_us_per_op("cuda")]
     with open(os.path.join(args.out, "audit_gpu.json"), "w", encoding="utf-8") as fh:

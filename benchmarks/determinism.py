@@ -12,7 +12,6 @@ One request, 2048 new tokens over a 131,072-token context, DeepSeek-V3 heads, bf
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from mlaprefill._env import utc_now
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import get_backend
 from mlaprefill.batch import PrefillBatch
@@ -229,7 +229,7 @@ def main() -> int:
                          "max_abs_diff": worst})
     torch.cuda.synchronize()
     doc = {"benchmark": "determinism", "argv": sys.argv,
-           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "date_utc": utc_now(offset=True),
            "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
            "shape": {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,

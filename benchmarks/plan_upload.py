@@ -17,7 +17,6 @@ on an H200 host.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import platform
@@ -27,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from mlaprefill._env import cpu_name, triton_version, utc_now
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.staging import StagingRing
@@ -40,29 +40,15 @@ SIZES_KIB = (4, 16, 64, 256, 1024, 2048, 4096, 8192)
 
 
 def machine() -> dict:
-    info = {
+    return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
+        "triton": triton_version(),
     }
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
 
 
 def batch_for(num_prefills: int, iterations: int) -> PrefillBatch:
@@ -192,7 +178,7 @@ def main() -> int:
         "ran_on": "cuda" if cuda else "cpu (no CUDA: section B skipped, upload is a CPU copy)",
         "machine": machine(),
         "argv": sys.argv,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date_utc": utc_now(offset=True),
         "workspace_tokens": WORKSPACE, "page_size": PAGE_SIZE,
         "section_a_host_plan_upload": a_rows,
         "section_b_blocked_behind_queue": b_rows,

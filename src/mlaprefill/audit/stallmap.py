@@ -16,7 +16,6 @@ Without CUDA the command prints a message and exits 2.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import platform
@@ -26,6 +25,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from mlaprefill._env import triton_version, utc_now
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -235,12 +236,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception:  # triton is optional
-        info["triton"] = None
+    info["triton"] = triton_version()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["driver"] = _driver_version()
@@ -365,7 +361,7 @@ def stallmap(*, queue_ms: float = 50.0, repeats: int = 5, stall_fraction: float 
     return {
         "machine": machine_info(),
         "command": list(sys.argv),
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": utc_now(),
         "queue_ms": queue_ms,
         "repeats": repeats,
         "cycles_per_ms": timer.cycles_per_ms,

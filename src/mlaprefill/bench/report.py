@@ -2,73 +2,14 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
+from mlaprefill._env import machine_info
 
 __all__ = ["format_table", "machine_info", "write_json", "write_png"]
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    """Hardware and software versions of this run."""
-    info: dict[str, Any] = {
-        "device_type": device.type,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-    }
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except Exception:  # triton is optional; any import failure just means "not available"
-        info["triton"] = None
-    try:
-        import numpy
-        info["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        info["numpy"] = None
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        props = torch.cuda.get_device_properties(device)
-        info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
-        info["driver"] = _driver_version()
-    else:
-        info["device_name"] = _cpu_name()
-    return info
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _driver_version() -> str | None:
-    try:
-        import subprocess
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=False)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _rel(value: float, base: float) -> str:

@@ -7,9 +7,10 @@ import time
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from mlaprefill._env import machine_info, utc_now
 from mlaprefill.bench.engine import EngineConfig, PrefillEngine, ProgressFn, Variant
 from mlaprefill.bench.metrics import METRIC_KEYS, RunResult, step_series, summarize
-from mlaprefill.bench.report import command_line, machine_info, utc_now
+from mlaprefill.bench.report import command_line
 
 __all__ = ["DEFAULT_VARIANTS", "ProgressLine", "run_suite"]
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mlaprefill._env import machine_info, utc_now
 from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.config import MLAConfig
@@ -426,8 +427,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     dist.barrier(group=group)
     dist.destroy_process_group()
-    from mlaprefill.bench.report import machine_info
-
     machine = machine_info(device)
     machine.update({"world": world, "hostname": platform.node(),
                     "nccl": str(torch.cuda.nccl.version()) if use_cuda else None})
@@ -438,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "command_note": "torchrun does not pass its own arguments to the workers: the launcher "
                         "part is rebuilt from LOCAL_WORLD_SIZE; argv is exact",
         "argv": sys.argv,
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": utc_now(),
         "world": world,
         "machine": machine,
         "env": {k: os.environ.get(k) for k in (
