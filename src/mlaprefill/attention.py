@@ -44,10 +44,6 @@ ContextSource = Callable[[int, torch.Tensor], torch.Tensor]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 class MLAChunkedPrefill:
     """MLA prefill over paged context, chunked to a fixed workspace (plan/run split).
 
@@ -158,7 +154,7 @@ class MLAChunkedPrefill:
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if k_pe_new.dim() != 2:
             raise ValueError(f"k_pe_new must be [T, qk_rope_head_dim], got shape "
-                             f"{_shape(k_pe_new)}")
+                             f"{tuple(k_pe_new.shape)}")
         rope = k_pe_new.shape[1]
         h, nope, rank = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
         num_tokens = plan.num_query_tokens
@@ -168,20 +164,20 @@ class MLAChunkedPrefill:
             "k_pe_new": (num_tokens, rope),
         }
         for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new)):
-            if _shape(t) != expected[name]:
+            if tuple(t.shape) != expected[name]:
                 raise ValueError(
-                    f"{name} has shape {_shape(t)}, expected {expected[name]} (T = "
+                    f"{name} has shape {tuple(t.shape)}, expected {expected[name]} (T = "
                     f"plan.num_query_tokens = {num_tokens}, H = {h} and kv_lora_rank = {rank} "
                     f"from kv_b_proj_weight, qk = qk_nope_head_dim {nope} + rope {rope} from "
                     f"k_pe_new)")
         if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + rope:
-            raise ValueError(f"kv_cache has shape {_shape(kv_cache)}, expected [num_blocks, "
+            raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected [num_blocks, "
                              f"page_size, {rank + rope}] (kv_lora_rank + qk_rope_head_dim)")
         if kv_cache.shape[1] != plan.page_size:
             raise ValueError(f"kv_cache page_size {kv_cache.shape[1]} != plan.page_size "
                              f"{plan.page_size}; plan with the cache's page size")
         if block_table.dim() != 2 or block_table.shape[0] != plan.num_reqs:
-            raise ValueError(f"block_table has shape {_shape(block_table)}, expected "
+            raise ValueError(f"block_table has shape {tuple(block_table.shape)}, expected "
                              f"[num_reqs={plan.num_reqs}, max_blocks]")
         if block_table.dtype != torch.int32:
             raise ValueError(f"block_table dtype is {block_table.dtype}, expected torch.int32")
@@ -301,8 +297,8 @@ class MLAChunkedPrefill:
                                            cu_seq_lens[i], chunk_starts[i], workspace, num_rows)
             else:
                 rows = context_source(i, workspace)
-                if _shape(rows) != (num_rows, rank + rope):
-                    raise ValueError(f"context_source({i}) returned shape {_shape(rows)}, "
+                if tuple(rows.shape) != (num_rows, rank + rope):
+                    raise ValueError(f"context_source({i}) returned shape {tuple(rows.shape)}, "
                                      f"expected ({num_rows}, {rank + rope})")
             k_i, v_i = k_ctx[:num_rows], v_ctx[:num_rows]
             self._up_project(rows[:, :rank], rows[:, rank:], k_i, v_i, w_k, w_v)
@@ -368,11 +364,11 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3 or k_pe_new.dim() != 2 or kv_b_proj_weight.dim() != 2:
         raise ValueError(f"q must be [T, H, qk_head_dim], k_pe_new [T, qk_rope_head_dim], "
-                         f"kv_b_proj_weight [H * (nope + v), rank]; got {_shape(q)}, "
-                         f"{_shape(k_pe_new)}, {_shape(kv_b_proj_weight)}")
+                         f"kv_b_proj_weight [H * (nope + v), rank]; got {tuple(q.shape)}, "
+                         f"{tuple(k_pe_new.shape)}, {tuple(kv_b_proj_weight.shape)}")
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got "
-                         f"{_shape(kv_cache)}")
+                         f"{tuple(kv_cache.shape)}")
     num_heads, rope = q.shape[1], k_pe_new.shape[1]
     nope = q.shape[2] - rope if qk_nope_head_dim is None else qk_nope_head_dim
     if nope <= 0 or nope + rope != q.shape[2]:
