@@ -31,7 +31,7 @@ Definitions (all times in milliseconds unless the name says otherwise):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -172,8 +172,3 @@ def step_series(run: RunResult) -> dict[str, list[float]]:
         "metadata_bytes": [s.metadata_bytes for s in run.steps],
         "device_step_ms": [s.device_end_ms - s.device_start_ms for s in run.steps],
     }
-
-
-def record_dict(rec: StepRecord) -> dict[str, Any]:
-    """A StepRecord as a JSON-friendly dict."""
-    return asdict(rec)
