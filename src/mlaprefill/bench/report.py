@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +121,3 @@ def write_png(doc: dict[str, Any], path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
-
-
-def command_line() -> list[str]:
-    """The command as run (``sys.argv`` with the program name)."""
-    return list(sys.argv)

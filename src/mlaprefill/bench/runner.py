@@ -10,7 +10,6 @@ from typing import Any, TextIO
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.bench.engine import EngineConfig, PrefillEngine, ProgressFn, Variant
 from mlaprefill.bench.metrics import METRIC_KEYS, RunResult, step_series, summarize
-from mlaprefill.bench.report import command_line
 
 __all__ = ["DEFAULT_VARIANTS", "ProgressLine", "run_suite"]
 
@@ -152,7 +151,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "scenario": scenario,
         "scenario_note": scenario_note,
         "date": utc_now(),
-        "command": command_line(),
+        "command": list(sys.argv),  # the command as run, program name first
         "machine": machine_info(engine.device),
         "ran_on": engine.device.type,
         "dtype": str(engine.dtype).removeprefix("torch."),
