@@ -387,7 +387,8 @@ class PrefillEngine:
             duration_ms=records[-1].device_end_ms if records else math.nan, wall_ms=wall_ms,
             truncated=truncated,
             staging={"uploads": st.uploads, "bytes": st.bytes, "arenas_grown": st.arenas_grown,
-                     "stalls": st.stalls, "pinned_bytes": st.pinned_bytes})
+                     "arenas_resized": st.arenas_resized, "stalls": st.stalls,
+                     "pinned_bytes": st.pinned_bytes})
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor) -> None:
         """Enqueue one step's device work; never synchronizes."""
