@@ -240,9 +240,12 @@ class StagingRing:
     -----
     Growing or resizing allocates pinned host memory (``cudaHostAlloc`` through torch's caching
     host allocator: slow, tens of microseconds or more), so warm the ring up with a few uploads
-    of the largest expected plan; steady state allocates nothing. Not thread-safe; use one ring
-    per stream/thread. Can synchronize only as documented for the
-    pinned cap. Not CUDA-graph capturable itself.
+    of the largest expected plan; steady state allocates nothing (arenas grow in powers of two).
+    ``max_pinned_bytes`` counts the ring's live arenas: an arena dropped for a larger one goes
+    back to torch's caching host allocator, which keeps it pinned for reuse, so the process can
+    hold more pinned memory than the cap while a ring is growing. Not thread-safe; use one ring
+    per stream/thread. Can synchronize only as documented for the pinned cap. Not CUDA-graph
+    capturable itself.
     """
 
     def __init__(self, device: str | torch.device | int, *, mode: str = "ring",
