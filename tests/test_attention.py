@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
 
 
@@ -156,14 +157,19 @@ def test_one_call_matches_and_infers_dims():
 
 
 def test_softmax_scale_is_applied():
-    query_lens, context_lens = [3], [6]
+    # several iterations, zero context, one token: the scale must reach every part and the LSE
+    query_lens, context_lens = [3, 1, 2], [6, 0, 8]
     x = make_inputs(query_lens, context_lens)
     args = (x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
             context_lens, x["weight"])
     a = mla_chunked_prefill(*args, workspace_tokens=8)
     b = mla_chunked_prefill(*args, workspace_tokens=8, softmax_scale=12 ** -0.5)
-    c = mla_chunked_prefill(*args, workspace_tokens=8, softmax_scale=0.7)
+    c, lse_c = mla_chunked_prefill(*args, workspace_tokens=8, softmax_scale=0.7, return_lse=True)
     assert torch.allclose(a, b) and not torch.allclose(a, c)
+    ref_c, ref_lse_c = mla_prefill_reference(*args, qk_nope_head_dim=x["nope"], v_head_dim=x["v"],
+                                             softmax_scale=0.7)
+    assert (c.double() - ref_c).norm() / ref_c.norm() <= 1e-5
+    assert (lse_c.double() - ref_lse_c).abs().max() <= 1e-5
 
 
 def test_context_source_hook_replaces_gather():
@@ -185,8 +191,9 @@ def test_context_source_hook_replaces_gather():
 
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
     args = (x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], dplan)
-    out = op.forward(*args, context_source=source)
-    assert calls == list(range(plan.num_iterations))
+    out, lse = op.forward(*args, context_source=source, return_lse=True)
+    assert calls == list(range(plan.num_iterations)) and plan.num_iterations >= 2
+    check(out, lse, x, query_lens, context_lens, torch.float32)
     ref = op.forward(*args)
     assert torch.allclose(out, ref, atol=1e-6)
     with pytest.raises(ValueError, match=r"context_source\(0\) returned shape"):
@@ -294,6 +301,10 @@ def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, w
                                  workspace_tokens=8, process_group=group, dcp_interleave=4)
     if world_size == 1:
         assert isinstance(result, torch.Tensor) and not seen  # the single-rank path
+        ref, _ = plain_reference(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                 x["block_table"], query_lens, context_lens, x["weight"],
+                                 x["nope"], x["v"])
+        assert (result.double() - ref).norm() / ref.norm() <= 1e-5
     else:
         assert result == "dcp"
         assert seen["process_group"] is group and seen["dcp_interleave"] == 4

@@ -136,6 +136,9 @@ def test_merge_accepts_strided_parts():
     b_o, b_l = out.clone(), lse.clone()
     merge_attention_states_torch(b_o, b_l, part.contiguous(), part_lse.contiguous())
     assert torch.equal(a_o, b_o) and torch.equal(a_l, b_l)
+    ref_o, ref_l = _merge_ref(out, lse, part, part_lse)  # and both are the right answer
+    assert torch.allclose(a_o.double(), ref_o, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(a_l.double(), ref_l, atol=1e-5)
 
 
 def test_merge_validates_shapes():

@@ -9,8 +9,10 @@ import torch
 from mlaprefill.reference import mla_prefill_reference
 
 
-def _per_query(q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight, nope, v):
+def _per_query(q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight, nope, v,
+               scale=None):
     """One query and one head at a time, keys built token by token: no batching at all."""
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
     h = q.shape[1]
     rank = weight.shape[1]
     page = cache.shape[1]
@@ -28,7 +30,7 @@ def _per_query(q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, we
                 scores, values = [], []
                 for lat in latents[:n_ctx + i + 1]:
                     k = torch.cat([w[head, :nope] @ lat[:rank], lat[rank:]])
-                    scores.append(float(qv @ k) / math.sqrt(q.shape[2]))
+                    scores.append(float(qv @ k) * scale)
                     values.append(w[head, nope:] @ lat[:rank])
                 m = max(scores)
                 z = sum(math.exp(s - m) for s in scores)
@@ -68,10 +70,15 @@ def test_reference_softmax_scale_is_used():
     out_a, lse_a = mla_prefill_reference(*args, qk_nope_head_dim=4, v_head_dim=3)
     out_b, lse_b = mla_prefill_reference(*args, qk_nope_head_dim=4, v_head_dim=3,
                                          softmax_scale=6 ** -0.5)
-    out_c, _ = mla_prefill_reference(*args, qk_nope_head_dim=4, v_head_dim=3, softmax_scale=0.9)
+    out_c, lse_c = mla_prefill_reference(*args, qk_nope_head_dim=4, v_head_dim=3,
+                                         softmax_scale=0.9)
     assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
     assert not torch.allclose(out_a, out_c)
-    # first query sees only itself: output is exactly its own value row
+    # a non-default scale gives what the scalar loop gives with that scale, output and LSE
+    ref_c, ref_lse_c = _per_query(*args[:7], args[7], 4, 3, scale=0.9)
+    assert torch.allclose(out_c, ref_c, atol=1e-10) and torch.allclose(lse_c, ref_lse_c, atol=1e-10)
+    # first query sees only itself: its LSE is its one score, its output its own value row
     assert torch.allclose(lse_a[0, 0], torch.tensor(0.0, dtype=torch.float64) + (
         (q[0, 0].double() @ torch.cat([args[7][:4].double() @ args[1][0].double(),
                                        args[2][0].double()])) * 6 ** -0.5))
+    assert torch.allclose(out_a[0, 0], args[7][4:].double() @ args[1][0].double(), atol=1e-12)
