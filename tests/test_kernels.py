@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mlaprefill.batch import PrefillBatch
@@ -46,6 +46,10 @@ def _paged_cache(context_lens, page_size, latent_dim, seed=0):
     workspace=st.integers(16, 80),
     policy=st.sampled_from(["packed", "equal"]),
 )
+# always run: zero context, one token, on / one past a page boundary, smallest legal workspace
+@example(context_lens=[0, 1, 16, 17, 32], page_size=16, workspace=16, policy="equal")
+@example(context_lens=[0, 1, 16, 17, 32], page_size=16, workspace=16, policy="packed")
+@example(context_lens=[0], page_size=4, workspace=16, policy="packed")
 def test_gather_matches_plain_indexing(context_lens, page_size, workspace, policy):
     """Every iteration's workspace rows are exactly the cache rows the plan names."""
     n_with_ctx = sum(c > 0 for c in context_lens)
