@@ -96,6 +96,20 @@ def _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim
         print(f"probe {probe:<30} bitwise={eq} max|diff|={worst:.3g}", flush=True)
 
 
+def _report(out: str, rows_out: list[dict], shape: dict) -> None:
+    """Write the JSON (command, machine, date, rows) and print the table last."""
+    torch.cuda.synchronize()
+    doc = {"benchmark": "determinism", "argv": sys.argv,
+           "date_utc": utc_now(offset=True),
+           "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+           "shape": shape, "rows": rows_out}
+    Path(out).write_text(json.dumps(doc, indent=1))
+    print(f"{'stage':<15} {'backend':<8} {'bitwise':<8} max|diff|")
+    for r in rows_out:
+        print(f"{r['stage']:<15} {r['backend']:<8} {r['bitwise']!s:<8} {r['max_abs_diff']:.3g}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -117,6 +131,8 @@ def main() -> int:
     weight = torch.randn(h * (nope + v_dim), rank, device=dev, dtype=dt, generator=g) * rank**-0.5
     plan = ChunkPlanner(ws, page).plan(PrefillBatch([q_len], [ctx], page_size=page))
     dp = StagingRing(dev).upload(plan)
+    shape = {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,
+             "iterations": plan.num_iterations, "runs": RUNS, "dtype": "bfloat16"}
     rows_out: list[dict] = []
 
     for name in ("cudnn", "varlen"):
@@ -127,7 +143,7 @@ def main() -> int:
         rows_out.append({"stage": "whole forward", "backend": name, "bitwise": eq,
                          "max_abs_diff": worst})
     if args.whole_only:
-        print(rows_out)
+        _report(args.out, rows_out, shape)
         return 0
     if args.probe:
         _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim, rows_out)
@@ -227,18 +243,7 @@ def main() -> int:
         eq, worst = _same(merges)
         rows_out.append({"stage": "merge", "backend": name, "bitwise": eq,
                          "max_abs_diff": worst})
-    torch.cuda.synchronize()
-    doc = {"benchmark": "determinism", "argv": sys.argv,
-           "date_utc": utc_now(offset=True),
-           "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
-           "shape": {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,
-                     "iterations": plan.num_iterations, "runs": RUNS, "dtype": "bfloat16"},
-           "rows": rows_out}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{'stage':<15} {'backend':<8} {'bitwise':<8} max|diff|")
-    for r in rows_out:
-        print(f"{r['stage']:<15} {r['backend']:<8} {r['bitwise']!s:<8} {r['max_abs_diff']:.3g}")
+    _report(args.out, rows_out, shape)
     return 0
 
 
