@@ -205,7 +205,6 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     mla = MLAChunkedPrefill(data["weight"], qk_nope_head_dim=cfg.qk_nope_head_dim,
                             v_head_dim=cfg.v_head_dim, backend=args.backend)
     source = DCPContextSource(local_cache, local_table, dcp_dp, group)
-    fwd_table = local_table
     q, kv_c_new, k_pe_new = data["q"], data["kv_c_new"], data["k_pe_new"]
     cache, table = data["kv_cache"], data["block_table"]
 
@@ -213,7 +212,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
         return mla.forward(q, kv_c_new, k_pe_new, cache, table, single_dp, return_lse=True)
 
     def dcp() -> Any:
-        return mla.forward(q, kv_c_new, k_pe_new, local_cache, fwd_table, dcp_dp,
+        return mla.forward(q, kv_c_new, k_pe_new, local_cache, local_table, dcp_dp,
                            return_lse=True, context_source=source)
 
     # -- check ---------------------------------------------------------------------------------
