@@ -268,9 +268,9 @@ def check_kernels(device: str) -> dict:
 
 
 def check_no_sync(device: str, backends: list[str]) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
+    """Plan + upload + forward under sync debug mode "error" and the profiler, per backend."""
     from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.audit.cuda_check import check_step_async
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
@@ -286,36 +286,12 @@ def check_no_sync(device: str, backends: list[str]) -> dict:
             planner = ChunkPlanner(2048, PAGE, policy="packed")
             batch = PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE)
 
-            def step() -> torch.Tensor:
-                plan = planner.plan(batch)
-                dplan = ring.upload(plan)
+            def step(op=op, ring=ring, planner=planner, batch=batch) -> torch.Tensor:
+                dplan = ring.upload(planner.plan(batch))
                 return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                   x["block_table"], dplan)
 
-            step()  # warm-up: JIT/compile/cuDNN graph build
-            torch.cuda.synchronize()
-            error = None
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        step()
-                    torch.cuda.set_sync_debug_mode(0)
-                    torch.cuda.synchronize()
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"[:600]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            names: dict[str, int] = {}
-            if error is None:
-                for ev in prof.events():
-                    if "Memcpy" in ev.name or "Memset" in ev.name:
-                        names[ev.name] = names.get(ev.name, 0) + 1
-            pageable = sum(v for k, v in names.items() if "Pageable" in k and "HtoD" in k)
-            dtoh = sum(v for k, v in names.items() if "DtoH" in k)
-            results[name] = {"sync_debug_error": error, "memcpy_events": names,
-                             "pageable_htod": pageable, "dtoh": dtoh, "steps": 3,
-                             "pass": error is None and pageable == 0 and dtoh == 0}
+            results[name] = check_step_async(step, steps=3).to_dict()
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
     return results

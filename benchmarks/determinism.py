@@ -115,9 +115,13 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--whole-only", action="store_true",
                         help="only the whole-forward rows (e.g. under CUDA_LAUNCH_BLOCKING=1)")
+    parser.add_argument("--runs", type=int, default=RUNS,
+                        help=f"whole-forward repeats per backend (default {RUNS})")
     parser.add_argument("--probe", action="store_true",
                         help="also rerun the whole cuDNN forward with one stage changed at a time")
     args = parser.parse_args()
+    if args.runs < 2:
+        parser.error(f"--runs {args.runs}: need at least 2 runs to compare")
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, nope, rope, v_dim, rank, page = 128, 128, 64, 128, 512, 64
     q_len, ctx, ws = 2048, 131072, 32768
@@ -132,13 +136,14 @@ def main() -> int:
     plan = ChunkPlanner(ws, page).plan(PrefillBatch([q_len], [ctx], page_size=page))
     dp = StagingRing(dev).upload(plan)
     shape = {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,
-             "iterations": plan.num_iterations, "runs": RUNS, "dtype": "bfloat16"}
+             "iterations": plan.num_iterations, "runs": args.runs, "dtype": "bfloat16"}
     rows_out: list[dict] = []
 
     for name in ("cudnn", "varlen"):
         mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
         fwd = [tuple(t.clone() for t in mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
-                                                     dp, return_lse=True)) for _ in range(RUNS)]
+                                                     dp, return_lse=True))
+               for _ in range(args.runs)]
         eq, worst = _same(fwd)
         rows_out.append({"stage": "whole forward", "backend": name, "bitwise": eq,
                          "max_abs_diff": worst})

@@ -1,55 +1,91 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project in one call on a 2 x H200 machine (the lent
-# `nvidia-h200-x2` kind), writing JSON/PNG/logs under OUT_DIR:
+# The project's GPU checks and benchmarks in one call on the lent H200 machines, writing
+# JSON/PNG/logs under OUT_DIR:
 #
-#   benchmarks/run_h200.sh OUT_DIR
+#   benchmarks/run_h200.sh OUT_DIR [JOB ...]
 #
-# 1. DCP over NCCL on both GPUs (benchmarks/dcp.py under torchrun, then tests/test_dcp_gpu.py).
-# 2. Then, at the same time on separate GPUs:
-#    GPU 0: the end-to-end prefill benchmark (benchmarks/bench_h200.sh: vllm-default + stall);
-#    GPU 1: every `gpu`-marked test, then benchmarks/plan_upload.py and benchmarks/audit_gpu.py.
-# The two halves share the host's 32 cores; neither is CPU-bound beyond a core or two.
-# NVLink multicast stays off (the lent machine's rule).
+# Jobs (default: dcp bench tests plan_upload audit):
+#   dcp          DCP over NCCL on 2 GPUs: benchmarks/dcp.py under torchrun, then tests/test_dcp_gpu.py
+#   bench        the end-to-end prefill benchmark on GPU 0 (benchmarks/bench_h200.sh; scenarios
+#                from BENCH_SCENARIOS, default "vllm-default stall"; BENCH_MAX_SECONDS per scenario)
+#   tests        every `gpu`-marked test (JUnit XML in OUT_DIR/gpu_tests.xml)
+#   plan_upload  benchmarks/plan_upload.py
+#   audit        benchmarks/audit_gpu.py (audit overhead + stall map)
+#   attention    benchmarks/attention.py (checks, kernels, backends, whole forward)
+#   determinism  benchmarks/determinism.py --probe --runs 16
+# dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on
+# GPU 1 (on GPU 0 after the bench when there is one GPU); they share the host's cores, which every
+# JSON's run_context should say. NVLink multicast stays off (the lent machine's rule).
 set -uo pipefail
-out=${1:?usage: benchmarks/run_h200.sh OUT_DIR}
+out=${1:?usage: benchmarks/run_h200.sh OUT_DIR [JOB ...]}
+shift
+jobs=("$@")
+[ ${#jobs[@]} -gt 0 ] || jobs=(dcp bench tests plan_upload audit)
+has() { local j; for j in "${jobs[@]}"; do [ "$j" = "$1" ] && return 0; done; return 1; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 mkdir -p "$out"
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-echo "== $(date -u +%FT%TZ) GPUs: $ngpu"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+echo "== $(date -u +%FT%TZ) GPUs: $ngpu; jobs: ${jobs[*]}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
-if [ "$ngpu" -ge 2 ]; then
-    timeout 180 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-        benchmarks/dcp.py --out "$out/dcp_h200x2.json" >"$out/dcp.log" 2>&1
-    echo "== dcp rc=$? ($(date -u +%T))"; tail -n 25 "$out/dcp.log"
-    # needs both GPUs visible, so it runs here rather than with the other gpu tests
-    timeout 120 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
-        tests/test_dcp_gpu.py 2>&1 | tail -n 15
-    other=1
-else
-    echo "== one GPU: DCP skipped; everything runs on GPU 0 in sequence"
-    other=0
+if has dcp; then
+    if [ "$ngpu" -ge 2 ]; then
+        timeout 180 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+            benchmarks/dcp.py --out "$out/dcp_h200x2.json" >"$out/dcp.log" 2>&1
+        echo "== dcp rc=$? ($(date -u +%T))"; tail -n 25 "$out/dcp.log"
+        # needs both GPUs visible, so it runs here rather than with the other gpu tests
+        timeout 120 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
+            --junitxml="$out/gpu_tests_dcp.xml" tests/test_dcp_gpu.py 2>&1 | tail -n 15
+    else
+        echo "== one GPU: dcp skipped"
+    fi
 fi
+other=$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)
 
 micro() {
-    python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin tests \
-        -o addopts="" --junitxml="$out/gpu_tests.xml" 2>&1 | tail -n 30
-    echo "== gpu tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
-    python3 benchmarks/plan_upload.py --out "$out/plan_upload_h200.json" 2>&1 | tail -n 40
-    echo "== plan_upload rc=${PIPESTATUS[0]} ($(date -u +%T))"
-    python3 benchmarks/audit_gpu.py --out "$out" 2>&1 | tail -n 30
-    echo "== audit_gpu rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    if has tests; then
+        python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin tests -o addopts="" \
+            --ignore=tests/test_dcp_gpu.py --junitxml="$out/gpu_tests.xml" 2>&1 | tail -n 30
+        echo "== gpu tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has determinism; then
+        python3 benchmarks/determinism.py --probe --runs 16 --out "$out/determinism_h200.json" \
+            2>&1 | tail -n 30
+        echo "== determinism rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has plan_upload; then
+        python3 benchmarks/plan_upload.py --out "$out/plan_upload_h200.json" 2>&1 | tail -n 40
+        echo "== plan_upload rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has audit; then
+        python3 benchmarks/audit_gpu.py --out "$out" 2>&1 | tail -n 30
+        echo "== audit_gpu rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has attention; then
+        python3 benchmarks/attention.py --out "$out/attention_h200.json" 2>&1 | tail -n 60
+        echo "== attention rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
 }
 
-CUDA_VISIBLE_DEVICES=0 BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-100} timeout 420 benchmarks/bench_h200.sh "$out/bench" >"$out/bench.log" 2>&1 &
-bench_pid=$!
+bench_pid=
+if has bench; then
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 BENCH_MAX_SECONDS=${BENCH_MAX_SECONDS:-100} timeout 420 \
+        benchmarks/bench_h200.sh "$out/bench" ${BENCH_SCENARIOS:-vllm-default stall} \
+        >"$out/bench.log" 2>&1 &
+    bench_pid=$!
+fi
 if [ "$other" = 1 ]; then
     CUDA_VISIBLE_DEVICES=1 micro >"$out/micro.log" 2>&1
 else
-    wait "$bench_pid"; CUDA_VISIBLE_DEVICES=0 micro >"$out/micro.log" 2>&1
+    [ -z "$bench_pid" ] || wait "$bench_pid"
+    CUDA_VISIBLE_DEVICES=0 micro >"$out/micro.log" 2>&1
 fi
-wait "$bench_pid"; echo "== bench rc=$? ($(date -u +%T))"
+if [ -n "$bench_pid" ]; then
+    wait "$bench_pid"; echo "== bench rc=$? ($(date -u +%T))"
+fi
 cat "$out/micro.log"
-grep -v '^\[' "$out/bench.log" | tail -n 40
+[ -z "$bench_pid" ] || grep -v '^\[' "$out/bench.log" | tail -n 60

@@ -171,7 +171,7 @@ def test_long_context_forward_is_bitwise_repeatable(backend):
 
 @pytest.mark.parametrize("backend", ["auto", "cudnn", "varlen"])
 def test_plan_upload_forward_never_syncs(backend):
-    from torch.profiler import ProfilerActivity, profile
+    from mlaprefill.audit.cuda_check import check_step_async
 
     query_lens, context_lens = [512, 1, 300, 64], [4096, 0, 1000, 64 * 20]
     x = _inputs(query_lens, context_lens, heads=16)
@@ -185,18 +185,17 @@ def test_plan_upload_forward_never_syncs(backend):
         return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                           x["block_table"], dplan)
 
-    step()  # warm-up (JIT, cuDNN graph build)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.set_sync_debug_mode(0)
-            torch.cuda.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    names = [ev.name for ev in prof.events()]
-    assert not [n for n in names if "Memcpy HtoD (Pageable" in n]
-    assert not [n for n in names if "Memcpy DtoH" in n]
-    assert sum("Memcpy HtoD" in n for n in names) >= 3  # the one plan upload per step
+    check = check_step_async(step, steps=3)  # one plan upload per step, nothing else
+    assert check.sync_debug_error is None
+    assert check.pageable_htod == 0 and check.dtoh == 0, check.memcpy_events
+    assert check.htod >= 3 and check.passed
+
+
+def test_step_check_sees_a_pageable_upload():
+    """The check can fail: the same kind of step, uploading from pageable memory, is caught."""
+    from mlaprefill.audit.cuda_check import check_step_async
+
+    plan = ChunkPlanner(2048, PAGE).plan(PrefillBatch([64, 1], [4096, 0], page_size=PAGE))
+    ring = StagingRing("cuda", mode="pageable")
+    check = check_step_async(lambda: ring.upload(plan), steps=2)
+    assert check.pageable_htod >= 2 and not check.passed

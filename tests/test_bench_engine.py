@@ -104,6 +104,21 @@ def test_max_steps_stops_early_and_engine_is_reusable():
     assert np.isfinite(full.throughput_tok_s)
 
 
+def test_engine_keeps_one_ring_per_mode_and_counts_per_run():
+    """The ring outlives a run (arenas grown in warm-up are reused); each run's staging counters
+    are that run's share, not the ring's running total."""
+    engine = PrefillEngine(EngineConfig(**BASE, prompt_len=32, num_requests=2, max_concurrent=2,
+                                        token_budget=8, workspace_tokens=16, page_size=4))
+    ring = engine.ring("ring")
+    first = engine.run(Variant.parse("ring+packed"))
+    second = engine.run(Variant.parse("ring+equal"))
+    assert engine.ring("ring") is ring and engine.ring("pin") is not ring
+    assert first.staging["uploads"] == len(first.steps) > 0
+    assert second.staging["uploads"] == len(second.steps)
+    assert ring.stats.uploads == len(first.steps) + len(second.steps)
+    assert first.staging["bytes"] + second.staging["bytes"] == ring.stats.bytes
+
+
 @pytest.mark.gpu
 def test_gpu_engine_ring_has_no_host_sync_and_pageable_is_seen():
     """On CUDA: the ring variant's step loop issues no hidden host sync (only the engine's

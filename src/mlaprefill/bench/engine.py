@@ -200,6 +200,12 @@ class _RunState:
     wait_ms: float = 0.0
 
 
+def _staging_counters(ring: StagingRing) -> dict[str, int]:
+    st = ring.stats
+    return {"uploads": st.uploads, "bytes": st.bytes, "arenas_grown": st.arenas_grown,
+            "arenas_resized": st.arenas_resized, "stalls": st.stalls}
+
+
 class PrefillEngine:
     """Builds the model and cache once; :meth:`run` measures one variant on the workload.
 
@@ -237,6 +243,10 @@ class PrefillEngine:
                                       device=self.device, dtype=self.dtype)
         if self.cuda:
             self._prewarm_allocator()
+        # One staging ring per transfer mode for the engine's lifetime, as a serving engine keeps
+        # one: its arenas grow during the warm-up run and are reused by every measured run, so no
+        # arena is re-allocated in the middle of a measurement.
+        self._rings: dict[str, StagingRing] = {}
         self.prompt_offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
         np.cumsum(self.prompt_lens, out=self.prompt_offsets[1:])
         rng = np.random.default_rng(cfg.seed)
@@ -261,6 +271,12 @@ class PrefillEngine:
         nbytes = (rows * per_row + cfg.token_budget * per_tok) * self.model.embed.element_size()
         block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         del block
+
+    def ring(self, transfer: str) -> StagingRing:
+        """The engine's staging ring for ``transfer`` mode (created on first use, then kept)."""
+        if transfer not in self._rings:
+            self._rings[transfer] = StagingRing(self.device, mode=transfer)
+        return self._rings[transfer]
 
     @property
     def backend_name(self) -> str:
@@ -305,7 +321,8 @@ class PrefillEngine:
             scheduler.add(Request(r, int(self.prompt_lens[r]),
                                   arrival_s=float(self.arrivals_s[r])))
         planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy)
-        ring = StagingRing(self.device, mode=variant.transfer)
+        ring = self.ring(variant.transfer)
+        base = _staging_counters(ring)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -379,16 +396,15 @@ class PrefillEngine:
         finished = sorted(state.first_tokens)
         ttft = np.array([records[state.finish_step[r]].device_end_ms - self.arrivals_s[r] * 1e3
                          for r in finished], dtype=np.float64)
-        st = ring.stats
         return RunResult(
             variant=variant.name, repeat=repeat, steps=records, ttft_ms=ttft,
             first_tokens=dict(state.first_tokens),
             prompt_tokens=int(sum(rec.num_tokens for rec in records)),
             duration_ms=records[-1].device_end_ms if records else math.nan, wall_ms=wall_ms,
             truncated=truncated,
-            staging={"uploads": st.uploads, "bytes": st.bytes, "arenas_grown": st.arenas_grown,
-                     "arenas_resized": st.arenas_resized, "stalls": st.stalls,
-                     "pinned_bytes": st.pinned_bytes})
+            # this run's share of the engine ring's counters; pinned_bytes is the ring's total
+            staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
+                     "pinned_bytes": ring.stats.pinned_bytes})
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor) -> None:
         """Enqueue one step's device work; never synchronizes."""
