@@ -538,6 +538,58 @@ def bench_forward(device: str, backends: list[str]) -> dict:
                      "+ attention + merge", "rows": rows}
 
 
+# (name, query_lens, context_lens, workspace_tokens): steps that mix long and short contexts
+POLICY_SHAPES = [
+    ("uneven-8", [512] * 8, [155648, 98304, 61440, 32768, 16384, 8192, 8192, 4096], 65536),
+    ("one-long", [256] * 4, [163840, 8192, 4096, 100], 65536),
+]
+
+
+def bench_policies(device: str, backends: list[str]) -> dict:
+    """The whole forward per planner policy on steps that mix long and short contexts, with 16
+    heads (DeepSeek-V3 at tensor parallel 8, the bench's model) and 128 heads (unsharded)."""
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    rows = []
+    for heads in (16, 128):
+        for shape, ql, cl, ws in POLICY_SHAPES:
+            x = _forward_inputs(ql, cl, heads, torch.bfloat16, device)
+            batch = PrefillBatch(ql, cl, page_size=PAGE)
+            for name in [b for b in backends if b != "flex"]:
+                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                       backend=name)
+                for policy in ("equal", "packed", "balanced"):
+                    row: dict[str, Any] = {"heads": heads, "shape": shape, "backend": name,
+                                           "policy": policy, "workspace_tokens": ws}
+                    try:
+                        plan = ChunkPlanner(ws, PAGE, policy=policy).plan(batch)
+                        dplan = StagingRing(device).upload(plan)
+
+                        def fwd(op: Any = op, dplan: Any = dplan, x: dict = x) -> Any:
+                            return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"],
+                                              x["kv_cache"], x["block_table"], dplan)
+
+                        fwd()  # warm-up (cuDNN builds a graph per new chunk shape)
+                        t = _bench(fwd, rep=20)
+                        row.update(iterations=plan.num_iterations,
+                                   requests_per_iteration=[int(n) for n in
+                                                           (plan.chunk_lens > 0).sum(axis=1)],
+                                   forward_ms=t["median_ms"], forward_p20_ms=t["p20_ms"],
+                                   forward_p80_ms=t["p80_ms"])
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+                    rows.append(row)
+                del op
+            del x
+            torch.cuda.empty_cache()
+    return {"query_lens_note": "shape -> (query_lens, context_lens, workspace)",
+            "shapes": {n: {"query_lens": q, "context_lens": c, "workspace_tokens": w}
+                       for n, q, c, w in POLICY_SHAPES}, "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------
 def _table(results: dict) -> str:
     lines = []
@@ -577,6 +629,16 @@ def _table(results: dict) -> str:
                          f"{r['ideal_sum_ms']:7.2f} ms ratio {r['ratio_forward_over_ideal']:.3f}"
                          f" ({r['attention_tflops_effective']:.0f} TFLOP/s eff, host "
                          f"{r['host_enqueue_ms_median']:.2f} ms)")
+    po = results.get("policies", {})
+    if "rows" in po:
+        lines.append("forward per planner policy (ms, median):")
+        for r in po["rows"]:
+            if "error" in r:
+                lines.append(f"  H={r['heads']:3d} {r['shape']:9s} {r['backend']:7s} "
+                             f"{r['policy']:8s} error")
+                continue
+            lines.append(f"  H={r['heads']:3d} {r['shape']:9s} {r['backend']:7s} "
+                         f"{r['policy']:8s} it={r['iterations']:3d} {r['forward_ms']:8.2f}")
     ch = results.get("checks", {})
     for key in ("backends", "forward", "kernels", "no_sync"):
         sec = ch.get(key, {})
@@ -631,6 +693,8 @@ def main() -> int:
                  dump)
     if "forward" not in skip:
         _section(results, "forward", lambda: bench_forward(device, backends), dump)
+    if "policies" not in skip:
+        _section(results, "policies", lambda: bench_policies(device, backends), dump)
     print(json.dumps(checks, indent=1, default=str)[:6000])
     print(_table(results))
     return 0

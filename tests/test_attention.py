@@ -107,7 +107,7 @@ def batches(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=batches(), policy=st.sampled_from(["packed", "equal"]),
+@given(batch=batches(), policy=st.sampled_from(["packed", "equal", "balanced"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 3))
 def test_forward_matches_plain_reference(batch, policy, dtype, seed):
     page, query_lens, context_lens, workspace = batch
@@ -117,7 +117,7 @@ def test_forward_matches_plain_reference(batch, policy, dtype, seed):
     check(out, lse, x, query_lens, context_lens, dtype)
 
 
-@pytest.mark.parametrize("policy", ["packed", "equal"])
+@pytest.mark.parametrize("policy", ["packed", "equal", "balanced"])
 @pytest.mark.parametrize("query_lens,context_lens,workspace", [
     ([5], [0], 8),                          # zero context: no iterations at all
     ([1], [1], 4),                          # one new token, one context token

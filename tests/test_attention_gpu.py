@@ -48,7 +48,8 @@ def _inputs(query_lens, context_lens, heads, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("policy,workspace", [("packed", 128), ("equal", 256), ("packed", 4096)])
+@pytest.mark.parametrize("policy,workspace", [("packed", 128), ("equal", 256), ("balanced", 192),
+                                             ("packed", 4096)])
 def test_forward_matches_reference(backend, policy, workspace):
     # zero context, one token, page-boundary context (128 = 2 pages), single-token context
     query_lens, context_lens = [17, 1, 64, 5, 33], [0, 64, 200, 1, 128]

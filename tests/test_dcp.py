@@ -141,7 +141,7 @@ def _simulate(plans, context_lens):
     interleave=st.sampled_from([1, 3, 16, 64]),
     page_size=st.sampled_from([8, 16]),
     workspace_pages=st.integers(4, 24),
-    policy=st.sampled_from(["packed", "equal"]),
+    policy=st.sampled_from(["packed", "equal", "balanced"]),
 )
 def test_plan_reorder_reproduces_single_rank_workspace(lens, world, interleave, page_size,
                                                        workspace_pages, policy) -> None:
@@ -231,7 +231,7 @@ def test_single_rank_path_is_the_plain_forward() -> None:
     interleave=st.sampled_from([8, 16, 24, 64]),
     page_size=st.sampled_from([8, 16, 64]),
     workspace_pages=st.integers(2, 30),
-    policy=st.sampled_from(["packed", "equal"]),
+    policy=st.sampled_from(["packed", "equal", "balanced"]),
 )
 def test_reorder_runs_path_equals_per_token_path(lens, world, interleave, page_size,
                                                  workspace_pages, policy) -> None:

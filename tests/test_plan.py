@@ -181,6 +181,62 @@ def test_packed_never_worse_than_equal_tight_workspace(ps, n, k, data):
     check_invariants(packed, ctx, w)
 
 
+def brute_balanced(ctx, w, ps):
+    """Smallest K whose per-request chunks ceil_page(ceil(ctx/K)) fit W, scanning K upward.
+
+    Returns (starts, lens) or None when even one page per request does not fit."""
+    if not any(ctx):
+        return [], []
+    for k in range(1, max(ctx) + 1):
+        chunks = [math.ceil(math.ceil(x / k) / ps) * ps for x in ctx]
+        if sum(chunks) <= w:
+            iters = max(math.ceil(x / c) for x, c in zip(ctx, chunks, strict=True) if x)
+            starts = [[i * c for c in chunks] for i in range(iters)]
+            lens = [[max(0, min(c, x - i * c)) for x, c in zip(ctx, chunks, strict=True)]
+                    for i in range(iters)]
+            return starts, lens
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches())
+def test_balanced_matches_brute_force_and_bounds(case):
+    ctx, q, w, ps = case
+    plan = ChunkPlanner(w, ps, "balanced").plan(PrefillBatch(q, ctx, page_size=ps))
+    check_invariants(plan, ctx, w)
+    assert plan.policy == "balanced"
+    expected = brute_balanced(ctx, w, ps)
+    if expected is None:  # no request-per-iteration plan fits: the packed plan
+        packed = ChunkPlanner(w, ps, "packed").plan(PrefillBatch(q, ctx, page_size=ps))
+        assert plan.chunk_lens.tolist() == packed.chunk_lens.tolist()
+        assert plan.chunk_starts.tolist() == packed.chunk_starts.tolist()
+        return
+    assert plan.chunk_starts.tolist() == expected[0]
+    assert plan.chunk_lens.tolist() == expected[1]
+    eq = brute_equal(ctx, w, ps)
+    if eq is not None:  # proof in mlaprefill.plan's docstring
+        assert plan.num_iterations <= len(eq[0])
+    assert plan.num_iterations >= -(-sum(ctx) // w)
+    # every request with context has a piece in every iteration until its last
+    for r, x in enumerate(ctx):
+        pieces = [int(n) for n in plan.chunk_lens[:, r]]
+        nonzero = [i for i, n in enumerate(pieces) if n]
+        assert nonzero == list(range(len(nonzero))) and (len(nonzero) > 0) == (x > 0)
+
+
+def test_balanced_keeps_every_request_busy_where_packed_serializes():
+    # one long and three short contexts: packed gives the long one whole iterations alone
+    b = PrefillBatch([256] * 4, [163840, 8192, 4096, 100], page_size=64)
+    packed = ChunkPlanner(65536, 64, "packed").plan(b)
+    balanced = ChunkPlanner(65536, 64, "balanced").plan(b)
+    equal = ChunkPlanner(65536, 64, "equal").plan(b)
+    assert packed.num_iterations == balanced.num_iterations == 3 < equal.num_iterations == 10
+    assert (packed.chunk_lens[0] > 0).tolist() == [True, False, False, False]
+    assert (balanced.chunk_lens[0] > 0).all()
+    assert balanced.chunk_lens.tolist() == [[54656, 2752, 1408, 64], [54656, 2752, 1408, 36],
+                                            [54528, 2688, 1280, 0]]
+
+
 def test_issue_example():
     b = PrefillBatch([4096, 512], [80000, 1000], page_size=64)
     p = ChunkPlanner(65536, 64).plan(b)
@@ -196,7 +252,7 @@ def test_issue_example():
     assert e.chunk_starts.tolist() == [[0, 0], [32768, 32768], [65536, 65536]]
 
 
-@pytest.mark.parametrize("policy", ["equal", "packed"])
+@pytest.mark.parametrize("policy", ["equal", "packed", "balanced"])
 def test_zero_context_fast_path(policy):
     p = ChunkPlanner(128, 64, policy).plan(PrefillBatch([3, 5], [0, 0], page_size=64))
     assert p.num_iterations == 0 and p.iteration_tokens == () and p.max_iteration_tokens == 0
@@ -231,7 +287,7 @@ def test_to_json_nested_lists():
     ((True, 64), r"workspace_tokens must be a positive int"),
     ((2**31, 64), r"workspace_tokens = 2147483648 overflows int32"),
     ((128, 0), r"page_size must be a positive int"),
-    ((128, 64, "fair"), r"policy must be one of \['equal', 'packed'\], got 'fair'"),
+    ((128, 64, "fair"), r"policy must be one of \['equal', 'packed', 'balanced'\], got 'fair'"),
     ((32, 64), r"workspace_tokens=32 is smaller than one page \(page_size=64\)"),
 ])
 def test_planner_arg_validation(args, match):

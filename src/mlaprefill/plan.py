@@ -35,7 +35,23 @@ Policies
       non-final iteration holds at least ``W - page_size + 1`` tokens (a cut inside a request
       loses fewer than ``page_size`` tokens of reach).
 
-Both policies: every context token is covered exactly once, a request's pieces appear in
+``balanced`` (few iterations, every request in every iteration)
+    Each request ``i`` advances by its own page-aligned chunk ``c_i = ceil_page(ceil(ctx_i / K))``
+    per iteration, so every request with context has a piece in every iteration until the last,
+    and all of them finish together. ``K`` is the smallest count with ``sum(c_i) <= W`` (found by
+    bisection; feasibility is monotone in ``K``). Why: attention kernels without split-KV process
+    a request's keys in one CTA per (query block, head); ``packed`` can put one long request alone
+    into an iteration (few CTAs, long key loops), which with few heads (tensor parallelism) leaves
+    most SMs idle. ``balanced`` keeps the most requests -- the most CTAs -- in every iteration, and
+    the longest request's chunk is its whole context over ``K``.
+
+    * ``balanced.num_iterations <= equal.num_iterations`` whenever ``equal`` is feasible: at
+      ``K = equal``'s count every ``ctx_i / K <= c`` (equal's page-multiple chunk), so
+      ``c_i <= c`` and ``sum(c_i) <= n*c <= W``.
+    * When ``n * page_size > W`` (no plan gives every request a page per iteration) it falls
+      back to ``packed``'s plan (and reports policy ``packed``-shaped pieces under its own name).
+
+All policies: every context token is covered exactly once, a request's pieces appear in
 increasing order over iterations, each request has at most one contiguous piece per iteration,
 and no iteration exceeds ``W`` tokens. A batch without context has zero iterations (fast path).
 """
@@ -52,7 +68,7 @@ from mlaprefill.batch import INT32_MAX, PrefillBatch
 
 __all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner"]
 
-POLICIES = ("equal", "packed")
+POLICIES = ("equal", "packed", "balanced")
 
 # Names and order of the arrays staging ships to the device (see ChunkPlan.device_arrays).
 _DEVICE_ARRAY_NAMES = ("cu_query_lens", "chunk_starts", "chunk_lens", "cu_seq_lens",
@@ -199,7 +215,7 @@ class ChunkPlanner:
     page_size : int
         Tokens per cache page; splits inside a request are page-aligned. Must equal
         ``batch.page_size``.
-    policy : {"packed", "equal"}
+    policy : {"packed", "equal", "balanced"}
         See the module docstring.
     """
 
@@ -261,6 +277,11 @@ class ChunkPlanner:
                     f"workspace_tokens or lower concurrency."
                 )
             return self._equal(batch, chunk, -(-max_ctx // chunk))
+        if self.policy == "balanced":
+            chunks = self._balanced_chunks(ctx)
+            if chunks is not None:
+                num_chunks = int((-(-ctx // np.maximum(chunks, 1))).max())
+                return self._equal(batch, chunks, num_chunks)
         end = np.cumsum(ctx)
         total = int(end[-1])
         if total <= w:  # everything fits one iteration: each request is one whole piece
@@ -301,9 +322,35 @@ class ChunkPlanner:
         cuts.append(total)
         return np.array(cuts, dtype=np.int64)
 
-    def _equal(self, batch: PrefillBatch, chunk: int, num_chunks: int) -> ChunkPlan:
+    def _balanced_chunks(self, ctx: np.ndarray) -> np.ndarray | None:
+        """Per-request chunk int64 [R] of the smallest feasible ``K``; None if none is feasible.
+
+        ``ctx`` int64 [R] with ``max(ctx) > 0``. Chunks are 0 for requests without context.
+        """
+        w, ps = self.workspace_tokens, self.page_size
+
+        def chunks(k: int) -> np.ndarray:
+            per = -(-ctx // k)  # ceil(ctx / k)
+            return -(-per // ps) * ps  # rounded up to a page
+
+        hi = -(-int(ctx.max()) // ps)  # every chunk is one page: the most iterations ever needed
+        if int(chunks(hi).sum()) > w:
+            return None
+        lo = max(1, -(-int(ctx.sum()) // w))  # no plan needs fewer
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if int(chunks(mid).sum()) <= w:
+                hi = mid
+            else:
+                lo = mid + 1
+        return chunks(lo)
+
+    def _equal(self, batch: PrefillBatch, chunk: int | np.ndarray,
+               num_chunks: int) -> ChunkPlan:
+        """Request ``i`` advances by ``chunk`` (an int, or int64 [R] per request) each iteration."""
         ctx = batch.context_lens
-        starts = (np.arange(num_chunks, dtype=np.int64) * chunk)[:, None]  # [K, 1]
+        steps = np.arange(num_chunks, dtype=np.int64)[:, None]             # [K, 1]
+        starts = steps * chunk                                              # [K, 1] or [K, R]
         lens = np.clip(ctx[None, :] - starts, 0, chunk)                     # [K, R]
         starts = np.broadcast_to(starts, lens.shape)
         return self._assemble(batch, starts, lens)

@@ -93,7 +93,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
         engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 65536,
                                  "share": "fair", "max_concurrent": 8,
                                  "prompt_len_spread": 0.9}),
-        variants=("pageable+equal", "pageable+packed", "ring+equal", "ring+packed")),
+        variants=("pageable+equal", "ring+equal", "ring+packed", "ring+balanced")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine=MappingProxyType({
