@@ -279,6 +279,37 @@ def test_backend_choice_is_visible():
                              backend="math").backend_name == "math"
 
 
+def test_policy_auto_follows_the_backend(monkeypatch):
+    import mlaprefill.attention as attention_mod
+    from mlaprefill.backends import get_backend
+    from mlaprefill.backends.varlen import VarlenFlashBackend
+
+    assert get_backend("math", device=torch.device("cpu"), dtype=torch.float32, qk_head_dim=8,
+                       v_head_dim=6).preferred_policy == "packed"
+    assert VarlenFlashBackend.preferred_policy == "balanced"
+    query_lens, context_lens = [2, 1, 3], [40, 4, 0]
+    x = make_inputs(query_lens, context_lens, page_size=4)
+    seen = []
+    real = attention_mod.MLAChunkedPrefill.forward
+
+    def spy(self, q, kv_c, k_pe, cache, table, plan, **kw):
+        seen.append(plan.plan.policy)
+        return real(self, q, kv_c, k_pe, cache, table, plan, **kw)
+
+    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "forward", spy)
+    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "preferred_policy", "balanced")
+    out, lse = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                   x["block_table"], query_lens, context_lens, x["weight"],
+                                   workspace_tokens=16, return_lse=True)
+    assert seen == ["balanced"]
+    check(out, lse, x, query_lens, context_lens, torch.float32)
+    with pytest.raises(ValueError, match=r"policy must be 'auto' or one of \['equal', 'packed', "
+                                         r"'balanced'\], got 'fast'"):
+        mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                            x["block_table"], query_lens, context_lens, x["weight"],
+                            policy="fast")
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, world_size):
     import torch.distributed as dist

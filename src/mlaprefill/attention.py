@@ -104,6 +104,11 @@ class MLAChunkedPrefill:
     def backend(self) -> AttentionBackend:
         return self._backend
 
+    @property
+    def preferred_policy(self) -> str:
+        """The planner policy that suits the backend in use (what ``policy="auto"`` picks)."""
+        return self._backend.preferred_policy
+
     def _make_backend(self, device: torch.device, dtype: torch.dtype,
                       rope: int) -> AttentionBackend:
         return get_backend(self._backend_request, device=device, dtype=dtype,
@@ -322,12 +327,20 @@ def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
             ("cu_query_lens", "chunk_starts", "cu_seq_lens", "token_to_seq")}
 
 
+def check_policy(policy: Any) -> None:
+    """Raise ``ValueError`` unless ``policy`` is ``"auto"`` or a planner policy."""
+    from mlaprefill.plan import POLICIES
+
+    if policy != "auto" and policy not in POLICIES:
+        raise ValueError(f"policy must be 'auto' or one of {list(POLICIES)}, got {policy!r}")
+
+
 def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor,
                         query_lens: Sequence[int] | Any, context_lens: Sequence[int] | Any,
                         kv_b_proj_weight: torch.Tensor, *, softmax_scale: float | None = None,
                         workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
-                        page_size: int | None = None, policy: str = "packed",
+                        page_size: int | None = None, policy: str = "auto",
                         backend: str = "auto", return_lse: bool = False,
                         process_group: Any = None, dcp_interleave: int = 1,
                         qk_nope_head_dim: int | None = None, v_head_dim: int | None = None,
@@ -338,6 +351,8 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     tensor is rejected because reading it would sync). Head dims are inferred: ``qk_rope_head_dim
     = k_pe_new.shape[1]``, ``qk_nope_head_dim = q.shape[2] - rope``, ``v_head_dim =
     weight rows / H - nope`` (pass them to check). ``page_size`` defaults to ``kv_cache.shape[1]``.
+    ``policy="auto"`` plans with the backend's :attr:`~MLAChunkedPrefill.preferred_policy`
+    (``packed`` for cudnn/flex/math, ``balanced`` for varlen); or name a planner policy.
     With ``process_group`` of world size > 1 this is the context-parallel version
     (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
     single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
@@ -387,9 +402,12 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     if batch.num_query_tokens != q.shape[0]:
         raise ValueError(f"sum(query_lens) = {batch.num_query_tokens} but q has {q.shape[0]} "
                          f"tokens; the lengths must describe q's packing")
-    plan = ChunkPlanner(workspace_tokens, page, policy=policy).plan(batch)
-    device_plan = StagingRing(kv_cache.device).upload(plan)
+    check_policy(policy)
     op = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
                            softmax_scale=softmax_scale, backend=backend, qk_rope_head_dim=rope)
+    if policy == "auto":
+        policy = op.preferred_policy
+    plan = ChunkPlanner(workspace_tokens, page, policy=policy).plan(batch)
+    device_plan = StagingRing(kv_cache.device).upload(plan)
     return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
                       return_lse=return_lse)

@@ -55,6 +55,11 @@ class AttentionBackend(abc.ABC):
     #: zero-padded to the QK width (the forward does, through its weight layout, for free) and
     #: slice the output; otherwise ``attend`` pads (a copy).
     needs_v_padded: bool = False
+    #: Planner policy that suits the kernel (what ``policy="auto"`` picks). ``packed`` (fewest
+    #: iterations, so fewest launches) for backends that launch once per sequence; ``balanced``
+    #: for one-launch ragged kernels without split-KV, where a request alone in an iteration
+    #: leaves SMs idle (DESIGN.md section 2; benchmarks/results/attention_h200.json "policies").
+    preferred_policy: str = "packed"
 
     @abc.abstractmethod
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,

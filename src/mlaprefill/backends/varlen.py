@@ -28,6 +28,7 @@ class VarlenFlashBackend(AttentionBackend):
 
     name = "varlen"
     needs_v_padded = True
+    preferred_policy = "balanced"  # one launch, one CTA per (query block, head): no split-KV
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:

@@ -66,10 +66,13 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
 
     Repeat ``k`` runs the variants in the order rotated by ``k`` (A B C D, B C D A, ...), so
     slow drift of a shared machine spreads over all variants instead of deciding the ranking.
-    With ``warmup_run``, the first variant first runs the whole workload unmeasured, so every
-    step shape has been seen once (attention backends that build a plan or compile per shape
-    would otherwise charge that host time to whichever variant meets the shape first); then each
-    variant runs ``warmup_steps`` unmeasured steps (its own pinned pools and arenas).
+    With ``warmup_run``, one variant first runs the whole workload unmeasured, so every step
+    shape has been seen once (attention backends that build a plan or compile per shape would
+    otherwise charge that host time to whichever variant meets the shape first). It is the first
+    ``ring`` variant when there is one: the engine keeps one staging ring per transfer mode, so
+    that run also grows the ring's arenas to the largest plan (the first ring variant of the
+    scenarios, ``ring+equal``, has the largest tables), and no arena is re-allocated in a
+    measured run. Then each variant runs ``warmup_steps`` unmeasured steps.
 
     With ``max_seconds``, no new round of repeats starts when it would likely end past that
     budget (every variant keeps the same number of repeats), and the first round gives each
@@ -88,12 +91,13 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0))
                         + (1 if warmup_run else 0))
     cb: ProgressFn | None = line if progress else None
+    warm = next((v for v in variants if v.transfer == "ring"), variants[0])
     if warmup_run:
         if progress:
-            line.start_run(f"warm-up run {variants[0].name} (all step shapes)")
+            line.start_run(f"warm-up run {warm.name} (all step shapes)")
         # Capped at a quarter of the budget: a slow machine still gets measured runs.
         cap = None if max_seconds is None else t_start + max_seconds / 4
-        res = engine.run(variants[0], deadline=cap, progress=cb)
+        res = engine.run(warm, deadline=cap, progress=cb)
         if progress:
             line.end_run(res)
     if warmup_steps:
@@ -170,6 +174,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "max_seconds": max_seconds,
         "warmup_steps": warmup_steps,
         "warmup_run": warmup_run,
+        "warmup_run_variant": warm.name if warmup_run else None,
         "baseline": names[0],
         "variants": out_variants,
         "first_tokens": {str(k): v for k, v in sorted(reference.items())},

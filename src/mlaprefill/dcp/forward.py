@@ -24,7 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.attention import (
+    DEFAULT_WORKSPACE_TOKENS,
+    MLAChunkedPrefill,
+    check_policy,
+    mla_chunked_prefill,
+)
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp.layout import check_dcp_config
 from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner, dcp_config_digest
@@ -189,7 +194,7 @@ def mla_chunked_prefill_dcp(
     block_table: torch.Tensor, query_lens: Any, context_lens: Any,
     kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
     softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
-    page_size: int | None = None, policy: str = "packed", backend: str = "auto",
+    page_size: int | None = None, policy: str = "auto", backend: str = "auto",
     return_lse: bool = False, debug: bool | None = None, staging: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
@@ -253,8 +258,15 @@ def mla_chunked_prefill_dcp(
     if debug is None:
         debug = os.environ.get(DEBUG_ENV) == "1"
     try:
-        planner = DCPChunkPlanner(workspace_tokens, page, world=world,
-                                  interleave=dcp_interleave, policy=policy)
+        check_policy(policy)
+        rope = k_pe_new.shape[-1]
+        qk_nope = q.shape[-1] - rope
+        mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope,
+                                v_head_dim=kv_b_proj_weight.shape[0] // q.shape[1] - qk_nope,
+                                softmax_scale=softmax_scale, backend=backend,
+                                qk_rope_head_dim=rope)
+        planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
+                                  policy=mla.preferred_policy if policy == "auto" else policy)
         plan = planner.plan(batch, rank=rank)
         _check_local_cache(kv_cache, block_table, plan)
     except ValueError as exc:
@@ -274,10 +286,6 @@ def mla_chunked_prefill_dcp(
 
         staging = StagingRing(q.device)
     device_plan = staging.upload(plan)
-    qk_nope = q.shape[-1] - k_pe_new.shape[-1]
-    v_head_dim = kv_b_proj_weight.shape[0] // q.shape[1] - qk_nope
-    mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope, v_head_dim=v_head_dim,
-                            softmax_scale=softmax_scale, backend=backend)
     source = DCPContextSource(kv_cache, block_table, device_plan, process_group)
     return mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
                        device_plan, return_lse=return_lse, context_source=source)
