@@ -22,9 +22,12 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     16 prompts of 8-156 Ki tokens (``--prompt-len-spread 0.9``), 8 concurrent, the budget shared
     fairly, vLLM's 65,536-token workspace, 2 layers: requests are admitted as others finish, so
     a step mixes long and short contexts. ``equal`` gives every request ``W / n`` per chunk and
-    needs ``ceil(max context / chunk)`` iterations; ``packed`` needs about ``sum / W``. Dry run:
-    2375 vs 1843 iterations over the run (-22 %), and ``equal``'s largest table crosses 3 MiB on
-    19 % of the steps while ``packed`` never does. Variants: pageable and ring x equal and packed.
+    needs ``ceil(max context / chunk)`` iterations; ``packed`` and ``balanced`` need about
+    ``sum / W``. Dry run: 2375 vs 1843 (packed) and 1846 (balanced) iterations over the run, and
+    ``equal``'s largest table crosses 3 MiB on 19 % of the steps while the others never do.
+    Variants: pageable+equal, and ring x equal, packed, balanced (measured on the H200: packed
+    is slower than equal with this backend despite fewer iterations, balanced level with equal;
+    see DESIGN.md section 4).
 ``cpu-tiny`` (default without CUDA)
     Preset ``tiny``, 2 layers, 8 prompts of 512 tokens, 4 concurrent, 128-token steps shared
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
