@@ -276,12 +276,12 @@ class ChunkPlanner:
                     f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
                     f"workspace_tokens or lower concurrency."
                 )
-            return self._equal(batch, chunk, -(-max_ctx // chunk))
+            return self._strided(batch, chunk, -(-max_ctx // chunk))
         if self.policy == "balanced":
             chunks = self._balanced_chunks(ctx)
             if chunks is not None:
                 num_chunks = int((-(-ctx // np.maximum(chunks, 1))).max())
-                return self._equal(batch, chunks, num_chunks)
+                return self._strided(batch, chunks, num_chunks)
         end = np.cumsum(ctx)
         total = int(end[-1])
         if total <= w:  # everything fits one iteration: each request is one whole piece
@@ -345,7 +345,7 @@ class ChunkPlanner:
                 lo = mid + 1
         return chunks(lo)
 
-    def _equal(self, batch: PrefillBatch, chunk: int | np.ndarray,
+    def _strided(self, batch: PrefillBatch, chunk: int | np.ndarray,
                num_chunks: int) -> ChunkPlan:
         """Request ``i`` advances by ``chunk`` (an int, or int64 [R] per request) each iteration."""
         ctx = batch.context_lens
