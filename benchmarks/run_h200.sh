@@ -11,7 +11,8 @@
 #   tests        every `gpu`-marked test (JUnit XML in OUT_DIR/gpu_tests.xml)
 #   plan_upload  benchmarks/plan_upload.py
 #   audit        benchmarks/audit_gpu.py (audit overhead + stall map)
-#   attention    benchmarks/attention.py (checks, kernels, backends, whole forward)
+#   attention    benchmarks/attention.py (checks, kernels, backends, whole forward, forward per
+#                planner policy)
 #   determinism  benchmarks/determinism.py --probe --runs 16
 # dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on
 # GPU 1 (on GPU 0 after the bench when there is one GPU); they share the host's cores, which every
@@ -21,6 +22,13 @@ out=${1:?usage: benchmarks/run_h200.sh OUT_DIR [JOB ...]}
 shift
 jobs=("$@")
 [ ${#jobs[@]} -gt 0 ] || jobs=(dcp bench tests plan_upload audit)
+known=" dcp bench tests plan_upload audit attention determinism "
+for j in "${jobs[@]}"; do
+    case "$known" in
+        *" $j "*) ;;
+        *) echo "run_h200.sh: unknown job '$j'; choose from:$known" >&2; exit 2 ;;
+    esac
+done
 has() { local j; for j in "${jobs[@]}"; do [ "$j" = "$1" ] && return 0; done; return 1; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"

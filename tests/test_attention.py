@@ -296,12 +296,16 @@ def test_policy_auto_follows_the_backend(monkeypatch):
         seen.append(plan.plan.policy)
         return real(self, q, kv_c, k_pe, cache, table, plan, **kw)
 
-    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "forward", spy)
-    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "preferred_policy", "balanced")
-    out, lse = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+    def run():
+        return mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                    x["block_table"], query_lens, context_lens, x["weight"],
                                    workspace_tokens=16, return_lse=True)
-    assert seen == ["balanced"]
+
+    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "forward", spy)
+    run()  # the math backend's choice
+    monkeypatch.setattr(attention_mod.MLAChunkedPrefill, "preferred_policy", "balanced")
+    out, lse = run()  # a backend that prefers balanced
+    assert seen == ["packed", "balanced"]
     check(out, lse, x, query_lens, context_lens, torch.float32)
     with pytest.raises(ValueError, match=r"policy must be 'auto' or one of \['equal', 'packed', "
                                          r"'balanced'\], got 'fast'"):

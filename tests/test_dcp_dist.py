@@ -195,6 +195,22 @@ def _run_errors(rank, world, device):
         assert "disagree on context_lens" in str(exc), exc
     finally:
         del os.environ[DEBUG_ENV]
+    # policy="auto" resolves per rank from its backend; ranks that resolve differently would
+    # all-gather different sizes, so the debug digest compares the resolved policy.
+    from mlaprefill.attention import MLAChunkedPrefill
+
+    saved = MLAChunkedPrefill.preferred_policy
+    if rank == 1:
+        MLAChunkedPrefill.preferred_policy = "balanced"  # as if rank 1 had picked another backend
+    try:
+        mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1], [40, 9],
+                                weight, process_group=group, dcp_interleave=16,
+                                workspace_tokens=64, policy="auto", debug=True)
+        raise AssertionError("ranks resolving policy='auto' differently did not raise")
+    except ValueError as exc:
+        assert "disagree on config" in str(exc), exc
+    finally:
+        MLAChunkedPrefill.preferred_policy = saved
 
 
 def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind: str) -> None:

@@ -182,14 +182,15 @@ def test_packed_never_worse_than_equal_tight_workspace(ps, n, k, data):
 
 
 def brute_balanced(ctx, w, ps):
-    """Smallest K whose per-request chunks ceil_page(ceil(ctx/K)) fit W, scanning K upward.
+    """Smallest K whose first iteration (min(chunk, ctx) per request, chunks
+    ceil_page(ceil(ctx/K))) fits W, scanning K upward.
 
     Returns (starts, lens) or None when even one page per request does not fit."""
     if not any(ctx):
         return [], []
     for k in range(1, max(ctx) + 1):
         chunks = [math.ceil(math.ceil(x / k) / ps) * ps for x in ctx]
-        if sum(chunks) <= w:
+        if sum(min(c, x) for c, x in zip(chunks, ctx, strict=True)) <= w:  # first iteration
             iters = max(math.ceil(x / c) for x, c in zip(ctx, chunks, strict=True) if x)
             starts = [[i * c for c in chunks] for i in range(iters)]
             lens = [[max(0, min(c, x - i * c)) for x, c in zip(ctx, chunks, strict=True)]
@@ -217,11 +218,21 @@ def test_balanced_matches_brute_force_and_bounds(case):
     if eq is not None:  # proof in mlaprefill.plan's docstring
         assert plan.num_iterations <= len(eq[0])
     assert plan.num_iterations >= -(-sum(ctx) // w)
+    if 0 < sum(ctx) <= w:
+        assert plan.num_iterations == 1
     # every request with context has a piece in every iteration until its last
     for r, x in enumerate(ctx):
         pieces = [int(n) for n in plan.chunk_lens[:, r]]
         nonzero = [i for i, n in enumerate(pieces) if n]
         assert nonzero == list(range(len(nonzero))) and (len(nonzero) > 0) == (x > 0)
+
+
+def test_balanced_fits_in_one_iteration_when_everything_fits():
+    # 110 x 290 = 31,900 tokens <= W: chunk rounding (290 -> 320 per request) must not matter
+    b = PrefillBatch([1] * 110, [290] * 110, page_size=64)
+    assert ChunkPlanner(32768, 64, "balanced").plan(b).num_iterations == 1
+    assert ChunkPlanner(100, 64, "balanced").plan(
+        PrefillBatch([1], [100], page_size=64)).num_iterations == 1
 
 
 def test_balanced_keeps_every_request_busy_where_packed_serializes():

@@ -35,21 +35,24 @@ Policies
       non-final iteration holds at least ``W - page_size + 1`` tokens (a cut inside a request
       loses fewer than ``page_size`` tokens of reach).
 
-``balanced`` (few iterations, every request in every iteration)
+``balanced`` (few iterations, each request in every iteration until its last piece)
     Each request ``i`` advances by its own page-aligned chunk ``c_i = ceil_page(ceil(ctx_i / K))``
-    per iteration, so every request with context has a piece in every iteration until the last,
-    and all of them finish together. ``K`` is the smallest count with ``sum(c_i) <= W`` (found by
-    bisection; feasibility is monotone in ``K``). Why: attention kernels without split-KV process
-    a request's keys in one CTA per (query block, head); ``packed`` can put one long request alone
-    into an iteration (few CTAs, long key loops), which with few heads (tensor parallelism) leaves
-    most SMs idle. ``balanced`` keeps the most requests -- the most CTAs -- in every iteration, and
-    the longest request's chunk is its whole context over ``K``.
+    per iteration from iteration 0, so it has a piece in every iteration until its context runs
+    out (short contexts, whose chunk rounds up to a page, run out early). ``K`` is the
+    smallest count whose first -- fullest -- iteration fits: ``sum(min(c_i, ctx_i)) <= W`` (found
+    by bisection; that sum never grows with ``K``). Why: attention kernels without split-KV
+    process a request's keys in one CTA per (query block, head); ``packed`` can put one long
+    request alone into an iteration (few CTAs, long key loops), which with few heads (tensor
+    parallelism) leaves most SMs idle. ``balanced`` keeps the most requests -- the most CTAs --
+    in every iteration, and the longest request's chunk is about its context over ``K``.
 
     * ``balanced.num_iterations <= equal.num_iterations`` whenever ``equal`` is feasible: at
       ``K = equal``'s count every ``ctx_i / K <= c`` (equal's page-multiple chunk), so
-      ``c_i <= c`` and ``sum(c_i) <= n*c <= W``.
-    * When ``n * page_size > W`` (no plan gives every request a page per iteration) it falls
-      back to ``packed``'s plan (and reports policy ``packed``-shaped pieces under its own name).
+      ``c_i <= c`` and ``sum(min(c_i, ctx_i)) <= n*c <= W``.
+    * One iteration whenever ``sum(context_lens) <= W`` (at ``K = 1`` every ``min(c_i, ctx_i)``
+      is ``ctx_i``).
+    * When not even one page per request fits (``sum(min(page_size, ctx_i)) > W``), it returns
+      ``packed``'s pieces (the plan's ``policy`` still says ``balanced``).
 
 All policies: every context token is covered exactly once, a request's pieces appear in
 increasing order over iterations, each request has at most one contiguous piece per iteration,
@@ -90,7 +93,7 @@ class ChunkPlan:
     Attributes
     ----------
     policy : str
-        ``"equal"`` or ``"packed"`` (the planner's policy).
+        ``"equal"``, ``"packed"`` or ``"balanced"`` (the planner's policy).
     workspace_tokens, page_size, num_reqs, num_iterations : int
     query_lens, context_lens : int32 [num_reqs]
     cu_query_lens : int32 [num_reqs + 1]
@@ -333,13 +336,17 @@ class ChunkPlanner:
             per = -(-ctx // k)  # ceil(ctx / k)
             return -(-per // ps) * ps  # rounded up to a page
 
+        def first_iteration_tokens(k: int) -> int:
+            # the first iteration is the fullest: request i contributes min(c_i, ctx_i)
+            return int(np.minimum(chunks(k), ctx).sum())
+
         hi = -(-int(ctx.max()) // ps)  # every chunk is one page: the most iterations ever needed
-        if int(chunks(hi).sum()) > w:
+        if first_iteration_tokens(hi) > w:
             return None
         lo = max(1, -(-int(ctx.sum()) // w))  # no plan needs fewer
         while lo < hi:
             mid = (lo + hi) // 2
-            if int(chunks(mid).sum()) <= w:
+            if first_iteration_tokens(mid) <= w:
                 hi = mid
             else:
                 lo = mid + 1

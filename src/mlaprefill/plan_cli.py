@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"tokens per cache page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--policy", choices=POLICIES, default="packed",
                    help="packed: fewest iterations (default); equal: vLLM's chunking; "
-                        "balanced: about as few, every request in every iteration")
+                        "balanced: about as few, each request in every iteration until it runs out")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--batches", metavar="FILE",
                    help="JSON lines (- for stdin), one batch per line; prints one JSON plan "

@@ -257,16 +257,23 @@ def mla_chunked_prefill_dcp(
     batch = PrefillBatch(query_lens, context_lens, page_size=page)
     if debug is None:
         debug = os.environ.get(DEBUG_ENV) == "1"
+    resolved = policy
     try:
         check_policy(policy)
+        if q.dim() != 3 or q.shape[1] == 0 or k_pe_new.dim() != 2:
+            raise ValueError(f"q must be [T, H > 0, qk_head_dim] and k_pe_new "
+                             f"[T, qk_rope_head_dim]; got {tuple(q.shape)} and "
+                             f"{tuple(k_pe_new.shape)}")
         rope = k_pe_new.shape[-1]
         qk_nope = q.shape[-1] - rope
         mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope,
                                 v_head_dim=kv_b_proj_weight.shape[0] // q.shape[1] - qk_nope,
                                 softmax_scale=softmax_scale, backend=backend,
                                 qk_rope_head_dim=rope)
+        if policy == "auto":
+            resolved = mla.preferred_policy  # the digest below compares what each rank plans with
         planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
-                                  policy=mla.preferred_policy if policy == "auto" else policy)
+                                  policy=resolved)
         plan = planner.plan(batch, rank=rank)
         _check_local_cache(kv_cache, block_table, plan)
     except ValueError as exc:
@@ -279,7 +286,7 @@ def mla_chunked_prefill_dcp(
         # Inconsistent inputs can fail on some ranks only: agree first, then raise everywhere.
         device = "cpu" if dist.get_backend(process_group) == "gloo" else q.device
         digest = dcp_config_digest(batch, world=world, interleave=dcp_interleave,
-                                   workspace_tokens=workspace_tokens, policy=policy)
+                                   workspace_tokens=workspace_tokens, policy=resolved)
         check_dcp_consistency(digest, process_group, device, local_error=error)
     if staging is None:
         from mlaprefill.staging import StagingRing

@@ -342,7 +342,7 @@ class DCPChunkPlanner:
         Number of DCP ranks (>= 1).
     interleave : int
         Tokens per interleave unit ``I`` (>= 1).
-    policy : {"packed", "equal"}
+    policy : {"packed", "equal", "balanced"}
         Base planner policy.
     max_gathered_tokens : int, optional
         Bound on the all-gathered rows of an iteration (``world * rank_capacity[i]``, padding
