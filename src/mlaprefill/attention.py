@@ -109,6 +109,17 @@ class MLAChunkedPrefill:
         """The planner policy that suits the backend in use (what ``policy="auto"`` picks)."""
         return self._backend.preferred_policy
 
+    def resolve_policy(self, policy: str) -> str:
+        """``policy`` itself, or :attr:`preferred_policy` for ``"auto"``; ``ValueError`` for a
+        name that is neither ``"auto"`` nor a planner policy."""
+        from mlaprefill.plan import POLICIES
+
+        if policy == "auto":
+            return self.preferred_policy
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be 'auto' or one of {list(POLICIES)}, got {policy!r}")
+        return policy
+
     def _make_backend(self, device: torch.device, dtype: torch.dtype,
                       rope: int) -> AttentionBackend:
         return get_backend(self._backend_request, device=device, dtype=dtype,
@@ -327,12 +338,33 @@ def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
             ("cu_query_lens", "chunk_starts", "cu_seq_lens", "token_to_seq")}
 
 
-def check_policy(policy: Any) -> None:
-    """Raise ``ValueError`` unless ``policy`` is ``"auto"`` or a planner policy."""
-    from mlaprefill.plan import POLICIES
-
-    if policy != "auto" and policy not in POLICIES:
-        raise ValueError(f"policy must be 'auto' or one of {list(POLICIES)}, got {policy!r}")
+def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: torch.Tensor,
+                    qk_nope_head_dim: int | None = None,
+                    v_head_dim: int | None = None) -> tuple[int, int, int]:
+    """``(qk_nope_head_dim, v_head_dim, qk_rope_head_dim)`` from the shapes of ``q [T, H, nope +
+    rope]``, ``k_pe_new [T, rope]`` and ``kv_b_proj_weight [H * (nope + v), rank]``; given dims
+    are checked against them. Raises ``TypeError``/``ValueError`` naming the field."""
+    for name, t in (("q", q), ("k_pe_new", k_pe_new), ("kv_b_proj_weight", kv_b_proj_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k_pe_new.dim() != 2 or kv_b_proj_weight.dim() != 2:
+        raise ValueError(f"q must be [T, H, qk_head_dim], k_pe_new [T, qk_rope_head_dim], "
+                         f"kv_b_proj_weight [H * (nope + v), rank]; got {tuple(q.shape)}, "
+                         f"{tuple(k_pe_new.shape)}, {tuple(kv_b_proj_weight.shape)}")
+    num_heads, rope = q.shape[1], k_pe_new.shape[1]
+    nope = q.shape[2] - rope if qk_nope_head_dim is None else qk_nope_head_dim
+    if nope <= 0 or nope + rope != q.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} must be qk_nope_head_dim ({nope}) + "
+                         f"qk_rope_head_dim ({rope}, from k_pe_new)")
+    rows = kv_b_proj_weight.shape[0]
+    if num_heads == 0 or rows % num_heads:
+        raise ValueError(f"kv_b_proj_weight has {rows} rows, not a multiple of H = {num_heads} "
+                         f"(from q); expected [H * (qk_nope_head_dim + v_head_dim), rank]")
+    v_dim = rows // num_heads - nope if v_head_dim is None else v_head_dim
+    if v_dim <= 0 or num_heads * (nope + v_dim) != rows:
+        raise ValueError(f"kv_b_proj_weight has {rows} rows, expected H * (qk_nope_head_dim + "
+                         f"v_head_dim) = {num_heads} * ({nope} + {v_dim})")
+    return nope, v_dim, rope
 
 
 def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
@@ -373,41 +405,21 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
-    for name, t in (("q", q), ("k_pe_new", k_pe_new), ("kv_cache", kv_cache),
-                    ("kv_b_proj_weight", kv_b_proj_weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3 or k_pe_new.dim() != 2 or kv_b_proj_weight.dim() != 2:
-        raise ValueError(f"q must be [T, H, qk_head_dim], k_pe_new [T, qk_rope_head_dim], "
-                         f"kv_b_proj_weight [H * (nope + v), rank]; got {tuple(q.shape)}, "
-                         f"{tuple(k_pe_new.shape)}, {tuple(kv_b_proj_weight.shape)}")
+    nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight, qk_nope_head_dim,
+                                        v_head_dim)
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got "
                          f"{tuple(kv_cache.shape)}")
-    num_heads, rope = q.shape[1], k_pe_new.shape[1]
-    nope = q.shape[2] - rope if qk_nope_head_dim is None else qk_nope_head_dim
-    if nope <= 0 or nope + rope != q.shape[2]:
-        raise ValueError(f"q head dim {q.shape[2]} must be qk_nope_head_dim ({nope}) + "
-                         f"qk_rope_head_dim ({rope}, from k_pe_new)")
-    rows = kv_b_proj_weight.shape[0]
-    if num_heads == 0 or rows % num_heads:
-        raise ValueError(f"kv_b_proj_weight has {rows} rows, not a multiple of H = {num_heads} "
-                         f"(from q); expected [H * (qk_nope_head_dim + v_head_dim), rank]")
-    v_dim = rows // num_heads - nope if v_head_dim is None else v_head_dim
-    if v_dim <= 0 or num_heads * (nope + v_dim) != rows:
-        raise ValueError(f"kv_b_proj_weight has {rows} rows, expected H * (qk_nope_head_dim + "
-                         f"v_head_dim) = {num_heads} * ({nope} + {v_dim})")
     page = kv_cache.shape[1] if page_size is None else page_size
     batch = PrefillBatch(query_lens, context_lens, page_size=page, block_table=block_table)
     if batch.num_query_tokens != q.shape[0]:
         raise ValueError(f"sum(query_lens) = {batch.num_query_tokens} but q has {q.shape[0]} "
                          f"tokens; the lengths must describe q's packing")
-    check_policy(policy)
     op = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
                            softmax_scale=softmax_scale, backend=backend, qk_rope_head_dim=rope)
-    if policy == "auto":
-        policy = op.preferred_policy
-    plan = ChunkPlanner(workspace_tokens, page, policy=policy).plan(batch)
+    plan = ChunkPlanner(workspace_tokens, page, policy=op.resolve_policy(policy)).plan(batch)
     device_plan = StagingRing(kv_cache.device).upload(plan)
     return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
                       return_lse=return_lse)

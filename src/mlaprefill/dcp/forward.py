@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mlaprefill.attention import (
     DEFAULT_WORKSPACE_TOKENS,
     MLAChunkedPrefill,
-    check_policy,
+    infer_head_dims,
     mla_chunked_prefill,
 )
 from mlaprefill.batch import PrefillBatch
@@ -259,19 +259,11 @@ def mla_chunked_prefill_dcp(
         debug = os.environ.get(DEBUG_ENV) == "1"
     resolved = policy
     try:
-        check_policy(policy)
-        if q.dim() != 3 or q.shape[1] == 0 or k_pe_new.dim() != 2:
-            raise ValueError(f"q must be [T, H > 0, qk_head_dim] and k_pe_new "
-                             f"[T, qk_rope_head_dim]; got {tuple(q.shape)} and "
-                             f"{tuple(k_pe_new.shape)}")
-        rope = k_pe_new.shape[-1]
-        qk_nope = q.shape[-1] - rope
-        mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=qk_nope,
-                                v_head_dim=kv_b_proj_weight.shape[0] // q.shape[1] - qk_nope,
+        nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight)
+        mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
                                 softmax_scale=softmax_scale, backend=backend,
                                 qk_rope_head_dim=rope)
-        if policy == "auto":
-            resolved = mla.preferred_policy  # the digest below compares what each rank plans with
+        resolved = mla.resolve_policy(policy)  # the digest below compares what ranks plan with
         planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
                                   policy=resolved)
         plan = planner.plan(batch, rank=rank)
