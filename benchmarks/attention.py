@@ -15,7 +15,7 @@ Sections (each recorded in the JSON; a failing section records its error and the
 * ``attention`` — TFLOP/s per backend, non-causal context chunks of 4k-64k keys, 1-16 requests;
   FLOPs = 2 * sum_r(q_r * k_r) * H * (qk_head_dim + v_head_dim) (= 2·Tq·Tk·H·(192+128) for one
   request).
-* ``gather`` — GB/s, bytes = rows * 576 * 2 (read) + same (written) + rows * 16 (index reads),
+* ``gather`` — GB/s, bytes = rows * 576 * 2 (read) + same (written) + rows * 4 (block table),
   against a plain device-to-device copy of the same bytes measured in the same run.
 * ``merge`` — GB/s, bytes = 3 * T * H * 128 * 2 + 3 * T * H * 4.
 * ``forward`` — the whole chunked-context forward vs the sum of its parts each timed alone.
@@ -223,7 +223,6 @@ def check_kernels(device: str) -> dict:
     x = _forward_inputs([3, 2, 4], [1000, 64, 4097], 4, torch.bfloat16, device)
     plan = ChunkPlanner(1024, PAGE).plan(PrefillBatch(x["query_lens"], x["context_lens"],
                                                       page_size=PAGE))
-    tts = torch.from_numpy(plan.token_to_seq).to(device)
     cu = torch.from_numpy(plan.cu_seq_lens).to(device)
     cs = torch.from_numpy(plan.chunk_starts).to(device)
     ok = True
@@ -232,9 +231,9 @@ def check_kernels(device: str) -> dict:
         w1 = torch.zeros(plan.max_iteration_tokens, RANK + ROPE, device=device,
                          dtype=torch.bfloat16)
         w2 = w1.clone()
-        gather_context_rows(x["kv_cache"], x["block_table"], tts[i], cu[i], cs[i], w1, n,
+        gather_context_rows(x["kv_cache"], x["block_table"], cu[i], cs[i], w1, n,
                             use_kernel=True)
-        gather_context_rows_torch(x["kv_cache"], x["block_table"], tts[i], cu[i], cs[i], w2, n)
+        gather_context_rows_torch(x["kv_cache"], x["block_table"], cu[i], cs[i], w2, n)
         ok &= bool(torch.equal(w1, w2))
     out["gather_equal_torch"] = ok
     t, h = 1000, 16
@@ -354,12 +353,11 @@ def bench_gather(device: str) -> dict:
         total = nr * ctx
         plan = ChunkPlanner(total, PAGE).plan(PrefillBatch([1] * nr, [ctx] * nr,
                                                            page_size=PAGE))
-        tts = torch.from_numpy(plan.token_to_seq[0]).to(device)
         cu = torch.from_numpy(plan.cu_seq_lens[0]).to(device)
         cs = torch.from_numpy(plan.chunk_starts[0]).to(device)
         n = plan.iteration_tokens[0]
         ws = torch.empty(n, RANK + ROPE, device=device, dtype=torch.bfloat16)
-        nbytes = n * (RANK + ROPE) * 2 * 2 + n * 16
+        nbytes = n * (RANK + ROPE) * 2 * 2 + n * 4
         src = torch.empty_like(ws)
         copy_t = _bench_graph(lambda ws=ws, src=src: ws.copy_(src))
         best = None
@@ -367,7 +365,7 @@ def bench_gather(device: str) -> dict:
         for br in (8, 16, 32, 64):
             for nw in (2, 4, 8):
                 def fn(br: int = br, nw: int = nw) -> Any:
-                    return gather_context_rows(x["kv_cache"], x["block_table"], tts, cu, cs, ws,
+                    return gather_context_rows(x["kv_cache"], x["block_table"], cu, cs, ws,
                                                n, block_rows=br, num_warps=nw)
                 fn()
                 t = _bench_graph(fn, rep=20)
@@ -376,7 +374,7 @@ def bench_gather(device: str) -> dict:
                     best = ((br, nw), t)
 
         def default(x: dict = x) -> Any:
-            return gather_context_rows(x["kv_cache"], x["block_table"], tts, cu, cs, ws, n)
+            return gather_context_rows(x["kv_cache"], x["block_table"], cu, cs, ws, n)
 
         default_t = _bench_graph(default)
         eager_t = _bench(default)
@@ -394,7 +392,7 @@ def bench_gather(device: str) -> dict:
     big = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     big2 = torch.empty_like(big)
     t = _bench_graph(lambda: big2.copy_(big))
-    return {"bytes_formula": "rows*576*2 read + rows*576*2 written + rows*16 index reads",
+    return {"bytes_formula": "rows*576*2 read + rows*576*2 written + rows*4 block-table reads",
             "rows": rows, "d2d_copy_2GiB_gbps": 2 * big.numel() / (t["median_ms"] * 1e-3) / 1e9}
 
 
@@ -490,10 +488,10 @@ def bench_forward(device: str, backends: list[str]) -> dict:
                     parts[key] = 0.0
                 for i in range(plan.num_iterations):
                     n = plan.iteration_tokens[i]
-                    tts, cu = dplan.tensors["token_to_seq"][i], dplan.tensors["cu_seq_lens"][i]
+                    cu = dplan.tensors["cu_seq_lens"][i]
                     cs = dplan.tensors["chunk_starts"][i]
-                    parts["gather"] += _bench(lambda n=n, tts=tts, cu=cu, cs=cs: (
-                        gather_context_rows(x["kv_cache"], x["block_table"], tts, cu, cs, wsp,
+                    parts["gather"] += _bench(lambda n=n, cu=cu, cs=cs: (
+                        gather_context_rows(x["kv_cache"], x["block_table"], cu, cs, wsp,
                                             n)))["median_ms"]
                     kv_c = wsp[:n, :RANK]
                     parts["up_ctx"] += _bench(lambda kv_c=kv_c: kv_c @ w_hf.t())["median_ms"]

@@ -208,9 +208,9 @@ def main() -> int:
     t = dp.tensors
     n = plan.iteration_tokens[1]
     ws_buf = torch.empty(plan.max_iteration_tokens, rank + rope, device=dev, dtype=dt)
-    gathers = [(gather_context_rows(kv_cache, block_table, t["token_to_seq"][1],
-                                    t["cu_seq_lens"][1], t["chunk_starts"][1], ws_buf,
-                                    n).clone(),) for _ in range(RUNS)]
+    gathers = [(gather_context_rows(kv_cache, block_table, t["cu_seq_lens"][1],
+                                    t["chunk_starts"][1], ws_buf, n).clone(),)
+               for _ in range(RUNS)]
     eq, worst = _same(gathers)
     rows_out.append({"stage": "gather", "backend": "-", "bitwise": eq, "max_abs_diff": worst})
     rows = gathers[0][0]

@@ -108,11 +108,54 @@ def test_triton_gather_matches_torch():
         a = torch.zeros(plan.max_iteration_tokens, RANK + ROPE, device="cuda",
                         dtype=torch.bfloat16)
         b = a.clone()
-        args = (x["kv_cache"], x["block_table"], dplan.token_to_seq[i], dplan.cu_seq_lens[i],
-                dplan.chunk_starts[i])
+        args = (x["kv_cache"], x["block_table"], dplan.cu_seq_lens[i], dplan.chunk_starts[i])
         gather_context_rows(*args, a, n, use_kernel=True)
         gather_context_rows_torch(*args, b, n)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2, 7, 300])
+def test_triton_gather_row_mapping_many_requests(num_reqs):
+    """The on-device row -> request search for 1..300 requests (0..9 search steps), with empty
+    pieces and page-boundary lengths, equals the torch fallback and the vLLM table's rows."""
+    g = torch.Generator().manual_seed(num_reqs)
+    context_lens = torch.randint(0, 3 * PAGE, (num_reqs,), generator=g).tolist()
+    context_lens[0] = PAGE  # on a page boundary
+    if num_reqs > 2:
+        context_lens[1], context_lens[2] = 0, PAGE + 1
+    x = _inputs([1] * num_reqs, context_lens, heads=1)
+    plan = ChunkPlanner(2048, PAGE, "balanced").plan(
+        PrefillBatch([1] * num_reqs, context_lens, page_size=PAGE))
+    dplan = StagingRing("cuda").upload(plan)
+    assert torch.equal(dplan.token_to_seq.cpu(), torch.from_numpy(plan.token_to_seq.copy()))
+    for i in range(plan.num_iterations):
+        n = plan.iteration_tokens[i]
+        a = torch.full((plan.max_iteration_tokens, RANK + ROPE), float("nan"), device="cuda",
+                       dtype=torch.bfloat16)
+        b = a.clone()
+        args = (x["kv_cache"], x["block_table"], dplan.cu_seq_lens[i], dplan.chunk_starts[i])
+        gather_context_rows(*args, a, n, use_kernel=True)
+        gather_context_rows_torch(*args, b, n)
+        assert torch.equal(a[:n], b[:n]) and not torch.isnan(a[:n].float()).any()
+
+
+def test_triton_gather_block_id_outside_cache_gives_nan_rows():
+    """No silent read of another page: a bad block id makes that page's rows NaN, only."""
+    x = _inputs([1, 1], [2 * PAGE, 2 * PAGE], heads=1)
+    table = x["block_table"].clone()
+    table[0, 1] = -1
+    table[1, 0] = x["kv_cache"].shape[0]  # one past the last block
+    cu = torch.tensor([0, 2 * PAGE, 4 * PAGE], dtype=torch.int32, device="cuda")
+    cs = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ws = torch.zeros(4 * PAGE, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+    gather_context_rows(x["kv_cache"], table, cu, cs, ws, 4 * PAGE, use_kernel=True)
+    nan_rows = torch.isnan(ws.float()).all(dim=1).cpu()
+    expect = torch.zeros(4 * PAGE, dtype=torch.bool)
+    expect[PAGE:3 * PAGE] = True  # request 0's second page, request 1's first page
+    assert torch.equal(nan_rows, expect)
+    good = gather_context_rows_torch(x["kv_cache"], x["block_table"], cu, cs,
+                                     torch.zeros_like(ws), 4 * PAGE)
+    assert torch.equal(ws[~expect.cuda()], good[~expect.cuda()])
 
 
 def test_triton_merge_matches_torch_and_inf_rules():

@@ -32,10 +32,14 @@ def test_cli_writes_json_with_every_metric_and_png(tmp_path, capsys):
     assert isinstance(doc["command"], list) and doc["options"]["prompt_len"] == 48
     assert doc["machine"]["torch"] and doc["date"].endswith("Z")
     assert doc["config"]["prompt_len"] == 48 and doc["config"]["num_layers"] == 1
-    assert [v["name"] for v in doc["variants"]] == ["pageable+equal", "pin+equal", "ring+equal",
-                                                    "ring+packed"]
+    assert [v["name"] for v in doc["variants"]] == ["pageable+equal+vllm", "pin+equal+vllm",
+                                                    "ring+equal", "ring+packed"]
     for v in doc["variants"]:
         assert v["transfer"] in ("pageable", "pin", "ring") and v["policy"] in ("equal", "packed")
+        assert v["tables"] == ("vllm" if v["name"].endswith("+vllm") else "compact")
+        m = v["metrics"]
+        # compact plans ship no per-token table; the vLLM-shaped baseline does
+        assert (m["token_to_seq_bytes_max"] > 0) == (v["tables"] == "vllm")
         m = v["metrics"]
         missing = set(METRIC_KEYS) - set(m)
         assert not missing, missing
@@ -64,15 +68,18 @@ def test_dry_run_prints_metadata_per_policy(capsys):
     assert main(["bench", "--scenario", "vllm-default", "--dry-run", "--device", "cpu",
                  "--num-requests", "2"]) == 0
     out = capsys.readouterr().out
-    assert "equal" in out and "packed" in out and "steps >= 3 MiB" in out
+    assert "equal" in out and "packed" in out and "steps with a copy >= 3 MiB" in out
 
 
 @pytest.mark.parametrize("name,over", [("vllm-default", False), ("stall", True)])
 def test_scenario_metadata_claims(name, over):
-    """The documented sizes: vllm-default stays far below 3 MiB, stall passes it."""
+    """The documented sizes: vllm-default stays far below 3 MiB, stall passes it with vLLM's
+    per-token tables; compact plans stay under 64 KiB in both."""
     cfg = EngineConfig(**SCENARIOS[name].engine)
     prof = metadata_profile(cfg, "equal")
     assert prof["steps"] == 16 * 81920 // 4096
+    assert prof["plan_bytes_max"] <= 64 * 1024
+    assert prof["compact_steps_over_threshold_fraction"] == 0.0
     if over:
         assert prof["token_to_seq_bytes_max"] == 2 * 1048576 * 4  # [2, 1 Mi] int32 = 8 MiB
         assert 0.3 < prof["steps_over_threshold_fraction"] < 0.5

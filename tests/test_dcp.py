@@ -19,6 +19,7 @@ from mlaprefill.dcp import (
     mla_chunked_prefill_dcp,
     shard_paged_cache,
 )
+from mlaprefill.dcp.forward import reorder_rows_index
 from mlaprefill.plan import ChunkPlanner
 
 
@@ -131,6 +132,12 @@ def _simulate(plans, context_lens):
         expect = np.concatenate([tokens[r][s:s + m] for r, (s, m) in enumerate(
             zip(p.chunk_starts[i], p.chunk_lens[i], strict=True))])
         np.testing.assert_array_equal(gathered[p.reorder_index[i, :n]], expect)
+        # what the forward does: the same rows from the compact reorder_base, on the "device"
+        idx = reorder_rows_index(*(torch.from_numpy(a[i].copy()) for a in (
+            p.cu_seq_lens, p.chunk_starts, p.reorder_base)), n, world=world,
+            interleave=interleave).numpy()
+        np.testing.assert_array_equal(idx, p.reorder_index[i, :n])
+        np.testing.assert_array_equal(gathered[idx], expect)
         assert world * cap <= p.workspace_tokens
 
 
@@ -170,10 +177,16 @@ def test_plan_device_arrays_and_forwarding() -> None:
     batch = PrefillBatch([2, 1, 3], [0, 40, 37], page_size=16)
     plan = DCPChunkPlanner(64, 16, world=2, interleave=16).plan(batch, rank=1)
     arrays = plan.device_arrays()
-    assert list(arrays)[:5] == list(plan.base.device_arrays())
-    assert list(arrays)[5:] == ["local_chunk_starts", "local_chunk_lens", "local_cu_seq_lens",
-                                "local_token_to_seq", "reorder_index"]
+    assert list(arrays)[:4] == list(plan.base.device_arrays())
+    assert list(arrays)[4:] == ["local_chunk_starts", "local_chunk_lens", "local_cu_seq_lens",
+                                "reorder_base"]
     assert all(a.dtype == np.int32 for a in arrays.values())
+    # O(world x iterations x requests): nothing per context token ships by default
+    k, r, world = plan.num_iterations, plan.num_reqs, plan.world
+    assert sum(a.size for a in arrays.values()) == (r + 1) + 2 * k * (3 * r + 1) + k * r * world
+    tables = plan.device_arrays(token_tables=True)
+    assert {"token_to_seq", "local_token_to_seq", "reorder_index"} <= set(tables)
+    np.testing.assert_array_equal(tables["reorder_index"], plan.reorder_index)
     assert plan.num_iterations == plan.base.num_iterations
     assert plan.iteration_tokens == plan.base.iteration_tokens
     # I=16, world 2: rank 1 holds tokens 16..31 of both contexts (40 and 37 tokens)

@@ -105,9 +105,8 @@ def _run_case(rank, world, case, seed, device, check_delegation):
         got = source(i, workspace_rows)
         n = plan.iteration_tokens[i]
         assert got.shape == (n, cache.shape[2])
-        want = gather_context_rows(cache, table, device_plan["token_to_seq"][i],
-                                   device_plan["cu_seq_lens"][i], device_plan["chunk_starts"][i],
-                                   expect_rows, n)
+        want = gather_context_rows(cache, table, device_plan["cu_seq_lens"][i],
+                                   device_plan["chunk_starts"][i], expect_rows, n)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
     # 2. Forward: equal to the single-rank forward on the unsharded cache (and the reference).

@@ -20,6 +20,7 @@ from mlaprefill.kernels import (
     merge_attention_states,
     merge_attention_states_torch,
 )
+from mlaprefill.kernels.gather import rows_to_requests
 from mlaprefill.plan import ChunkPlanner
 
 NEG_INF = float("-inf")
@@ -50,6 +51,8 @@ def _paged_cache(context_lens, page_size, latent_dim, seed=0):
 @example(context_lens=[0, 1, 16, 17, 32], page_size=16, workspace=16, policy="equal")
 @example(context_lens=[0, 1, 16, 17, 32], page_size=16, workspace=16, policy="packed")
 @example(context_lens=[0], page_size=4, workspace=16, policy="packed")
+@example(context_lens=[70], page_size=16, workspace=16, policy="packed")  # one request
+@example(context_lens=[64, 0, 1, 0, 3], page_size=16, workspace=16, policy="equal")
 def test_gather_matches_plain_indexing(context_lens, page_size, workspace, policy):
     """Every iteration's workspace rows are exactly the cache rows the plan names."""
     n_with_ctx = sum(c > 0 for c in context_lens)
@@ -62,8 +65,7 @@ def test_gather_matches_plain_indexing(context_lens, page_size, workspace, polic
     for i in range(plan.num_iterations):
         n = plan.iteration_tokens[i]
         rows = gather_context_rows(
-            cache, table, torch.from_numpy(plan.token_to_seq[i].copy()),
-            torch.from_numpy(plan.cu_seq_lens[i].copy()),
+            cache, table, torch.from_numpy(plan.cu_seq_lens[i].copy()),
             torch.from_numpy(plan.chunk_starts[i].copy()), ws, n)
         # Plain per-request indexing, written independently of the kernel's row formula.
         expected = []
@@ -79,14 +81,52 @@ def test_gather_matches_plain_indexing(context_lens, page_size, workspace, polic
 
 def test_gather_validates_inputs():
     cache, table = _paged_cache([8], 4, latent_dim=8)
-    tts, cu, cs = (torch.zeros(4, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
-                   torch.zeros(1, dtype=torch.int32))
+    cu, cs = torch.tensor([0, 4], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="workspace has 2 rows"):
-        gather_context_rows_torch(cache, table, tts, cu, cs, torch.empty(2, 8), 4)
+        gather_context_rows_torch(cache, table, cu, cs, torch.empty(2, 8), 4)
     with pytest.raises(ValueError, match="block_table must be int32"):
-        gather_context_rows_torch(cache, table.long(), tts, cu, cs, torch.empty(4, 8), 4)
+        gather_context_rows_torch(cache, table.long(), cu, cs, torch.empty(4, 8), 4)
     with pytest.raises(ValueError, match="workspace dtype"):
-        gather_context_rows_torch(cache, table, tts, cu, cs, torch.empty(4, 8).double(), 4)
+        gather_context_rows_torch(cache, table, cu, cs, torch.empty(4, 8).double(), 4)
+    with pytest.raises(ValueError, match=r"cu_seq_lens must be \[num_reqs \+ 1\]"):
+        gather_context_rows_torch(cache, table, cu[:1], cs, torch.empty(4, 8), 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(context_lens=st.lists(st.integers(0, 90), min_size=1, max_size=7),
+       page_size=st.sampled_from([1, 8, 16]), workspace=st.integers(16, 100),
+       policy=st.sampled_from(["packed", "equal", "balanced"]))
+@example(context_lens=[0, 0, 5], page_size=8, workspace=16, policy="packed")
+@example(context_lens=[1], page_size=1, workspace=16, policy="packed")
+def test_rows_to_requests_is_vllm_token_to_seq(context_lens, page_size, workspace, policy):
+    """The device row -> request mapping equals vLLM's host table, padding (0) included."""
+    workspace = max(workspace, page_size * len(context_lens))
+    plan = ChunkPlanner(workspace, page_size, policy=policy).plan(
+        PrefillBatch([1] * len(context_lens), context_lens, page_size=page_size))
+    cu = torch.from_numpy(plan.cu_seq_lens.copy())
+    table = rows_to_requests(cu, plan.max_iteration_tokens)
+    assert table.tolist() == plan.token_to_seq.tolist()
+    for i in range(plan.num_iterations):  # one iteration's row, as the gather uses it
+        n = plan.iteration_tokens[i]
+        assert rows_to_requests(cu[i], n).tolist() == plan.token_to_seq[i, :n].tolist()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10, 2**31 - 1])
+def test_gather_rejects_block_ids_outside_the_cache(bad_id):
+    """A block id outside [0, num_blocks) never reads another page: a clear error on CPU,
+    raised before the workspace is touched."""
+    cache, table = _paged_cache([8, 8], 4, latent_dim=8)
+    assert cache.shape[0] == 6
+    bad_table = table.clone()
+    bad_table[1, 1] = bad_id if bad_id != 10 else cache.shape[0]  # == num_blocks: one past
+    cu, cs = torch.tensor([0, 8, 16], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    ws = torch.full((16, 8), 7.0)
+    with pytest.raises(ValueError, match=r"block_table\[1\] holds block id .* outside \[0, "
+                                         r"num_blocks=6\) for context token 4 of request 1"):
+        gather_context_rows(cache, bad_table, cu, cs, ws, 16)
+    assert (ws == 7.0).all()  # no state changed
+    # the same table is fine when the bad entry is past what the plan reads
+    gather_context_rows(cache, bad_table, torch.tensor([0, 8, 12], dtype=torch.int32), cs, ws, 12)
 
 
 def _merge_ref(o1, l1, o2, l2):
@@ -159,17 +199,35 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     from mlaprefill.kernels import (gather_context_rows, gather_context_rows_torch,
                                     merge_attention_states, merge_attention_states_torch)
     g = torch.Generator().manual_seed(0)
-    # gather: 2 requests, page 4, latent 40 (BLOCK_D 8: five column tiles), 13 rows
-    cache = torch.randn(12, 4, 40, generator=g).bfloat16()
-    table = torch.randperm(12, generator=g)[:10].view(2, 5).to(torch.int32)
-    tts = torch.tensor([0] * 6 + [1] * 7 + [0, 0, 0], dtype=torch.int32)
-    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
-    starts = torch.tensor([3, 8], dtype=torch.int32)
+    # gather: 5 requests (two without a piece: 3 search steps), page 4, latent 40 (BLOCK_D 8:
+    # five column tiles), 13 rows
+    cache = torch.randn(16, 4, 40, generator=g).bfloat16()
+    table = torch.randperm(16, generator=g)[:15].view(5, 3).to(torch.int32)
+    cu = torch.tensor([0, 0, 6, 6, 7, 13], dtype=torch.int32)
+    starts = torch.tensor([0, 3, 0, 2, 4], dtype=torch.int32)
     a = torch.zeros(16, 40).bfloat16(); b = a.clone()
-    gather_context_rows(cache, table, tts, cu, starts, a, 13, use_kernel=True)
-    gather_context_rows_torch(cache, table, tts, cu, starts, b, 13)
+    gather_context_rows(cache, table, cu, starts, a, 13, use_kernel=True)
+    gather_context_rows_torch(cache, table, cu, starts, b, 13)
     assert torch.equal(a, b), "gather differs"
     assert (a[13:] == 0).all(), "gather wrote past num_rows"
+    # one request: no search at all
+    a1 = torch.zeros(16, 40).bfloat16(); b1 = a1.clone()
+    one = (table[2:3], torch.tensor([0, 9], dtype=torch.int32),
+           torch.tensor([1], dtype=torch.int32))
+    gather_context_rows(cache, *one, a1, 9, use_kernel=True)
+    gather_context_rows_torch(cache, *one, b1, 9)
+    assert torch.equal(a1, b1), "one-request gather differs"
+    # a block id outside the cache gives NaN rows for that page only (no read elsewhere)
+    bad = table.clone(); bad[4, 1] = -1; bad[1, 0] = 16
+    c = torch.zeros(16, 40).bfloat16()
+    gather_context_rows(cache, bad, cu, starts, c, 13, use_kernel=True)
+    nan_rows = torch.isnan(c.float()).all(dim=1)
+    # request 1 rows 0..5 are its tokens 3..8: page 0 (token 3) is bad; request 4 rows 7..12
+    # are its tokens 4..9: page 1 (tokens 4..7) is bad
+    expect_nan = torch.zeros(16, dtype=torch.bool)
+    expect_nan[0] = True; expect_nan[7:11] = True
+    assert torch.equal(nan_rows, expect_nan), nan_rows
+    assert torch.equal(c[~expect_nan], b[~expect_nan]), "good rows changed"
     # merge with -inf rules, strided partial, head dim 24 (BLOCK_D 32 masked)
     t, h, v = 7, 3, 24
     o = torch.randn(t, h, v, generator=g); l = torch.randn(t, h, generator=g)

@@ -280,7 +280,8 @@ def test_plan_is_read_only_and_deterministic():
         assert not a.flags.writeable
         assert np.array_equal(a, p2.device_arrays()[name])
     assert list(p1.device_arrays()) == ["cu_query_lens", "chunk_starts", "chunk_lens",
-                                        "cu_seq_lens", "token_to_seq"]
+                                        "cu_seq_lens"]
+    assert list(p1.device_arrays(token_tables=True))[-1] == "token_to_seq"
 
 
 def test_to_json_nested_lists():
@@ -288,7 +289,8 @@ def test_to_json_nested_lists():
     j = p.to_json()
     assert j["policy"] == "packed" and j["num_iterations"] == p.num_iterations
     assert j["chunk_lens"] == p.chunk_lens.tolist() and isinstance(j["chunk_lens"][0], list)
-    assert j["token_to_seq"] == p.token_to_seq.tolist()
+    assert "token_to_seq" not in j
+    assert p.to_json(token_tables=True)["token_to_seq"] == p.token_to_seq.tolist()
     assert math.isclose(sum(j["iteration_tokens"]), 160)
 
 

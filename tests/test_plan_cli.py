@@ -32,8 +32,14 @@ def test_json_full_plan(capsys):
     assert rc == 0
     j = json.loads(out)
     for key in ("policy", "num_iterations", "chunk_starts", "chunk_lens", "cu_seq_lens",
-                "iteration_tokens", "token_to_seq"):
+                "iteration_tokens"):
         assert key in j
+    assert "token_to_seq" not in j and len(out) < 1000  # compact: no per-token table
+    rc, out, _ = run_cli(capsys, "--context-lens", "80000,1000", "--query-lens", "4096,512",
+                         "--workspace-tokens", "131072", "--policy", "equal", "--json",
+                         "--token-tables")
+    assert rc == 0
+    j = json.loads(out)
     assert j["policy"] == "equal" and j["num_iterations"] == 2
     assert j["chunk_lens"] == [[65536, 1000], [14464, 0]]
     assert j["chunk_starts"] == [[0, 0], [65536, 65536]]

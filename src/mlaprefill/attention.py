@@ -303,14 +303,13 @@ class MLAChunkedPrefill:
         k_ctx = torch.empty(max_rows, h, qk, dtype=dtype, device=device)
         v_ctx = torch.empty(max_rows, h, v_out, dtype=dtype, device=device)
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
-        token_to_seq = tensors["token_to_seq"]
         for i in range(plan.num_iterations):
             num_rows = plan.iteration_tokens[i]
             if num_rows == 0:
                 continue
             if context_source is None:
-                rows = gather_context_rows(kv_cache, block_table, token_to_seq[i],
-                                           cu_seq_lens[i], chunk_starts[i], workspace, num_rows)
+                rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
+                                           chunk_starts[i], workspace, num_rows)
             else:
                 rows = context_source(i, workspace)
                 if tuple(rows.shape) != (num_rows, rank + rope):
@@ -335,7 +334,7 @@ def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
     if device_plan is None:
         return {}
     return {name: device_plan.tensors[name] for name in
-            ("cu_query_lens", "chunk_starts", "cu_seq_lens", "token_to_seq")}
+            ("cu_query_lens", "chunk_starts", "cu_seq_lens")}
 
 
 def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: torch.Tensor,

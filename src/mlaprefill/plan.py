@@ -73,9 +73,9 @@ __all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner"]
 
 POLICIES = ("equal", "packed", "balanced")
 
-# Names and order of the arrays staging ships to the device (see ChunkPlan.device_arrays).
-_DEVICE_ARRAY_NAMES = ("cu_query_lens", "chunk_starts", "chunk_lens", "cu_seq_lens",
-                       "token_to_seq")
+# Names and order of the arrays staging ships to the device (see ChunkPlan.device_arrays):
+# O(num_iterations x num_reqs) integers; the forward maps workspace rows to requests on the device.
+_DEVICE_ARRAY_NAMES = ("cu_query_lens", "chunk_starts", "chunk_lens", "cu_seq_lens")
 
 
 _INT32_ZERO = bytes(4)  # immutable: backs zero-stride all-zero int32 views
@@ -105,10 +105,12 @@ class ChunkPlan:
         Length of that piece (0 = no piece).
     cu_seq_lens : int32 [num_iterations, num_reqs + 1]
         Workspace row offset of each piece (exclusive prefix sum of ``chunk_lens`` per row).
-    token_to_seq : int32 [num_iterations, max_iteration_tokens]
-        Request of each workspace row; rows past ``iteration_tokens[i]`` are padding = 0 (vLLM).
-        For a single-request batch this is a read-only broadcast view of 0 (zero strides); use
-        ``np.ascontiguousarray`` if contiguous memory is needed.
+    token_to_seq : int32 [num_iterations, max_iteration_tokens] (a property, built on access)
+        vLLM's per-token table: request of each workspace row; rows past ``iteration_tokens[i]``
+        are padding = 0. Not part of the plan: it costs 4 bytes per context token, so it is
+        computed on demand (O(context) host work each access) for callers that want
+        vLLM-shaped metadata; the forward never needs it. For a single-request batch it is a
+        read-only broadcast view of 0 (zero strides).
     iteration_tokens : tuple[int, ...]
         Workspace rows used in each iteration (``cu_seq_lens[i, -1]``).
     max_chunk_lens : tuple[int, ...]
@@ -130,7 +132,6 @@ class ChunkPlan:
     chunk_starts: np.ndarray
     chunk_lens: np.ndarray
     cu_seq_lens: np.ndarray
-    token_to_seq: np.ndarray
     iteration_tokens: tuple[int, ...]
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
@@ -140,17 +141,35 @@ class ChunkPlan:
         """Total context tokens gathered over all iterations."""
         return int(sum(self.iteration_tokens))
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
+    @property
+    def token_to_seq(self) -> np.ndarray:
+        """int32 [num_iterations, max_iteration_tokens]: vLLM's row -> request table, built now.
+
+        O(context tokens) host work and memory on every access; see the class docstring.
+        """
+        return _token_to_seq(self.chunk_lens, self.cu_seq_lens[:, -1],
+                             self.max_iteration_tokens)
+
+    def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]:
         """Ordered ``name -> int32 array`` that staging ships to the device.
 
-        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens, token_to_seq``. The arrays
-        are the plan's own (read-only) arrays, not copies; staging copies them.
+        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` -- O(num_iterations x
+        num_reqs) integers, independent of the context length. With ``token_tables=True`` also
+        ``token_to_seq`` (vLLM-shaped, 4 bytes per context token: what engines that build it on
+        the host ship; the benchmarks use it as the baseline). The arrays are the plan's own
+        (read-only) arrays, not copies; staging copies them.
         """
-        return {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
+        out = {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
+        if token_tables:
+            out["token_to_seq"] = self.token_to_seq
+        return out
 
-    def to_json(self) -> dict[str, Any]:
-        """JSON-serializable dict; arrays as nested lists indexed ``[iteration][request]``."""
-        return {
+    def to_json(self, *, token_tables: bool = False) -> dict[str, Any]:
+        """JSON-serializable dict; arrays as nested lists indexed ``[iteration][request]``.
+
+        Per-token tables (``token_to_seq``, O(context) entries) only with ``token_tables=True``.
+        """
+        out = {
             "policy": self.policy,
             "workspace_tokens": self.workspace_tokens,
             "page_size": self.page_size,
@@ -167,8 +186,10 @@ class ChunkPlan:
             "iteration_tokens": list(self.iteration_tokens),
             "max_chunk_lens": list(self.max_chunk_lens),
             "max_iteration_tokens": self.max_iteration_tokens,
-            "token_to_seq": self.token_to_seq.tolist(),
         }
+        if token_tables:
+            out["token_to_seq"] = self.token_to_seq.tolist()
+        return out
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -367,8 +388,7 @@ class ChunkPlanner:
         lens = lens.astype(np.int32)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
         np.cumsum(lens, axis=1, out=cu_seq[:, 1:])
-        tokens = cu_seq[:, -1]
-        iteration_tokens = tuple(tokens.tolist())
+        iteration_tokens = tuple(cu_seq[:, -1].tolist())
         max_tokens = max(iteration_tokens, default=0)
         assert max_tokens <= self.workspace_tokens
         q = batch.query_lens.astype(np.int32)
@@ -388,7 +408,6 @@ class ChunkPlanner:
             chunk_starts=_readonly(np.ascontiguousarray(starts, dtype=np.int32)),
             chunk_lens=_readonly(lens),
             cu_seq_lens=_readonly(cu_seq),
-            token_to_seq=_readonly(_token_to_seq(lens, tokens, max_tokens)),
             iteration_tokens=iteration_tokens,
             max_chunk_lens=tuple(lens.max(axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,

@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="packed: fewest iterations (default); equal: vLLM's chunking; "
                         "balanced: about as few, each request in every iteration until it runs out")
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.add_argument("--token-tables", action="store_true",
+                   help="with --json/--batches: also print vLLM's per-token token_to_seq table "
+                        "(one entry per context token; left out by default)")
     p.add_argument("--batches", metavar="FILE",
                    help="JSON lines (- for stdin), one batch per line; prints one JSON plan "
                         "per line")
@@ -149,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
                     return _error(f"{args.batches} line {lineno}: {exc}")
         # Printed only once every line is valid, so output is all-or-nothing.
         for plan in plans:
-            out.write(json.dumps(plan.to_json(), separators=(",", ":")) + "\n")
+            out.write(json.dumps(plan.to_json(token_tables=args.token_tables),
+                                 separators=(",", ":")) + "\n")
         return 0
     try:
         context_lens = _parse_list("--context-lens", args.context_lens)
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     if args.json:
-        out.write(json.dumps(plan.to_json()) + "\n")
+        out.write(json.dumps(plan.to_json(token_tables=args.token_tables)) + "\n")
     else:
         out.write(format_plan(plan) + "\n")
     return 0

@@ -193,8 +193,17 @@ class DevicePlan:
 
     @property
     def token_to_seq(self) -> torch.Tensor:
-        """int32 [num_iterations, max_iteration_tokens]."""
-        return self.tensors["token_to_seq"]
+        """int32 [num_iterations, max_iteration_tokens]: vLLM's row -> request table.
+
+        The shipped table when the plan was uploaded with it (``token_tables=True``), else built
+        now on the device from ``cu_seq_lens`` (device work only, no sync; 4 bytes per row).
+        """
+        shipped = self.tensors.get("token_to_seq")
+        if shipped is not None:
+            return shipped
+        from mlaprefill.kernels.gather import rows_to_requests
+
+        return rows_to_requests(self.cu_seq_lens, self.plan.max_iteration_tokens).to(torch.int32)
 
 
 class _Slot:
@@ -296,8 +305,12 @@ class StagingRing:
 
     # ------------------------------------------------------------------ upload
 
-    def upload(self, plan: Any) -> DevicePlan:
+    def upload(self, plan: Any, *, token_tables: bool = False) -> DevicePlan:
         """Stage ``plan.device_arrays()`` on the device; returns a :class:`DevicePlan`.
+
+        With ``token_tables=True`` the plan's per-token tables ship too
+        (``plan.device_arrays(token_tables=True)``: vLLM's ``token_to_seq``, 4 bytes per context
+        token); the forward never needs them, benchmarks use them as the vLLM-shaped baseline.
 
         Issued on ``torch.cuda.current_stream(device)``. Never synchronizes except the ring-mode
         pinned-cap stall documented on the class. Not CUDA-graph capturable.
@@ -310,7 +323,7 @@ class StagingRing:
             An array of ``device_arrays()`` is not int32.
         """
         t0 = time.perf_counter()
-        arrays = plan.device_arrays()
+        arrays = plan.device_arrays(token_tables=True) if token_tables else plan.device_arrays()
         if self.mode == "ring":
             tensors, nbytes = self._upload_ring(arrays)
         else:

@@ -30,10 +30,14 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
 
     Returns
     -------
-    dict with ``steps``, per-step arrays ``metadata_bytes`` / ``token_to_seq_bytes`` /
-    ``iterations`` (np int64 [steps]) and their summary: ``metadata_bytes_p50``,
-    ``metadata_bytes_max``, ``token_to_seq_bytes_max``, ``steps_over_threshold_fraction``
-    (largest single array >= :data:`STALL_THRESHOLD_BYTES`).
+    dict with ``steps`` and per-step arrays (np int64 [steps]): ``metadata_bytes`` (everything
+    a step ships with compact plan metadata), ``plan_bytes`` (the chunk plan's part of it),
+    ``token_to_seq_bytes`` (what vLLM's per-token table would add), ``iterations``; and their
+    summary: ``metadata_bytes_p50``, ``metadata_bytes_max``, ``plan_bytes_max``,
+    ``token_to_seq_bytes_max``, ``vllm_metadata_bytes_max`` (compact + token_to_seq), and the
+    fraction of steps whose largest single array reaches :data:`STALL_THRESHOLD_BYTES`, with
+    vLLM-shaped tables (``steps_over_threshold_fraction``) and compact ones
+    (``compact_steps_over_threshold_fraction``).
     """
     cfg = config
     prompt_lens, _ = workload(cfg)
@@ -48,7 +52,7 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
     offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
     np.cumsum(prompt_lens, out=offsets[1:])
     tokens = np.zeros(int(offsets[-1]), dtype=np.int32)
-    meta, t2s, iters, largest = [], [], [], []
+    meta, plan_b, t2s, iters, largest, largest_vllm = [], [], [], [], [], []
     while sched.has_unfinished():
         step = sched.schedule()
         if step is None:
@@ -58,23 +62,32 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
         plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
                                          page_size=cfg.page_size))
         sp = StepPlan(plan, arrays)
-        sizes = [a.nbytes for a in sp.device_arrays().values()]
-        meta.append(sum(sizes))
-        largest.append(max(sizes))
-        t2s.append(plan.token_to_seq.nbytes)
+        meta.append(sp.nbytes)
+        plan_b.append(sp.plan_nbytes)
+        largest.append(sp.largest_array_nbytes)
+        # vLLM's table is [iterations, max_iteration_tokens] int32: its size needs no building
+        t2s_bytes = 4 * plan.num_iterations * plan.max_iteration_tokens
+        t2s.append(t2s_bytes)
+        largest_vllm.append(max(sp.largest_array_nbytes, t2s_bytes))
         iters.append(plan.num_iterations)
         for rid in step.req_ids[step.finishing].tolist():
             sched.finish(rid)
-    meta_a = np.array(meta, dtype=np.int64)
-    largest_a = np.array(largest, dtype=np.int64)
+    meta_a, t2s_a = np.array(meta, dtype=np.int64), np.array(t2s, dtype=np.int64)
+
+    def over(sizes: list[int]) -> float:
+        return float(np.mean(np.array(sizes) >= STALL_THRESHOLD_BYTES)) if sizes else 0.0
+
     return {
         "steps": len(meta),
         "metadata_bytes": meta_a,
-        "token_to_seq_bytes": np.array(t2s, dtype=np.int64),
+        "plan_bytes": np.array(plan_b, dtype=np.int64),
+        "token_to_seq_bytes": t2s_a,
         "iterations": np.array(iters, dtype=np.int64),
         "metadata_bytes_p50": float(np.percentile(meta_a, 50)) if meta else 0.0,
         "metadata_bytes_max": int(meta_a.max()) if meta else 0,
-        "token_to_seq_bytes_max": int(max(t2s)) if t2s else 0,
-        "steps_over_threshold_fraction": float(np.mean(largest_a >= STALL_THRESHOLD_BYTES))
-        if meta else 0.0,
+        "plan_bytes_max": int(max(plan_b)) if plan_b else 0,
+        "token_to_seq_bytes_max": int(t2s_a.max()) if t2s else 0,
+        "vllm_metadata_bytes_max": int((meta_a + t2s_a).max()) if meta else 0,
+        "steps_over_threshold_fraction": over(largest_vllm),
+        "compact_steps_over_threshold_fraction": over(largest),
     }

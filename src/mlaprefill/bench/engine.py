@@ -37,37 +37,50 @@ from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.plan import POLICIES, ChunkPlanner
 from mlaprefill.staging import MODES, StagingRing
 
-__all__ = ["EngineConfig", "PrefillEngine", "ProgressFn", "Variant", "workload"]
+__all__ = ["TABLES", "EngineConfig", "PrefillEngine", "ProgressFn", "Variant", "workload"]
 
 # progress(variant, repeat, steps_done, requests_finished, num_requests)
 ProgressFn = Callable[[str, int, int, int, int], None]
 
 
+#: Step metadata layouts a variant can ship: ``compact`` (the plan's O(iterations x requests)
+#: arrays; rows are mapped to requests on the device) or ``vllm`` (also vLLM's per-token
+#: ``token_to_seq``, built on the host each step: 4 bytes per context token).
+TABLES = ("compact", "vllm")
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One measured configuration: staging transfer mode and planner policy."""
+    """One measured configuration: staging transfer mode, planner policy, metadata layout."""
 
     transfer: str
     policy: str
+    tables: str = "compact"
 
     def __post_init__(self) -> None:
         if self.transfer not in MODES:
             raise ValueError(f"Variant.transfer = {self.transfer!r}; choose one of {MODES}.")
         if self.policy not in POLICIES:
             raise ValueError(f"Variant.policy = {self.policy!r}; choose one of {POLICIES}.")
+        if self.tables not in TABLES:
+            raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
 
     @property
     def name(self) -> str:
-        return f"{self.transfer}+{self.policy}"
+        base = f"{self.transfer}+{self.policy}"
+        return base if self.tables == "compact" else f"{base}+{self.tables}"
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``"ring+packed"`` -> Variant("ring", "packed")."""
+        """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
+        vLLM-shaped per-token tables too."""
         parts = text.strip().split("+")
-        if len(parts) != 2:
-            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY, e.g. "
-                             f"'ring+packed' (transfer in {MODES}, policy in {POLICIES}).")
-        return cls(parts[0], parts[1])
+        if len(parts) not in (2, 3):
+            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm], e.g. "
+                             f"'ring+packed' or 'pageable+equal+vllm' (transfer in {MODES}, "
+                             f"policy in {POLICIES}; '+vllm' also ships vLLM's per-token "
+                             f"token_to_seq).")
+        return cls(*parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +371,8 @@ class PrefillEngine:
                                          page_size=cfg.page_size)
             chunk_plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
                                                    page_size=cfg.page_size))
+            if variant.tables == "vllm":  # built on the host each step, as vLLM does
+                arrays["token_to_seq"] = np.ascontiguousarray(chunk_plan.token_to_seq)
             step_plan = StepPlan(chunk_plan, arrays)
             tb = time.perf_counter()
             dplan = ring.upload(step_plan)
@@ -376,8 +391,10 @@ class PrefillEngine:
                 num_reqs=step.num_reqs, num_tokens=step.num_tokens,
                 num_context_tokens=int(step.context_lens.sum()),
                 num_iterations=chunk_plan.num_iterations,
-                metadata_bytes=step_plan.nbytes,
-                token_to_seq_bytes=int(chunk_plan.token_to_seq.nbytes),
+                metadata_bytes=step_plan.nbytes, plan_bytes=step_plan.plan_nbytes,
+                largest_array_bytes=step_plan.largest_array_nbytes,
+                token_to_seq_bytes=int(arrays["token_to_seq"].nbytes)
+                if "token_to_seq" in arrays else 0,
                 host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
                 host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark))
             wait_mark = state.wait_ms

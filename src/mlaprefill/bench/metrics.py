@@ -47,8 +47,10 @@ class StepRecord:
     num_tokens: int
     num_context_tokens: int
     num_iterations: int
-    metadata_bytes: int
-    token_to_seq_bytes: int
+    metadata_bytes: int  # everything the step shipped (plan + engine arrays)
+    plan_bytes: int  # chunk-plan part of it (incl. token_to_seq when shipped)
+    largest_array_bytes: int
+    token_to_seq_bytes: int  # 0 unless the variant ships vLLM-shaped tables
     host_prep_ms: float
     host_upload_ms: float
     host_launch_ms: float
@@ -92,7 +94,8 @@ METRIC_KEYS = (
     "host_blocked_ms_total_per_run", "host_blocked_steps_over_1ms_fraction",
     "host_launch_ms_p50", "host_wait_ms_total_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
-    "metadata_bytes_p50", "metadata_bytes_max", "token_to_seq_bytes_max",
+    "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
+    "token_to_seq_bytes_max",
     "steps_over_3mib_fraction", "iterations_p50", "iterations_max", "iterations_total_per_run",
     "num_steps_per_run", "num_requests_per_run", "prompt_tokens_per_run", "repeats",
     "staging_arenas_grown", "staging_stalls", "truncated_runs",
@@ -150,8 +153,10 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "step_time_ms_p99": _pct(periods, 99),
         "metadata_bytes_p50": _pct(meta, 50),
         "metadata_bytes_max": float(meta.max()),
+        "plan_bytes_p50": _pct(col("plan_bytes"), 50),
+        "plan_bytes_max": float(col("plan_bytes").max()),
         "token_to_seq_bytes_max": float(t2s.max()),
-        "steps_over_3mib_fraction": float(np.mean(t2s >= 3 * 2**20)),
+        "steps_over_3mib_fraction": float(np.mean(col("largest_array_bytes") >= 3 * 2**20)),
         "iterations_p50": _pct(col("num_iterations"), 50),
         "iterations_max": float(col("num_iterations").max()),
         "iterations_total_per_run": float(col("num_iterations").sum() / n),
@@ -170,5 +175,6 @@ def step_series(run: RunResult) -> dict[str, list[float]]:
     return {
         "host_blocked_ms": [s.host_upload_ms for s in run.steps],
         "metadata_bytes": [s.metadata_bytes for s in run.steps],
+        "plan_bytes": [s.plan_bytes for s in run.steps],
         "device_step_ms": [s.device_end_ms - s.device_start_ms for s in run.steps],
     }

@@ -21,16 +21,16 @@ def format_table(doc: dict[str, Any]) -> str:
     """The result table (one row per variant; % columns relative to the first variant)."""
     rows = doc["variants"]
     base = rows[0]["metrics"] if rows else {}
-    head = (f"{'variant':<16} {'tok/s':>9} {'vs base':>7} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+    head = (f"{'variant':<20} {'tok/s':>9} {'vs base':>7} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
             f"{'vs base':>7} {'plan+up p50':>11} {'p99':>7} {'blocked p50':>11} {'p99':>7} "
             f"{'max':>7} {'GPU busy':>8} {'step p50':>8} {'meta max':>8}")
-    units = (f"{'':<16} {'':>9} {'':>7} {'s':>9} {'s':>7} {'s':>7} {'':>7} {'ms':>11} {'ms':>7} "
+    units = (f"{'':<20} {'':>9} {'':>7} {'s':>9} {'s':>7} {'s':>7} {'':>7} {'ms':>11} {'ms':>7} "
              f"{'ms':>11} {'ms':>7} {'ms':>7} {'':>8} {'ms':>8} {'MiB':>8}")
     lines = [head, units, "-" * len(head)]
     for v in rows:
         m = v["metrics"]
         lines.append(
-            f"{v['name']:<16} {m['throughput_tok_s']:>9.0f} "
+            f"{v['name']:<20} {m['throughput_tok_s']:>9.0f} "
             f"{_rel(m['throughput_tok_s'], base['throughput_tok_s']):>7} "
             f"{m['ttft_ms_mean'] / 1e3:>9.2f} {m['ttft_ms_p50'] / 1e3:>7.2f} "
             f"{m['ttft_ms_p99'] / 1e3:>7.2f} {_rel(m['ttft_ms_mean'], base['ttft_ms_mean']):>7} "

@@ -13,7 +13,9 @@ from mlaprefill.bench.metrics import METRIC_KEYS, RunResult, step_series, summar
 
 __all__ = ["DEFAULT_VARIANTS", "ProgressLine", "run_suite"]
 
-DEFAULT_VARIANTS = ("pageable+equal", "pin+equal", "ring+equal", "ring+packed")
+# The pre-fix engine (vLLM-shaped tables from pageable memory), the seed's fix (the same tables
+# pinned per step), and ours (compact plans through the ring) with two planner policies.
+DEFAULT_VARIANTS = ("pageable+equal+vllm", "pin+equal+vllm", "ring+equal", "ring+packed")
 
 
 class ProgressLine:
@@ -139,7 +141,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         agree = [sum(r.first_tokens.get(i) == t for i, t in reference.items())
                  / max(1, len(reference)) for r in runs]
         out_variants.append({
-            "name": v.name, "transfer": v.transfer, "policy": v.policy,
+            "name": v.name, "transfer": v.transfer, "policy": v.policy, "tables": v.tables,
             "metrics": metrics,
             "first_tokens_agreement_with_first_variant": min(agree),
             "per_repeat": [{"repeat": r.repeat, "throughput_tok_s": r.throughput_tok_s,

@@ -18,8 +18,10 @@ from mlaprefill.plan import ChunkPlan
 
 __all__ = ["ENGINE_ARRAYS", "StepPlan", "build_engine_arrays"]
 
-# Names of the engine arrays appended to the chunk plan's device arrays (all int32).
+# Names of the engine arrays appended to the chunk plan's device arrays (all int32). A step may
+# also carry vLLM's per-token ``token_to_seq`` (the ``+vllm`` bench variants' baseline layout).
 ENGINE_ARRAYS = ("token_ids", "positions", "slot_mapping", "sample_index", "block_table")
+_PLAN_EXTRAS = ("token_to_seq",)
 
 
 def build_engine_arrays(step: ScheduledStep, *, prompt_tokens: np.ndarray,
@@ -66,7 +68,9 @@ def build_engine_arrays(step: ScheduledStep, *, prompt_tokens: np.ndarray,
 class StepPlan:
     """A :class:`ChunkPlan` plus the engine's arrays of the same step (host data only).
 
-    Attribute lookups it does not define go to the chunk plan, so the forward reads
+    ``engine_arrays`` holds :data:`ENGINE_ARRAYS` and, for the vLLM-shaped baseline, the chunk
+    plan's ``token_to_seq`` (built by the caller, so its host cost lands in the step's prep
+    time). Attribute lookups it does not define go to the chunk plan, so the forward reads
     ``num_iterations``, ``iteration_tokens`` ... from ``device_plan.plan`` as usual.
     """
 
@@ -74,16 +78,29 @@ class StepPlan:
     engine_arrays: dict[str, np.ndarray]
 
     def device_arrays(self) -> dict[str, np.ndarray]:
-        """Chunk plan arrays followed by :data:`ENGINE_ARRAYS` (ordered, all int32)."""
+        """Chunk plan arrays, then ``token_to_seq`` if given, then :data:`ENGINE_ARRAYS`."""
         out = dict(self.chunk_plan.device_arrays())
-        for name in ENGINE_ARRAYS:
-            out[name] = self.engine_arrays[name]
+        for name in (*_PLAN_EXTRAS, *ENGINE_ARRAYS):
+            if name in self.engine_arrays:
+                out[name] = self.engine_arrays[name]
         return out
 
     @property
     def nbytes(self) -> int:
         """Bytes shipped to the device by this step."""
         return sum(int(a.nbytes) for a in self.device_arrays().values())
+
+    @property
+    def plan_nbytes(self) -> int:
+        """Bytes of chunk-plan metadata in this step (the plan's arrays + per-token tables)."""
+        return (sum(int(a.nbytes) for a in self.chunk_plan.device_arrays().values())
+                + sum(int(self.engine_arrays[n].nbytes) for n in _PLAN_EXTRAS
+                      if n in self.engine_arrays))
+
+    @property
+    def largest_array_nbytes(self) -> int:
+        """The largest single array (what one pageable copy of ``pageable`` mode moves)."""
+        return max(int(a.nbytes) for a in self.device_arrays().values())
 
     def __getattr__(self, name: str) -> Any:
         if name in ("chunk_plan", "engine_arrays") or name.startswith("__"):

@@ -259,8 +259,8 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
 
     def single_ctx() -> None:
         for i in iters:
-            gather_context_rows(cache, table, single_dp["token_to_seq"][i],
-                                single_dp["cu_seq_lens"][i], single_dp["chunk_starts"][i], ws,
+            gather_context_rows(cache, table, single_dp["cu_seq_lens"][i],
+                                single_dp["chunk_starts"][i], ws,
                                 single_plan.iteration_tokens[i])
 
     dcp_iters = range(dcp_plan.num_iterations)

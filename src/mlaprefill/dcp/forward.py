@@ -7,7 +7,8 @@ latent rows in workspace order. :class:`DCPContextSource` answers on every rank 
    (``gather_context_rows`` with the plan's ``local_*`` rows),
 2. one ``all_gather_into_tensor`` of the local buffers, each padded to ``rank_capacity[i]`` rows
    (equal sizes on every rank; rank-major result),
-3. one ``index_select`` with the plan's ``reorder_index[i]`` into the workspace.
+3. one ``index_select`` into the workspace, with the gathered row of every workspace row
+   computed on the device from the plan's compact ``reorder_base`` (:func:`reorder_rows_index`).
 
 Attention and the LSE merge then run exactly as on one rank, so every rank returns the output
 of the single-rank forward on the unsharded cache. Shapes come from host ints of the plan; the
@@ -41,6 +42,7 @@ __all__ = [
     "check_dcp_consistency",
     "dcp_world",
     "mla_chunked_prefill_dcp",
+    "reorder_rows_index",
 ]
 
 #: Environment variable that turns on the cross-rank consistency check by default.
@@ -59,6 +61,35 @@ def dcp_world(process_group: Any) -> tuple[int, int]:
     if process_group is None:
         return 0, 1
     return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def reorder_rows_index(cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
+                       reorder_base: torch.Tensor, num_rows: int, *, world: int,
+                       interleave: int) -> torch.Tensor:
+    """int64 [num_rows]: row of the gathered buffer holding each workspace row of one iteration.
+
+    Parameters
+    ----------
+    cu_seq_lens : int32 [num_reqs + 1]; chunk_starts : int32 [num_reqs]
+        The base plan's row of this iteration (global workspace order).
+    reorder_base : int32 [num_reqs, world]
+        The DCP plan's row of this iteration.
+    num_rows : int
+        Host int (``iteration_tokens[i]``).
+
+    Workspace row ``j`` is context token ``t`` of its request ``r``; its owner rank is
+    ``k = (t // I) % world`` and its local index ``(t // (I * world)) * I + t % I``, so its
+    gathered row is ``reorder_base[r, k]`` plus that local index. Device work only (a
+    ``searchsorted`` and a few elementwise ops), never synchronizes.
+    """
+    from mlaprefill.kernels.gather import rows_to_requests
+
+    req = rows_to_requests(cu_seq_lens, num_rows)
+    j = torch.arange(num_rows, device=cu_seq_lens.device, dtype=torch.int64)
+    tok = chunk_starts.long()[req] + j - cu_seq_lens.long()[req]
+    unit = tok // interleave
+    local = (unit // world) * interleave + tok % interleave
+    return reorder_base.long()[req, unit % world] + local
 
 
 class DCPContextSource:
@@ -111,9 +142,9 @@ class DCPContextSource:
         t = self.device_plan.tensors
         cap = self.plan.rank_capacity[iteration]
         local = self._local[:cap]
-        gather_context_rows(self.kv_cache, self.block_table, t["local_token_to_seq"][iteration],
-                            t["local_cu_seq_lens"][iteration], t["local_chunk_starts"][iteration],
-                            local, self.plan.local_iteration_tokens[iteration])
+        gather_context_rows(self.kv_cache, self.block_table, t["local_cu_seq_lens"][iteration],
+                            t["local_chunk_starts"][iteration], local,
+                            self.plan.local_iteration_tokens[iteration])
         return local
 
     def __call__(self, iteration: int, workspace: torch.Tensor) -> torch.Tensor:
@@ -125,7 +156,10 @@ class DCPContextSource:
         gathered = self._gathered[: plan.world * cap]  # [world * cap, latent] rank-major
         _all_gather_into_tensor(gathered, local, self.process_group)
         out = workspace[:num_rows]
-        index = self.device_plan.tensors["reorder_index"][iteration, :num_rows]
+        t = self.device_plan.tensors
+        index = reorder_rows_index(t["cu_seq_lens"][iteration], t["chunk_starts"][iteration],
+                                   t["reorder_base"][iteration], num_rows, world=plan.world,
+                                   interleave=plan.interleave)
         torch.index_select(gathered, 0, index, out=out)
         return out
 

@@ -10,8 +10,12 @@ Every rank plans from the *global* lengths with the normal :class:`~mlaprefill.p
 * ``rank_capacity[i]``: the largest share of iteration ``i`` over ranks; every rank pads its
   share to it so one ``all_gather_into_tensor`` with equal sizes brings all shares everywhere
   (rank-major: rank 0's rows, then rank 1's, ...);
-* ``reorder_index[i]``: for each workspace row of iteration ``i`` (global order, as the
-  single-rank plan lays it out), its row in the gathered buffer.
+* ``reorder_base[i, r, k]``: where rank ``k``'s share of piece ``(i, r)`` sits in the gathered
+  buffer, shifted by its first local index. With it the device finds the gathered row of every
+  workspace row (global order, as the single-rank plan lays it out) with a few integer ops
+  (:func:`mlaprefill.dcp.forward.reorder_rows_index`), so what ships is O(world x iterations x
+  requests), not one entry per context token. ``reorder_index`` (the per-token table) stays
+  available on the host, on demand.
 
 Memory bound: the gathered buffer (``world * rank_capacity[i]`` rows, padding included) must
 fit ``max_gathered_tokens`` (default ``workspace_tokens``). Shares are not always balanced (a
@@ -21,11 +25,9 @@ does not fit, ``ValueError``.
 (When no replanning is needed — balanced shares, e.g. one long request — the iterations are
 exactly the single-rank ones and the DCP output is bitwise the single-rank output.)
 
-Host cost: the shares are O(world * num_iterations * num_reqs); the reorder index is O(context
-tokens): about a dozen contiguous int32 numpy passes for small ``I``, two passes plus per-run
-work for ``I >= 8`` (measured on the 2-core CI VM, world 2, page 64: ~0.25 ms fixed; 128k
-context tokens 1.7 ms at ``I = 1``, 0.6 ms at ``I = 64``; 1M tokens in 32 requests 17 ms / 5 ms;
-the single-rank plan takes 0.03-0.25 ms). The upload grows by 4 bytes per context token.
+Host cost: O(world * num_iterations * num_reqs), like the single-rank plan; nothing per token.
+The on-demand host ``reorder_index`` is O(context tokens): about a dozen contiguous int32 numpy
+passes for small ``I``, two passes plus per-run work for ``I >= 8``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp.layout import check_dcp_config, dcp_local_context_lens, dcp_local_count
-from mlaprefill.plan import ChunkPlan, ChunkPlanner
+from mlaprefill.plan import ChunkPlan, ChunkPlanner, _token_to_seq
 
 __all__ = ["DCPChunkPlan", "DCPChunkPlanner", "dcp_config_digest", "derive_dcp_arrays"]
 
@@ -65,23 +67,16 @@ def _local_shares(starts: np.ndarray, lens: np.ndarray, *, world: int,
     return lo, local_lens, local_cu, capacity
 
 
-def _zeros_view(shape: tuple[int, int]) -> np.ndarray:
-    # Read-only all-zero view without memory (one request: every row is request 0).
-    return np.broadcast_to(np.zeros(1, dtype=np.int32), shape)
+def _reorder_base(lo: np.ndarray, local_cu: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """int64 [K, R, world]: ``k * capacity[i] + local_cu[k, i, r] - lo[k, i, r]``.
 
-
-def _rows_to_seq(lens: np.ndarray, width: int) -> np.ndarray:
-    """int32 [K, width]: request of each row for pieces ``lens`` [K, R]; padding rows 0."""
-    n_it, n_req = lens.shape
-    if n_req == 1:
-        return _zeros_view((n_it, width))
-    # One repeat over [K, R+1] segments: the R pieces of each row, then its padding (value 0).
-    ids = np.zeros((n_it, n_req + 1), dtype=np.int32)
-    ids[:, :n_req] = np.arange(n_req, dtype=np.int32)
-    counts = np.empty((n_it, n_req + 1), dtype=np.int64)
-    counts[:, :n_req] = lens
-    counts[:, n_req] = width - lens.sum(axis=1)
-    return np.repeat(ids.ravel(), counts.ravel()).reshape(n_it, width)
+    The gathered-buffer row of context token ``t`` of piece ``(i, r)`` is this value at its
+    owner ``k = (t // I) % world`` plus its local index ``(t // (I*world))*I + t % I``.
+    """
+    world = lo.shape[0]
+    n_req = lo.shape[2]
+    return np.moveaxis(np.arange(world, dtype=np.int64)[:, None, None] * capacity[None, :, None]
+                       + local_cu[:, :, :n_req] - lo, 0, -1)
 
 
 def _reorder_index(starts: np.ndarray, lens: np.ndarray, cu: np.ndarray, lo: np.ndarray,
@@ -109,11 +104,9 @@ def _reorder_index(starts: np.ndarray, lens: np.ndarray, cu: np.ndarray, lo: np.
     tok_start = np.zeros((n_it, n_req + 1), dtype=np.int64)
     tok_start[:, :n_req] = starts
     tok_shift = tok_start.ravel() - first_row
-    # table[seg, k] = k * capacity[i] + local_cu[k, i, r] - lo[k, i, r]; padding rows -> 0
+    # table[seg] = _reorder_base of the piece; padding rows -> 0
     table = np.zeros((n_it, n_req + 1, world), dtype=np.int64)
-    table[:, :n_req, :] = np.moveaxis(
-        np.arange(world, dtype=np.int64)[:, None, None] * capacity[None, :, None]
-        + local_cu[:, :, :n_req] - lo, 0, -1)
+    table[:, :n_req, :] = _reorder_base(lo, local_cu, capacity)
     table = table.reshape(-1, world)
     valid = np.ones((n_it, n_req + 1), dtype=np.int64)
     valid[:, n_req] = 0
@@ -181,8 +174,9 @@ def _reorder_by_runs(counts: np.ndarray, first_row: np.ndarray, tok_start: np.nd
 def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
                       cu_seq_lens: np.ndarray, *, world: int, interleave: int,
                       rank: int, max_iteration_tokens: int,
-                      shares: tuple[np.ndarray, ...] | None = None) -> dict[str, Any]:
-    """Per-rank local arrays and the reorder index from a single-rank chunk layout.
+                      shares: tuple[np.ndarray, ...] | None = None,
+                      token_tables: bool = False) -> dict[str, Any]:
+    """Per-rank local arrays and the reorder table from a single-rank chunk layout.
 
     Parameters
     ----------
@@ -193,36 +187,42 @@ def derive_dcp_arrays(chunk_starts: np.ndarray, chunk_lens: np.ndarray,
     world, interleave, rank : int
         DCP layout and the rank whose local arrays to return.
     max_iteration_tokens : int
-        Width of the reorder index (the base plan's ``max_iteration_tokens``).
+        Width of the per-token reorder index (the base plan's ``max_iteration_tokens``).
     shares : tuple, optional
         ``_local_shares(...)`` of these pieces if already computed.
+    token_tables : bool
+        Also build the per-token tables (O(context tokens) host work).
 
     Returns
     -------
     dict with np.int32 arrays ``local_chunk_starts``/``local_chunk_lens`` [num_iterations,
-    num_reqs], ``local_cu_seq_lens`` [num_iterations, num_reqs + 1], ``local_token_to_seq``
-    [num_iterations, max_rank_capacity], ``reorder_index`` [num_iterations,
-    max_iteration_tokens], np.int64 ``local_totals`` [world, num_iterations] and
-    ``rank_capacity`` [num_iterations].
+    num_reqs], ``local_cu_seq_lens`` [num_iterations, num_reqs + 1], ``reorder_base``
+    [num_iterations, num_reqs, world], np.int64 ``local_totals`` [world, num_iterations] and
+    ``rank_capacity`` [num_iterations]; with ``token_tables`` also ``local_token_to_seq``
+    [num_iterations, max_rank_capacity] and ``reorder_index`` [num_iterations,
+    max_iteration_tokens] (int32, padding 0).
     """
     starts = np.asarray(chunk_starts, dtype=np.int64)
     lens = np.asarray(chunk_lens, dtype=np.int64)
-    cu = np.asarray(cu_seq_lens, dtype=np.int64)
     if shares is None:
         shares = _local_shares(starts, lens, world=world, interleave=interleave)
     lo, local_lens, local_cu, capacity = shares
-    max_cap = int(capacity.max(initial=0))
-    reorder = _reorder_index(starts, lens, cu, lo, local_cu, capacity, world=world,
-                             interleave=interleave, width=max_iteration_tokens)
-    return {
+    out = {
         "local_chunk_starts": lo[rank].astype(np.int32),
         "local_chunk_lens": local_lens[rank].astype(np.int32),
         "local_cu_seq_lens": local_cu[rank].astype(np.int32),
-        "local_token_to_seq": _rows_to_seq(local_lens[rank], max_cap),
-        "reorder_index": reorder,
+        "reorder_base": _reorder_base(lo, local_cu, capacity).astype(np.int32),
         "local_totals": local_cu[:, :, -1],
         "rank_capacity": capacity.astype(np.int64),
     }
+    if token_tables:
+        cu = np.asarray(cu_seq_lens, dtype=np.int64)
+        out["local_token_to_seq"] = _token_to_seq(local_lens[rank], local_cu[rank, :, -1],
+                                                  int(capacity.max(initial=0)))
+        out["reorder_index"] = _reorder_index(starts, lens, cu, lo, local_cu, capacity,
+                                              world=world, interleave=interleave,
+                                              width=max_iteration_tokens)
+    return out
 
 
 def dcp_config_digest(batch: PrefillBatch, *, world: int, interleave: int,
@@ -261,11 +261,15 @@ class DCPChunkPlan:
         This rank's share of each piece, in local token indices.
     local_cu_seq_lens : np.int32 [num_iterations, num_reqs + 1]
         Offsets of the shares in this rank's local buffer.
-    local_token_to_seq : np.int32 [num_iterations, max_rank_capacity]
-        Request of each local buffer row (padding 0).
-    reorder_index : np.int32 [num_iterations, max_iteration_tokens]
+    reorder_base : np.int32 [num_iterations, num_reqs, world]
+        Gathered-buffer row of rank ``k``'s share of piece ``(i, r)`` minus its first local
+        index (see :func:`~mlaprefill.dcp.forward.reorder_rows_index`).
+    local_token_to_seq : np.int32 [num_iterations, max_rank_capacity] (property, built on access)
+        Request of each local buffer row (padding 0): O(context) host work, for inspection.
+    reorder_index : np.int32 [num_iterations, max_iteration_tokens] (property, built on access)
         Row of the gathered buffer ``[world * rank_capacity[i], latent_dim]`` holding each
-        workspace row (padding 0).
+        workspace row (padding 0): O(context) host work; the device derives it from
+        ``reorder_base``.
     rank_capacity : tuple[int, ...]
         Rows every rank contributes to the all-gather of iteration ``i`` (max share over ranks).
     local_iteration_tokens : tuple[int, ...]
@@ -284,8 +288,7 @@ class DCPChunkPlan:
     local_chunk_starts: np.ndarray = field(repr=False)
     local_chunk_lens: np.ndarray = field(repr=False)
     local_cu_seq_lens: np.ndarray = field(repr=False)
-    local_token_to_seq: np.ndarray = field(repr=False)
-    reorder_index: np.ndarray = field(repr=False)
+    reorder_base: np.ndarray = field(repr=False)
     rank_capacity: tuple[int, ...]
     local_iteration_tokens: tuple[int, ...]
     local_context_lens: np.ndarray = field(repr=False)
@@ -307,12 +310,37 @@ class DCPChunkPlan:
         """Largest all-gather output in rows: ``world * max_rank_capacity`` (<= workspace)."""
         return self.world * self.max_rank_capacity
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        """The base plan's arrays followed by the DCP ones (all np.int32), in staging order."""
-        out = dict(self.base.device_arrays())
+    def _token_tables(self) -> dict[str, Any]:
+        return derive_dcp_arrays(
+            self.base.chunk_starts, self.base.chunk_lens, self.base.cu_seq_lens,
+            world=self.world, interleave=self.interleave, rank=self.rank,
+            max_iteration_tokens=self.base.max_iteration_tokens, token_tables=True)
+
+    @property
+    def local_token_to_seq(self) -> np.ndarray:
+        """int32 [num_iterations, max_rank_capacity], built now (see the class docstring)."""
+        return self._token_tables()["local_token_to_seq"]
+
+    @property
+    def reorder_index(self) -> np.ndarray:
+        """int32 [num_iterations, max_iteration_tokens], built now (see the class docstring)."""
+        return self._token_tables()["reorder_index"]
+
+    def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]:
+        """The base plan's arrays followed by the DCP ones (all np.int32), in staging order.
+
+        O(world x num_iterations x num_reqs) integers; with ``token_tables=True`` also the
+        per-token tables (the base plan's ``token_to_seq``, ``local_token_to_seq`` and
+        ``reorder_index``), which the forward does not need.
+        """
+        out = dict(self.base.device_arrays(token_tables=token_tables))
         for name in ("local_chunk_starts", "local_chunk_lens", "local_cu_seq_lens",
-                     "local_token_to_seq", "reorder_index"):
+                     "reorder_base"):
             out[name] = getattr(self, name)
+        if token_tables:
+            tables = self._token_tables()
+            out["local_token_to_seq"] = tables["local_token_to_seq"]
+            out["reorder_index"] = tables["reorder_index"]
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -437,8 +465,7 @@ class DCPChunkPlanner:
             local_chunk_starts=arrays["local_chunk_starts"],
             local_chunk_lens=arrays["local_chunk_lens"],
             local_cu_seq_lens=arrays["local_cu_seq_lens"],
-            local_token_to_seq=arrays["local_token_to_seq"],
-            reorder_index=arrays["reorder_index"],
+            reorder_base=arrays["reorder_base"],
             rank_capacity=tuple(int(c) for c in arrays["rank_capacity"]),
             local_iteration_tokens=tuple(int(c) for c in totals[int(rank)]),
             local_context_lens=dcp_local_context_lens(

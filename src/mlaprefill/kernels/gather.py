@@ -2,16 +2,28 @@
 
 Workspace row ``j`` of iteration ``i`` (``0 <= j < iteration_tokens[i]``) holds::
 
-    r   = token_to_seq[i, j]                            # request of the row
+    r   = the request with cu_seq_lens[i, r] <= j < cu_seq_lens[i, r + 1]
     pos = chunk_starts[i, r] + j - cu_seq_lens[i, r]   # context-token index inside request r
     workspace[j] = kv_cache[block_table[r, pos // page_size], pos % page_size]
 
+The row -> request mapping is computed on the device from ``cu_seq_lens`` (a branch-free binary
+search over ``num_reqs + 1`` offsets, ``ceil(log2(num_reqs))`` cached loads per row), so the plan
+ships O(num_iterations x num_reqs) integers instead of vLLM's per-token ``token_to_seq`` table
+(4 bytes per context token: MiBs per step at long context). ``rows_to_requests`` gives that
+table on the device for callers that want it.
+
+A block id outside ``[0, num_blocks)`` never reads another page: the Triton kernel writes NaN
+rows for it (the request's output becomes NaN, other requests are untouched) and the torch path
+raises ``ValueError`` on CPU tensors, where checking is free; on CUDA it writes NaN too (checking
+on the host would need a sync).
+
 The Triton kernel moves each 576-wide bf16 row (1152 bytes) as tiles of ``BLOCK_D`` columns, so
 every thread issues 16-byte loads/stores; row offsets are int64 (a cache of 2**31 elements is
-only ~4 GB). ``num_rows`` is a host int from the plan, so the launch never reads device memory.
+only ~4 GB). ``num_rows`` and ``num_reqs`` are host ints from the plan, so the launch never reads
+device memory.
 
 Bandwidth model (benchmarks/attention.py): bytes = rows * latent_dim * elt (read) + the same
-(written) + rows * 4 * 4 (token_to_seq, chunk_starts, cu_seq_lens, block_table reads).
+(written) + rows * 4 (block_table reads); the binary search and the per-request values hit cache.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
-__all__ = ["gather_context_rows", "gather_context_rows_torch"]
+__all__ = ["gather_context_rows", "gather_context_rows_torch", "rows_to_requests"]
 
 
 if HAS_TRITON:
@@ -30,33 +42,46 @@ if HAS_TRITON:
         kv_cache_ptr,        # [num_blocks, PAGE_SIZE, LATENT_DIM], last dim contiguous
         workspace_ptr,       # [>= num_rows, LATENT_DIM], last dim contiguous
         block_table_ptr,     # int32 [num_reqs, max_blocks]
-        token_to_seq_ptr,    # int32 [>= num_rows]  (this iteration's row)
         cu_seq_lens_ptr,     # int32 [num_reqs + 1] (this iteration's row)
         chunk_starts_ptr,    # int32 [num_reqs]     (this iteration's row)
         num_rows,            # rows to gather (host int)
+        num_reqs,            # requests (host int)
+        num_blocks,          # cache pages (host int): block ids outside [0, num_blocks) -> NaN
         stride_cache_block,
         stride_cache_page,
         stride_bt_req,
         stride_ws_row,
         PAGE_SIZE: tl.constexpr,
         LATENT_DIM: tl.constexpr,
+        LOG2_REQS: tl.constexpr,   # ceil(log2(num_reqs)): binary-search steps
         BLOCK_ROWS: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < num_rows
-        req = tl.load(token_to_seq_ptr + rows, mask=row_mask, other=0)
+        # Largest r in [0, num_reqs) with cu_seq_lens[r] <= row (binary lifting: cu_seq_lens is
+        # non-decreasing, cu_seq_lens[0] = 0). Requests with an empty piece share their offset
+        # with the next one, so the largest such r is the one whose piece holds the row.
+        req = tl.zeros([BLOCK_ROWS], dtype=tl.int32)
+        for k in tl.static_range(LOG2_REQS):
+            cand = req + (1 << (LOG2_REQS - 1 - k))
+            ok = row_mask & (cand < num_reqs)
+            off = tl.load(cu_seq_lens_ptr + cand, mask=ok, other=0)
+            req = tl.where(ok & (off <= rows), cand, req)
         start = tl.load(chunk_starts_ptr + req, mask=row_mask, other=0).to(tl.int64)
         first_row = tl.load(cu_seq_lens_ptr + req, mask=row_mask, other=0).to(tl.int64)
         pos = start + rows - first_row
         block = tl.load(block_table_ptr + req.to(tl.int64) * stride_bt_req + pos // PAGE_SIZE,
                         mask=row_mask, other=0).to(tl.int64)
-        src = block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_page
+        bad = (block < 0) | (block >= num_blocks)
+        load_mask = (row_mask & ~bad)[:, None]
+        src = tl.where(bad, 0, block) * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_page
         dst = rows * stride_ws_row
         cols = tl.arange(0, BLOCK_D)
         for d0 in tl.static_range(0, LATENT_DIM, BLOCK_D):
-            x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=row_mask[:, None])
+            x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=load_mask)
+            x = tl.where(bad[:, None], float("nan"), x)
             tl.store(workspace_ptr + dst[:, None] + (d0 + cols)[None, :], x,
                      mask=row_mask[:, None])
 
@@ -66,12 +91,13 @@ def _block_d(latent_dim: int) -> int:
     return min(latent_dim & -latent_dim, 128)
 
 
-def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, token_to_seq: torch.Tensor,
-           cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor, workspace: torch.Tensor,
-           num_rows: int) -> None:
+def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+           chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int) -> None:
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got shape "
                          f"{tuple(kv_cache.shape)}")
+    if not kv_cache.dtype.is_floating_point:
+        raise ValueError(f"kv_cache must have a float dtype, got {kv_cache.dtype}")
     if workspace.dim() != 2 or workspace.shape[1] != kv_cache.shape[2]:
         raise ValueError(f"workspace must be [rows, {kv_cache.shape[2]}], got shape "
                          f"{tuple(workspace.shape)}")
@@ -80,48 +106,87 @@ def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, token_to_seq: torc
                          f"{num_rows}; allocate at least plan.max_iteration_tokens rows")
     if workspace.dtype != kv_cache.dtype:
         raise ValueError(f"workspace dtype {workspace.dtype} != kv_cache dtype {kv_cache.dtype}")
-    for name, t in (("block_table", block_table), ("token_to_seq", token_to_seq),
-                    ("cu_seq_lens", cu_seq_lens), ("chunk_starts", chunk_starts)):
+    for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens),
+                    ("chunk_starts", chunk_starts)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
         if t.device != kv_cache.device:
             raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}; "
                              f"move it to the cache's device")
-    if token_to_seq.shape[0] < num_rows:
-        raise ValueError(f"token_to_seq has {token_to_seq.shape[0]} entries, need {num_rows}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [num_reqs, max_blocks], got shape "
+                         f"{tuple(block_table.shape)}")
+    num_reqs = block_table.shape[0]
+    if cu_seq_lens.shape != (num_reqs + 1,) or chunk_starts.shape != (num_reqs,):
+        raise ValueError(f"cu_seq_lens must be [num_reqs + 1] and chunk_starts [num_reqs] with "
+                         f"num_reqs = block_table.shape[0] = {num_reqs}; got "
+                         f"{tuple(cu_seq_lens.shape)} and {tuple(chunk_starts.shape)} (pass one "
+                         f"iteration's row of the plan)")
+
+
+def rows_to_requests(cu_seq_lens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [..., num_rows]: request of each workspace row, from ``cu_seq_lens [..., R + 1]``.
+
+    vLLM's ``token_to_seq`` (one iteration's row for 1-D input, the whole table for the plan's
+    2-D ``[num_iterations, num_reqs + 1]``), built on ``cu_seq_lens``' device with one
+    ``searchsorted``; rows at or past an iteration's total are padding, 0 as in vLLM.
+    ``num_rows`` is a host int: never synchronizes.
+    """
+    cu = cu_seq_lens.long()
+    j = torch.arange(num_rows, device=cu.device, dtype=torch.int64)
+    j = j.expand(*cu.shape[:-1], num_rows).contiguous()
+    # number of piece ends <= j = index of the piece holding row j
+    req = torch.searchsorted(cu[..., 1:].contiguous(), j, right=True)
+    return req.masked_fill_(j >= cu[..., -1:], 0)
 
 
 def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                              token_to_seq: torch.Tensor, cu_seq_lens: torch.Tensor,
-                              chunk_starts: torch.Tensor, workspace: torch.Tensor,
-                              num_rows: int) -> torch.Tensor:
-    """Torch reference/fallback of :func:`gather_context_rows` (same arguments and result)."""
-    _check(kv_cache, block_table, token_to_seq, cu_seq_lens, chunk_starts, workspace, num_rows)
-    page_size = kv_cache.shape[1]
+                              cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
+                              workspace: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Torch reference/fallback of :func:`gather_context_rows` (same arguments and result).
+
+    On CPU tensors a block id outside ``[0, num_blocks)`` raises ``ValueError`` (before anything
+    is written); on CUDA its rows are NaN (checking would synchronize).
+    """
+    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows)
+    num_blocks, page_size = kv_cache.shape[0], kv_cache.shape[1]
     j = torch.arange(num_rows, device=kv_cache.device, dtype=torch.int64)
-    req = token_to_seq[:num_rows].long()
+    req = rows_to_requests(cu_seq_lens, num_rows)
     pos = chunk_starts.long()[req] + j - cu_seq_lens.long()[req]
     block = block_table[req, pos // page_size].long()
+    bad = (block < 0) | (block >= num_blocks)
+    on_cpu = kv_cache.device.type == "cpu"
+    if on_cpu and num_rows:
+        # Host memory: checking is free (read through numpy, not a device read).
+        bad_np = bad.numpy()
+        if bad_np.any():
+            j0 = int(bad_np.argmax())
+            r = int(req.numpy()[j0])
+            raise ValueError(
+                f"block_table[{r}] holds block id {int(block.numpy()[j0])} outside [0, "
+                f"num_blocks={num_blocks}) for context token {int(pos.numpy()[j0])} of request "
+                f"{r}; every block the context needs must index kv_cache")
     rows = workspace[:num_rows]
-    rows.copy_(kv_cache[block, pos % page_size])
+    rows.copy_(kv_cache[block.clamp(0, max(num_blocks - 1, 0)), pos % page_size])
+    if not on_cpu:
+        rows.masked_fill_(bad[:, None], float("nan"))
     return rows
 
 
 def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                        token_to_seq: torch.Tensor, cu_seq_lens: torch.Tensor,
-                        chunk_starts: torch.Tensor, workspace: torch.Tensor,
-                        num_rows: int, *, use_kernel: bool | None = None,
-                        block_rows: int = 16, num_warps: int = 4) -> torch.Tensor:
+                        cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
+                        workspace: torch.Tensor, num_rows: int, *,
+                        use_kernel: bool | None = None, block_rows: int = 16,
+                        num_warps: int = 4) -> torch.Tensor:
     """Copy one iteration's context rows from the paged cache into ``workspace[:num_rows]``.
 
     Parameters
     ----------
     kv_cache : [num_blocks, page_size, latent_dim], any float dtype, last dim contiguous
     block_table : int32 [num_reqs, max_blocks], same device
-    token_to_seq : int32 [>= num_rows]
-        Request of each workspace row (this iteration's row of the plan's table).
     cu_seq_lens : int32 [num_reqs + 1]
-        Workspace offset of each request's piece in this iteration.
+        Workspace offset of each request's piece in this iteration (the plan's row ``i``); the
+        request of every row is derived from it on the device.
     chunk_starts : int32 [num_reqs]
         Context-token index where each request's piece starts.
     workspace : [>= num_rows, latent_dim], kv_cache's dtype, contiguous rows
@@ -134,30 +199,32 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
     Returns
     -------
-    ``workspace[:num_rows]`` (a view), filled. Never synchronizes; CUDA-graph safe.
+    ``workspace[:num_rows]`` (a view), filled. Never synchronizes on CUDA; CUDA-graph safe. A
+    block id outside ``[0, num_blocks)`` gives NaN rows (Triton, torch on CUDA) or
+    ``ValueError`` (torch on CPU).
     """
     if use_kernel is None:
         use_kernel = use_triton(kv_cache, workspace)
     if not use_kernel:
-        return gather_context_rows_torch(kv_cache, block_table, token_to_seq, cu_seq_lens,
-                                         chunk_starts, workspace, num_rows)
-    _check(kv_cache, block_table, token_to_seq, cu_seq_lens, chunk_starts, workspace, num_rows)
+        return gather_context_rows_torch(kv_cache, block_table, cu_seq_lens, chunk_starts,
+                                         workspace, num_rows)
+    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows)
     latent_dim = kv_cache.shape[2]
     if kv_cache.stride(2) != 1 or workspace.stride(1) != 1 or block_table.stride(1) != 1:
         raise ValueError("kv_cache, workspace and block_table need a contiguous last dim")
-    for name, t in (("token_to_seq", token_to_seq), ("cu_seq_lens", cu_seq_lens),
-                    ("chunk_starts", chunk_starts)):
-        if t.dim() != 1 or t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous 1-D row, got shape {tuple(t.shape)} "
-                             f"stride {t.stride()}")
+    for name, t in (("cu_seq_lens", cu_seq_lens), ("chunk_starts", chunk_starts)):
+        if t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous 1-D row, got stride {t.stride()}")
     if num_rows == 0:
         return workspace[:0]
+    num_reqs = block_table.shape[0]
     grid = (triton.cdiv(num_rows, block_rows),)
     _gather_kernel[grid](
-        kv_cache, workspace, block_table, token_to_seq, cu_seq_lens, chunk_starts,
-        num_rows, kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        workspace.stride(0),
-        PAGE_SIZE=kv_cache.shape[1], LATENT_DIM=latent_dim, BLOCK_ROWS=block_rows,
+        kv_cache, workspace, block_table, cu_seq_lens, chunk_starts,
+        num_rows, num_reqs, kv_cache.shape[0], kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), workspace.stride(0),
+        PAGE_SIZE=kv_cache.shape[1], LATENT_DIM=latent_dim,
+        LOG2_REQS=max(num_reqs - 1, 0).bit_length(), BLOCK_ROWS=block_rows,
         BLOCK_D=_block_d(latent_dim), num_warps=num_warps,
     )
     return workspace[:num_rows]
