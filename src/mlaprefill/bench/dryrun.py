@@ -6,6 +6,7 @@ upload and how many of them pass the pageable-stall threshold (~3 MiB on the H20
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from mlaprefill.bench.scheduler import Request, Scheduler, SchedulerConfig
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.plan import ChunkPlanner
 
-__all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile"]
+__all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile", "scenario_steps"]
 
 #: Pageable copies this large blocked the host on the H200 (DESIGN.md section 1: 0.2-0.4 ms up
 #: to 2 MiB, 68-71 ms from 3 MiB with ~55 ms of kernels queued).
@@ -39,28 +40,10 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
     vLLM-shaped tables (``steps_over_threshold_fraction``) and compact ones
     (``compact_steps_over_threshold_fraction``).
     """
-    cfg = config
-    prompt_lens, _ = workload(cfg)
-    num_blocks = default_num_blocks(cfg, prompt_lens)
-    sched = Scheduler(SchedulerConfig(token_budget=cfg.token_budget,
-                                      max_concurrent=cfg.max_concurrent,
-                                      page_size=cfg.page_size, share=cfg.share),
-                      BlockAllocator(num_blocks))
-    for r in range(cfg.num_requests):
-        sched.add(Request(r, int(prompt_lens[r])))
-    planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=policy)
-    offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
-    np.cumsum(prompt_lens, out=offsets[1:])
-    tokens = np.zeros(int(offsets[-1]), dtype=np.int32)
+    planner = ChunkPlanner(config.workspace_tokens, config.page_size, policy=policy)
     meta, plan_b, t2s, iters, largest, largest_vllm = [], [], [], [], [], []
-    while sched.has_unfinished():
-        step = sched.schedule()
-        if step is None:
-            break
-        arrays = build_engine_arrays(step, prompt_tokens=tokens, prompt_offsets=offsets,
-                                     page_size=cfg.page_size)
-        plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
-                                         page_size=cfg.page_size))
+    for batch, arrays in scenario_steps(config):
+        plan = planner.plan(batch)
         sp = StepPlan(plan, arrays)
         meta.append(sp.nbytes)
         plan_b.append(sp.plan_nbytes)
@@ -70,8 +53,6 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
         t2s.append(t2s_bytes)
         largest_vllm.append(max(sp.largest_array_nbytes, t2s_bytes))
         iters.append(plan.num_iterations)
-        for rid in step.req_ids[step.finishing].tolist():
-            sched.finish(rid)
     meta_a, t2s_a = np.array(meta, dtype=np.int64), np.array(t2s, dtype=np.int64)
 
     def over(sizes: list[int]) -> float:
@@ -91,3 +72,29 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
         "steps_over_threshold_fraction": over(largest_vllm),
         "compact_steps_over_threshold_fraction": over(largest),
     }
+
+
+def scenario_steps(config: EngineConfig) -> Iterator[tuple[PrefillBatch, dict[str, np.ndarray]]]:
+    """Every step of ``config``'s workload as the engine would schedule it, all requests at
+    once, each finishing as soon as its last token is scheduled: ``(batch, engine arrays)``
+    (token ids are zeros: only the shapes matter here)."""
+    cfg = config
+    prompt_lens, _ = workload(cfg)
+    sched = Scheduler(SchedulerConfig(token_budget=cfg.token_budget,
+                                      max_concurrent=cfg.max_concurrent,
+                                      page_size=cfg.page_size, share=cfg.share),
+                      BlockAllocator(default_num_blocks(cfg, prompt_lens)))
+    for r in range(cfg.num_requests):
+        sched.add(Request(r, int(prompt_lens[r])))
+    offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
+    np.cumsum(prompt_lens, out=offsets[1:])
+    tokens = np.zeros(int(offsets[-1]), dtype=np.int32)
+    while sched.has_unfinished():
+        step = sched.schedule()
+        if step is None:
+            break
+        arrays = build_engine_arrays(step, prompt_tokens=tokens, prompt_offsets=offsets,
+                                     page_size=cfg.page_size)
+        yield PrefillBatch(step.query_lens, step.context_lens, page_size=cfg.page_size), arrays
+        for rid in step.req_ids[step.finishing].tolist():
+            sched.finish(rid)
