@@ -227,6 +227,22 @@ def test_balanced_matches_brute_force_and_bounds(case):
         assert nonzero == list(range(len(nonzero))) and (len(nonzero) > 0) == (x > 0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_matches_brute_force_for_many_requests(seed):
+    """More than 64 requests take the planner's numpy search path: the same plans."""
+    rng = np.random.default_rng(seed)
+    r = int(rng.integers(65, 130))
+    ctx = rng.integers(0, 3000, size=r).tolist()
+    ps = int(rng.choice([1, 16, 64]))
+    w = int(rng.integers(r * ps, 40 * r * ps + 1))
+    plan = ChunkPlanner(w, ps, "balanced").plan(PrefillBatch([1] * r, ctx, page_size=ps))
+    check_invariants(plan, ctx, w)
+    expected = brute_balanced(ctx, w, ps)
+    assert expected is not None
+    assert plan.chunk_starts.tolist() == expected[0]
+    assert plan.chunk_lens.tolist() == expected[1]
+
+
 def test_balanced_fits_in_one_iteration_when_everything_fits():
     # 110 x 290 = 31,900 tokens <= W: chunk rounding (290 -> 320 per request) must not matter
     b = PrefillBatch([1] * 110, [290] * 110, page_size=64)

@@ -352,26 +352,39 @@ class ChunkPlanner:
         ``ctx`` int64 [R] with ``max(ctx) > 0``. Chunks are 0 for requests without context.
         """
         w, ps = self.workspace_tokens, self.page_size
-
-        def chunks(k: int) -> np.ndarray:
-            per = -(-ctx // k)  # ceil(ctx / k)
-            return -(-per // ps) * ps  # rounded up to a page
+        lens = ctx.tolist()
 
         def first_iteration_tokens(k: int) -> int:
-            # the first iteration is the fullest: request i contributes min(c_i, ctx_i)
-            return int(np.minimum(chunks(k), ctx).sum())
+            # The first iteration is the fullest: request i contributes min(c_i, ctx_i), c_i =
+            # ceil(ctx_i / k) rounded up to a page. Plain ints for the usual few requests (a
+            # search step is then ~R integer ops instead of several numpy calls).
+            if len(lens) > 64:
+                return int(np.minimum(((ctx + k - 1) // k + ps - 1) // ps * ps, ctx).sum())
+            return sum(min(((c + k - 1) // k + ps - 1) // ps * ps, c) for c in lens)
 
-        hi = -(-int(ctx.max()) // ps)  # every chunk is one page: the most iterations ever needed
+        hi = -(-max(lens) // ps)  # every chunk is one page: the most iterations ever needed
         if first_iteration_tokens(hi) > w:
             return None
-        lo = max(1, -(-int(ctx.sum()) // w))  # no plan needs fewer
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if first_iteration_tokens(mid) <= w:
-                hi = mid
-            else:
-                lo = mid + 1
-        return chunks(lo)
+        # The answer is usually at or just above the lower bound ceil(sum / W): gallop up from
+        # it, then bisect the last step (the sum never grows with K, so this finds the least K).
+        lo = min(hi, max(1, -(-sum(lens) // w)))
+        step = 1
+        if first_iteration_tokens(lo) > w:
+            below = lo  # infeasible
+            while True:
+                cand = min(hi, lo + step)
+                if first_iteration_tokens(cand) <= w:
+                    break
+                below, step = cand, step * 2
+            lo, top = below + 1, cand
+            while lo < top:
+                mid = (lo + top) // 2
+                if first_iteration_tokens(mid) <= w:
+                    top = mid
+                else:
+                    lo = mid + 1
+        per = -(-ctx // lo)  # ceil(ctx / K)
+        return -(-per // ps) * ps  # rounded up to a page
 
     def _strided(self, batch: PrefillBatch, chunk: int | np.ndarray,
                num_chunks: int) -> ChunkPlan:
