@@ -115,7 +115,7 @@ def _simulate(plans, context_lens):
     local = [[tk[(np.arange(tk.size) // interleave) % world == k] for tk in tokens]
              for k in range(world)]
     p = plans[0]
-    for i in range(p.num_iterations):
+    for i in range(p.base.num_iterations):
         cap = p.rank_capacity[i]
         gathered = np.full(world * cap, -1, dtype=np.int64)
         for k, pk in enumerate(plans):
@@ -128,13 +128,13 @@ def _simulate(plans, context_lens):
                 pk.local_token_to_seq[i, :share.size],
                 np.searchsorted(pk.local_cu_seq_lens[i], rows, side="right") - 1)
             gathered[k * cap:k * cap + share.size] = share
-        n = p.iteration_tokens[i]
+        n = p.base.iteration_tokens[i]
         expect = np.concatenate([tokens[r][s:s + m] for r, (s, m) in enumerate(
-            zip(p.chunk_starts[i], p.chunk_lens[i], strict=True))])
+            zip(p.base.chunk_starts[i], p.base.chunk_lens[i], strict=True))])
         np.testing.assert_array_equal(gathered[p.reorder_index[i, :n]], expect)
         # what the forward does: the same rows from the compact reorder_base, on the "device"
         idx = reorder_rows_index(*(torch.from_numpy(a[i].copy()) for a in (
-            p.cu_seq_lens, p.chunk_starts, p.reorder_base)), n, world=world,
+            p.base.cu_seq_lens, p.base.chunk_starts, p.reorder_base)), n, world=world,
             interleave=interleave).numpy()
         np.testing.assert_array_equal(idx, p.reorder_index[i, :n])
         np.testing.assert_array_equal(gathered[idx], expect)
@@ -182,13 +182,13 @@ def test_plan_device_arrays_and_forwarding() -> None:
                                 "reorder_base"]
     assert all(a.dtype == np.int32 for a in arrays.values())
     # O(world x iterations x requests): nothing per context token ships by default
-    k, r, world = plan.num_iterations, plan.num_reqs, plan.world
+    k, r, world = plan.base.num_iterations, plan.base.num_reqs, plan.world
     assert sum(a.size for a in arrays.values()) == (r + 1) + 2 * k * (3 * r + 1) + k * r * world
     tables = plan.device_arrays(token_tables=True)
     assert {"token_to_seq", "local_token_to_seq", "reorder_index"} <= set(tables)
     np.testing.assert_array_equal(tables["reorder_index"], plan.reorder_index)
-    assert plan.num_iterations == plan.base.num_iterations
-    assert plan.iteration_tokens == plan.base.iteration_tokens
+    assert plan.chunk_plan is plan.base  # composition, no attribute forwarding
+    assert not hasattr(plan, "iteration_tokens")
     # I=16, world 2: rank 1 holds tokens 16..31 of both contexts (40 and 37 tokens)
     np.testing.assert_array_equal(plan.local_context_lens, [0, 16, 16])
     assert plan.to_json()["dcp"]["world"] == 2
@@ -197,7 +197,7 @@ def test_plan_device_arrays_and_forwarding() -> None:
 def test_zero_context_plan() -> None:
     batch = PrefillBatch([3, 1], [0, 0], page_size=16)
     plan = DCPChunkPlanner(64, 16, world=3, interleave=1).plan(batch, rank=2)
-    assert plan.num_iterations == 0 and plan.rank_capacity == ()
+    assert plan.base.num_iterations == 0 and plan.rank_capacity == ()
     assert plan.reorder_index.shape == (0, 0)
     assert plan.local_token_to_seq.shape == (0, 0)
 
@@ -209,7 +209,7 @@ def test_unbalanced_shares_replan_to_fit() -> None:
     plan = DCPChunkPlanner(64, 16, world=4, interleave=16).plan(batch, rank=0)
     assert plan.max_gathered_tokens <= 64
     assert plan.base.workspace_tokens < 64
-    assert sum(plan.iteration_tokens) == 64
+    assert sum(plan.base.iteration_tokens) == 64
 
 
 def test_workspace_too_small_for_gathered_rows() -> None:
@@ -288,7 +288,7 @@ def test_larger_gather_bound_keeps_the_single_rank_iterations() -> None:
     loose = DCPChunkPlanner(64, 16, world=4, interleave=16,
                             max_gathered_tokens=256).plan(batch, rank=0)
     normal = ChunkPlanner(64, 16).plan(batch)
-    assert tight.num_iterations > normal.num_iterations
+    assert tight.base.num_iterations > normal.num_iterations
     assert loose.base.to_json() == normal.to_json()
     assert 64 < loose.max_gathered_tokens <= 256
     with pytest.raises(ValueError, match="max_gathered_tokens=16 cannot hold"):

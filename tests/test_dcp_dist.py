@@ -92,18 +92,18 @@ def _run_case(rank, world, case, seed, device, check_delegation):
                            policy=policy).plan(batch, rank=rank)
     device_plan = StagingRing(device).upload(plan)
     source = DCPContextSource(local_cache, local_table, device_plan, dist.group.WORLD)
-    workspace_rows = torch.full((max(plan.max_iteration_tokens, 1), cache.shape[2]), float("nan"),
-                                device=device)
+    workspace_rows = torch.full((max(plan.base.max_iteration_tokens, 1), cache.shape[2]),
+                                float("nan"), device=device)
     expect_rows = torch.empty_like(workspace_rows)
     # The source is device work only: with the CPU standing in for the device, the runtime
     # audit must see no host sync (item, d2h, data-dependent shape, synchronize) in it.
     with no_host_sync(is_device=lambda d: d.type in ("cpu", "cuda")) as audit:
-        for i in range(plan.num_iterations):
+        for i in range(plan.base.num_iterations):
             source(i, workspace_rows)
     assert not audit.findings, [str(f) for f in audit.findings]
-    for i in range(plan.num_iterations):
+    for i in range(plan.base.num_iterations):
         got = source(i, workspace_rows)
-        n = plan.iteration_tokens[i]
+        n = plan.base.iteration_tokens[i]
         assert got.shape == (n, cache.shape[2])
         want = gather_context_rows(cache, table, device_plan["cu_seq_lens"][i],
                                    device_plan["chunk_starts"][i], expect_rows, n)

@@ -89,12 +89,12 @@ def test_round_trip_every_mode_on_cpu(mode):
 
 
 def test_generic_over_device_arrays():
-    class Wrapped:
+    class Wrapped:  # the StagedPlan contract: a chunk plan plus arrays of its own
         def __init__(self, plan):
-            self.plan = plan
+            self.chunk_plan = plan
 
-        def device_arrays(self):
-            d = dict(self.plan.device_arrays())
+        def device_arrays(self, *, token_tables=False):
+            d = dict(self.chunk_plan.device_arrays(token_tables=token_tables))
             d["gather_index"] = np.arange(37, dtype=np.int32)[::-1].copy()
             return d
 
@@ -240,7 +240,7 @@ def test_cuda_device_without_cuda():
 
 def test_pin_mode_rejects_non_int32():
     class Bad:
-        def device_arrays(self):
+        def device_arrays(self, *, token_tables=False):
             return {"x": np.zeros(3, np.float32)}
 
     with pytest.raises(TypeError, match="'x' has dtype float32"):

@@ -163,7 +163,7 @@ class MLAChunkedPrefill:
         With a ``context_source`` the forward never reads ``block_table`` (the source gathers the
         rows, e.g. from a rank's local shard), so its width is not checked against the contexts.
         """
-        plan = device_plan.plan
+        plan = device_plan.chunk_plan
         for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new),
                         ("kv_cache", kv_cache), ("block_table", block_table)):
             if not isinstance(t, torch.Tensor):
@@ -251,7 +251,7 @@ class MLAChunkedPrefill:
 
         Never synchronizes: shapes come from the plan's host ints only.
         """
-        plan = device_plan.plan
+        plan = device_plan.chunk_plan
         rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
                               context_source=context_source)
         device, dtype = q.device, q.dtype

@@ -63,13 +63,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from mlaprefill.batch import INT32_MAX, PrefillBatch
 
-__all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner"]
+__all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner", "StagedPlan"]
 
 POLICIES = ("equal", "packed", "balanced")
 
@@ -84,6 +84,22 @@ _INT32_ZERO = bytes(4)  # immutable: backs zero-stride all-zero int32 views
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+@runtime_checkable
+class StagedPlan(Protocol):
+    """What staging uploads and the forward runs: a :class:`ChunkPlan`, or a plan built around one.
+
+    ``chunk_plan`` holds every host integer the forward reads (iterations, lengths, offsets);
+    ``device_arrays`` names the int32 arrays to ship, in order. :class:`ChunkPlan` itself,
+    ``mlaprefill.dcp.DCPChunkPlan`` (plus one rank's DCP arrays) and the bench's ``StepPlan``
+    (plus the engine's per-step arrays) implement it by composition.
+    """
+
+    @property
+    def chunk_plan(self) -> ChunkPlan: ...
+
+    def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +151,11 @@ class ChunkPlan:
     iteration_tokens: tuple[int, ...]
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
+
+    @property
+    def chunk_plan(self) -> ChunkPlan:
+        """The plan itself (the :class:`StagedPlan` contract)."""
+        return self
 
     @property
     def num_context_tokens(self) -> int:

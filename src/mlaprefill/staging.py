@@ -47,6 +47,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mlaprefill.plan import ChunkPlan, StagedPlan
+
 __all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "StagingRing", "StagingStats", "layout"]
 
 ALIGN_BYTES = 64
@@ -159,14 +161,20 @@ class DevicePlan:
 
     Attributes
     ----------
-    plan : the host plan (``ChunkPlan`` or a wrapper); all host ints live there.
+    plan : :class:`~mlaprefill.plan.StagedPlan`
+        The uploaded host plan (a ``ChunkPlan`` or a plan built around one).
     tensors : Mapping[str, torch.Tensor]
         Device int32 tensors, same names and shapes as ``plan.device_arrays()``. In ring mode they
         are views of one device arena (see the module docstring for how long they stay valid).
     """
 
-    plan: Any
+    plan: StagedPlan
     tensors: Mapping[str, torch.Tensor]
+
+    @property
+    def chunk_plan(self) -> ChunkPlan:
+        """The host :class:`~mlaprefill.plan.ChunkPlan`: every host int the forward reads."""
+        return self.plan.chunk_plan
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -203,7 +211,8 @@ class DevicePlan:
             return shipped
         from mlaprefill.kernels.gather import rows_to_requests
 
-        return rows_to_requests(self.cu_seq_lens, self.plan.max_iteration_tokens).to(torch.int32)
+        return rows_to_requests(self.cu_seq_lens,
+                                self.chunk_plan.max_iteration_tokens).to(torch.int32)
 
 
 class _Slot:
@@ -305,7 +314,7 @@ class StagingRing:
 
     # ------------------------------------------------------------------ upload
 
-    def upload(self, plan: Any, *, token_tables: bool = False) -> DevicePlan:
+    def upload(self, plan: StagedPlan, *, token_tables: bool = False) -> DevicePlan:
         """Stage ``plan.device_arrays()`` on the device; returns a :class:`DevicePlan`.
 
         With ``token_tables=True`` the plan's per-token tables ship too
@@ -323,7 +332,7 @@ class StagingRing:
             An array of ``device_arrays()`` is not int32.
         """
         t0 = time.perf_counter()
-        arrays = plan.device_arrays(token_tables=True) if token_tables else plan.device_arrays()
+        arrays = plan.device_arrays(token_tables=token_tables)
         if self.mode == "ring":
             tensors, nbytes = self._upload_ring(arrays)
         else:

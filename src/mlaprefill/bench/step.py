@@ -9,7 +9,6 @@ goes through the same :class:`mlaprefill.staging.StagingRing` upload as the chun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -70,16 +69,18 @@ class StepPlan:
 
     ``engine_arrays`` holds :data:`ENGINE_ARRAYS` and, for the vLLM-shaped baseline, the chunk
     plan's ``token_to_seq`` (built by the caller, so its host cost lands in the step's prep
-    time). Attribute lookups it does not define go to the chunk plan, so the forward reads
-    ``num_iterations``, ``iteration_tokens`` ... from ``device_plan.plan`` as usual.
+    time). A :class:`~mlaprefill.plan.StagedPlan`: the forward reads its host ints from
+    ``chunk_plan``.
     """
 
     chunk_plan: ChunkPlan
     engine_arrays: dict[str, np.ndarray]
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        """Chunk plan arrays, then ``token_to_seq`` if given, then :data:`ENGINE_ARRAYS`."""
-        out = dict(self.chunk_plan.device_arrays())
+    def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]:
+        """Chunk plan arrays, then ``token_to_seq`` if given (in ``engine_arrays``, or built now
+        with ``token_tables=True``), then :data:`ENGINE_ARRAYS`."""
+        out = dict(self.chunk_plan.device_arrays(
+            token_tables=token_tables and "token_to_seq" not in self.engine_arrays))
         for name in (*_PLAN_EXTRAS, *ENGINE_ARRAYS):
             if name in self.engine_arrays:
                 out[name] = self.engine_arrays[name]
@@ -101,8 +102,3 @@ class StepPlan:
     def largest_array_nbytes(self) -> int:
         """The largest single array (what one pageable copy of ``pageable`` mode moves)."""
         return max(int(a.nbytes) for a in self.device_arrays().values())
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("chunk_plan", "engine_arrays") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.chunk_plan, name)

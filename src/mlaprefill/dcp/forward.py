@@ -151,7 +151,7 @@ class DCPContextSource:
         """Rows of ``iteration`` in workspace order: ``workspace[:iteration_tokens[i]]``."""
         plan = self.plan
         cap = plan.rank_capacity[iteration]
-        num_rows = plan.iteration_tokens[iteration]
+        num_rows = plan.base.iteration_tokens[iteration]
         local = self.gather_local(iteration)
         gathered = self._gathered[: plan.world * cap]  # [world * cap, latent] rank-major
         _all_gather_into_tensor(gathered, local, self.process_group)
@@ -208,10 +208,10 @@ def _check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be this rank's [local_num_blocks, page_size, "
                          f"latent_dim] shard, got shape {tuple(kv_cache.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != plan.num_reqs:
+    if block_table.dim() != 2 or block_table.shape[0] != plan.base.num_reqs:
         raise ValueError(
             f"block_table has shape {tuple(block_table.shape)}; expected this rank's local "
-            f"table [num_reqs={plan.num_reqs}, local_max_blocks]")
+            f"table [num_reqs={plan.base.num_reqs}, local_max_blocks]")
     need = int(plan.local_context_lens.max(initial=0))
     have = block_table.shape[1] * kv_cache.shape[1]
     if need > have:

@@ -244,10 +244,9 @@ def dcp_config_digest(batch: PrefillBatch, *, world: int, interleave: int,
 class DCPChunkPlan:
     """A :class:`~mlaprefill.plan.ChunkPlan` plus one rank's DCP arrays (host data only).
 
-    Attributes of the base plan (``num_iterations``, ``iteration_tokens``, ``max_chunk_lens``,
-    ``max_iteration_tokens``, ``num_query_tokens``, ...) are forwarded, so the forward and
-    staging treat it like a ChunkPlan. ``base.workspace_tokens`` may be smaller than
-    ``workspace_tokens`` (see the module docstring).
+    A :class:`~mlaprefill.plan.StagedPlan`: the forward reads its host ints from ``chunk_plan``
+    (= ``base``). ``base.workspace_tokens`` may be smaller than ``workspace_tokens`` (see the
+    module docstring).
 
     Attributes
     ----------
@@ -294,11 +293,10 @@ class DCPChunkPlan:
     local_context_lens: np.ndarray = field(repr=False)
     digest: tuple[int, int, int]
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names this class lacks: forward the base plan's host fields.
-        if name.startswith("__") or name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    @property
+    def chunk_plan(self) -> ChunkPlan:
+        """The single-rank plan of the global lengths (the StagedPlan contract)."""
+        return self.base
 
     @property
     def max_rank_capacity(self) -> int:
