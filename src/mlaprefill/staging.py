@@ -49,7 +49,8 @@ import torch
 
 from mlaprefill.plan import ChunkPlan, StagedPlan
 
-__all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "StagingRing", "StagingStats", "layout"]
+__all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "HostEvent", "StagingRing", "StagingStats",
+           "layout"]
 
 ALIGN_BYTES = 64
 _ALIGN = ALIGN_BYTES // 4  # in int32 elements
@@ -65,19 +66,27 @@ class EventLike(Protocol):
     def synchronize(self) -> None: ...
 
 
-class _DoneEvent:
-    """Event of a synchronous (CPU) copy: always complete."""
+class HostEvent:
+    """CPU stand-in for a CUDA event: work on the CPU is synchronous, so an event is complete
+    when recorded and its record time is the completion time (``elapsed_time`` in ms, like
+    ``torch.cuda.Event``). The ring's event without CUDA, and the bench engine's timer."""
 
-    __slots__ = ()
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = float("nan")
 
     def record(self, stream: Any = None) -> None:
-        pass
+        self.t = time.perf_counter()
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
         pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
 
 
 def layout(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[tuple[str, int, tuple[int, ...]], ...],
@@ -297,7 +306,7 @@ class StagingRing:
         self.valid_uploads = valid_uploads
         self._cuda = dev.type == "cuda"
         if event_factory is None:
-            event_factory = torch.cuda.Event if self._cuda else _DoneEvent
+            event_factory = torch.cuda.Event if self._cuda else HostEvent
         self._event_factory = event_factory
         # LRU order: index 0 = least recently used.
         self._slots: list[_Slot] = [_Slot(event_factory()) for _ in range(valid_uploads + 1)]

@@ -14,6 +14,7 @@ import numpy as np
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.bench.cache import BlockAllocator
 from mlaprefill.bench.engine import EngineConfig, default_num_blocks, workload
+from mlaprefill.bench.metrics import percentile
 from mlaprefill.bench.scheduler import Request, Scheduler, SchedulerConfig
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.plan import ChunkPlanner
@@ -64,7 +65,7 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
         "plan_bytes": np.array(plan_b, dtype=np.int64),
         "token_to_seq_bytes": t2s_a,
         "iterations": np.array(iters, dtype=np.int64),
-        "metadata_bytes_p50": float(np.percentile(meta_a, 50)) if meta else 0.0,
+        "metadata_bytes_p50": percentile(meta_a, 50) if meta else 0.0,
         "metadata_bytes_max": int(meta_a.max()) if meta else 0,
         "plan_bytes_max": int(max(plan_b)) if plan_b else 0,
         "token_to_seq_bytes_max": int(t2s_a.max()) if t2s else 0,

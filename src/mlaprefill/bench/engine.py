@@ -35,7 +35,7 @@ from mlaprefill.bench.model import BenchModel, model_dims
 from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.plan import POLICIES, ChunkPlanner
-from mlaprefill.staging import MODES, StagingRing
+from mlaprefill.staging import MODES, HostEvent, StagingRing
 
 __all__ = ["TABLES", "EngineConfig", "PrefillEngine", "ProgressFn", "Variant", "workload"]
 
@@ -173,28 +173,6 @@ def default_num_blocks(config: EngineConfig, prompt_lens: np.ndarray) -> int:
     return int(need[:config.max_concurrent].sum())
 
 
-class _HostEvent:
-    """CPU stand-in for a timing CUDA event: work on the CPU is synchronous, so the record time
-    is the completion time."""
-
-    __slots__ = ("t",)
-
-    def __init__(self) -> None:
-        self.t = math.nan
-
-    def record(self, stream: Any = None) -> None:
-        self.t = time.perf_counter()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: _HostEvent) -> float:
-        return (end.t - self.t) * 1e3
-
-
 @dataclass(slots=True)
 class _InFlight:
     step: int
@@ -300,7 +278,7 @@ class PrefillEngine:
         return self.prompt_tokens[self.prompt_offsets[req_id]:self.prompt_offsets[req_id + 1]]
 
     def _event(self) -> Any:
-        return torch.cuda.Event(enable_timing=True) if self.cuda else _HostEvent()
+        return torch.cuda.Event(enable_timing=True) if self.cuda else HostEvent()
 
     # ------------------------------------------------------------------ run
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["METRIC_KEYS", "RunResult", "StepRecord", "summarize"]
+__all__ = ["METRIC_KEYS", "RunResult", "StepRecord", "percentile", "summarize"]
 
 
 @dataclass(slots=True)
@@ -79,8 +79,13 @@ class RunResult:
         return self.prompt_tokens / (self.duration_ms / 1e3)
 
 
-def _pct(values: np.ndarray, q: float) -> float:
+def percentile(values: np.ndarray | list, q: float) -> float:
+    """``q``-th percentile (0-100) of ``values``; NaN when there are none."""
+    values = np.asarray(values, dtype=np.float64)
     return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+
 
 
 # Keys every variant's "metrics" dict has (the JSON contract; tests check all are present).
@@ -133,32 +138,32 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "throughput_tok_s_max": float(tput.max()),
         "throughput_tok_s_per_repeat": [float(t) for t in tput],
         "ttft_ms_mean": ttft_mean,
-        "ttft_ms_p50": _pct(ttft, 50),
-        "ttft_ms_p99": _pct(ttft, 99),
-        "host_plan_upload_ms_p50": _pct(prep + upload, 50),
-        "host_plan_upload_ms_p99": _pct(prep + upload, 99),
-        "host_prep_ms_p50": _pct(prep, 50),
-        "host_prep_ms_p99": _pct(prep, 99),
-        "host_blocked_ms_p50": _pct(upload, 50),
-        "host_blocked_ms_p99": _pct(upload, 99),
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "host_plan_upload_ms_p50": percentile(prep + upload, 50),
+        "host_plan_upload_ms_p99": percentile(prep + upload, 99),
+        "host_prep_ms_p50": percentile(prep, 50),
+        "host_prep_ms_p99": percentile(prep, 99),
+        "host_blocked_ms_p50": percentile(upload, 50),
+        "host_blocked_ms_p99": percentile(upload, 99),
         "host_blocked_ms_max": float(upload.max()),
         "host_blocked_ms_mean": float(upload.mean()),
         "host_blocked_ms_total_per_run": float(upload.sum() / n),
         "host_blocked_steps_over_1ms_fraction": float(np.mean(upload > 1.0)),
-        "host_launch_ms_p50": _pct(launch, 50),
-        "host_launch_ms_p99": _pct(launch, 99),
+        "host_launch_ms_p50": percentile(launch, 50),
+        "host_launch_ms_p99": percentile(launch, 99),
         "host_wait_ms_total_per_run": float(col("host_wait_ms").sum() / n),
         "gpu_busy_fraction": float(np.mean(busy)),
-        "device_step_ms_p50": _pct(dev, 50),
-        "step_time_ms_p50": _pct(periods, 50),
-        "step_time_ms_p99": _pct(periods, 99),
-        "metadata_bytes_p50": _pct(meta, 50),
+        "device_step_ms_p50": percentile(dev, 50),
+        "step_time_ms_p50": percentile(periods, 50),
+        "step_time_ms_p99": percentile(periods, 99),
+        "metadata_bytes_p50": percentile(meta, 50),
         "metadata_bytes_max": float(meta.max()),
-        "plan_bytes_p50": _pct(col("plan_bytes"), 50),
+        "plan_bytes_p50": percentile(col("plan_bytes"), 50),
         "plan_bytes_max": float(col("plan_bytes").max()),
         "token_to_seq_bytes_max": float(t2s.max()),
         "steps_over_3mib_fraction": float(np.mean(col("largest_array_bytes") >= 3 * 2**20)),
-        "iterations_p50": _pct(col("num_iterations"), 50),
+        "iterations_p50": percentile(col("num_iterations"), 50),
         "iterations_max": float(col("num_iterations").max()),
         "iterations_total_per_run": float(col("num_iterations").sum() / n),
         "num_steps_per_run": len(steps) / n,
