@@ -441,11 +441,11 @@ class ChunkPlanner:
             context_lens=_readonly(batch.context_lens.astype(np.int32)),
             cu_query_lens=_readonly(cu_q),
             num_query_tokens=int(cu_q[-1]),
-            max_query_len=batch.max_query_len,
+            max_query_len=int(np.maximum.reduce(q)),
             chunk_starts=_readonly(np.ascontiguousarray(starts, dtype=np.int32)),
             chunk_lens=_readonly(lens),
             cu_seq_lens=_readonly(cu_seq),
             iteration_tokens=iteration_tokens,
-            max_chunk_lens=tuple(lens.max(axis=1).tolist()) if k else (),
+            max_chunk_lens=tuple(np.maximum.reduce(lens, axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
         )
