@@ -29,6 +29,6 @@ def host_reads_are_fine(n, device):
     x = torch.arange(n)
     a = x.sum().item()
     b = x.tolist()
-    c = torch.zeros(n, device=device).cpu()  # device unknown: not reported as CUDA
+    c = torch.zeros(n, device=device).cpu()  # the caller's device: not known to be a GPU
     d = torch.zeros(n, device="cpu").numpy()
     return a, b, c, d
