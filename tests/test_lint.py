@@ -1,4 +1,5 @@
-"""Static host-sync lint: corpus (exact findings, precision, recall), flow, noqa, CLI, flake8."""
+"""Static host-sync lint: corpus (exact findings, precision, recall), flow, noqa, the CLI and its
+output formats, user errors, the flake8 plugin and the pre-commit hook definition."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import importlib.util
 import json
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlaprefill.audit.lint import CODES, OPT_IN, is_selected, lint_source, lint_tree
+from mlaprefill.audit.lint_report import EXPLANATIONS, to_github, to_sarif
 from mlaprefill.audit.lint_where import (
     ACC_DEV,
     CPU_DEV,
@@ -234,6 +237,137 @@ def test_cli_text_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> Non
     assert {"path", "line", "col", "code", "message"} <= set(data["findings"][0])
 
 
+def test_cli_sarif_is_a_code_scanning_log(capsys: pytest.CaptureFixture[str]) -> None:
+    path = CORPUS / "engine_spec_decode.py"
+    assert main(["lint", "--format", "sarif", str(path)]) == 1
+    log = json.loads(capsys.readouterr().out)
+    assert log["version"] == "2.1.0" and "sarif" in log["$schema"]
+    run = log["runs"][0]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == sorted(CODES)
+    assert all(r["help"]["text"] == EXPLANATIONS[r["id"]] for r in rules)
+    got = {(r["locations"][0]["physicalLocation"]["region"]["startLine"], r["ruleId"])
+           for r in run["results"]}
+    assert got == _markers(path)["expect"]
+    for r in run["results"]:
+        assert rules[r["ruleIndex"]]["id"] == r["ruleId"]
+        uri = r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+        assert not uri.startswith("/") and uri.endswith("engine_spec_decode.py")
+
+
+def test_github_annotations_escape_their_fields() -> None:
+    src = "import torch\ndef f(l, d):\n    return torch.tensor(l).to(d, non_blocking=True)\n"
+    finding = lint_source(src, "dir,x/a:b.py")[0]
+    (line,) = to_github([finding])
+    assert line.startswith("::warning file=dir%2Cx/a%3Ab.py,line=3,col=12,title=HS101::")
+    assert "\n" not in line
+    assert to_sarif([])["runs"][0]["results"] == []
+
+
+def test_cli_github_format(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["lint", "--format", "github", str(CORPUS / "hs102_pin_in_loop.py")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("::warning file=") for ln in lines)
+
+
+def test_cli_explain(capsys: pytest.CaptureFixture[str]) -> None:
+    for code in CODES:
+        assert main(["lint", "--explain", code.lower()]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith(code) and "Fix:" in text
+
+
+def _one_line_error(err: str, *fields: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mlaprefill lint: error: ") and "Traceback" not in err
+    assert all(f in lines[0] for f in fields), (fields, err)
+
+
+@pytest.mark.parametrize(("argv", "fields"), [
+    (["lint"], ("PATH",)),
+    (["lint", "missing_dir/x.py"], ("PATH", "does not exist")),
+    (["lint", "--format", "xml", "src"], ("--format", "xml")),
+    (["lint", "--select", "XY1", "src"], ("--select", "XY1")),
+    (["lint", "--explain", "HS999"], ("--explain", "HS101")),
+    (["lint", "--bogus", "src"], ("--bogus",)),
+])
+def test_cli_usage_errors_are_one_line(argv: list[str], fields: tuple[str, ...],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    assert status == 2
+    _one_line_error(capsys.readouterr().err, *fields)
+
+
+def test_cli_unreadable_and_undecodable_files(tmp_path: pathlib.Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def (:\n")
+    assert main(["lint", str(bad)]) == 2
+    _one_line_error(capsys.readouterr().err, "bad.py", "does not parse", "line 1")
+    latin = tmp_path / "latin.py"
+    latin.write_bytes(b"x = '\xe9'\n")
+    assert main(["lint", str(latin)]) == 2
+    _one_line_error(capsys.readouterr().err, "latin.py", "UTF-8")
+    declared = tmp_path / "declared.py"
+    declared.write_bytes(b"# -*- coding: latin-1 -*-\nx = '\xe9'\n")
+    assert main(["lint", str(declared)]) == 0  # a coding cookie is honoured, like Python
+    capsys.readouterr()
+    nul = tmp_path / "nul.py"
+    nul.write_bytes(b"x = 1\x00\n")
+    assert main(["lint", str(nul)]) == 2
+    _one_line_error(capsys.readouterr().err, "nul.py")
+
+
+def test_cli_unreadable_file_is_one_line(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from mlaprefill.audit import lint_cli
+
+    secret = tmp_path / "secret.py"
+    secret.write_text("x = 1\n")
+
+    def denied(path, *args, **kwargs):  # root ignores file modes: deny like a read-only FS
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(lint_cli, "open", denied, raising=False)
+    assert main(["lint", str(secret)]) == 2
+    _one_line_error(capsys.readouterr().err, "secret.py", "cannot be read", "Permission denied")
+
+
+_FUZZ_ITEMS = st.sampled_from([
+    "lint", "--format", "json", "sarif", "github", "text", "xml", "--select", "HS", "HS1",
+    "HS103", "HS,HS103", "ZZ", "--exclude", "*engine*", "--explain", "HS201", "hs101", "HS7",
+    "-q", "--", "", str(CORPUS / "hs102_pin_in_loop.py"), str(CORPUS / "flow_branches.py"),
+    str(CORPUS), "no/such/path.py",
+])
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(_FUZZ_ITEMS, max_size=6))
+def test_cli_fuzz_outcome_classes(argv: list[str]) -> None:
+    """Any argument list: exit 0/1 with findings on stdout, or 2 with one line on stderr."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(["lint", *argv])
+        except SystemExit as e:
+            status = e.code
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+    if status == 2:
+        lines = err.getvalue().strip().splitlines()
+        assert len(lines) == 1 and ": error: " in lines[0], err.getvalue()
+    else:
+        assert status in (0, 1), status
+        if status == 1:
+            assert out.getvalue().strip()
+
+
 # ------------------------------------------------------------------------------ tools
 
 
@@ -250,3 +384,32 @@ def test_flake8_plugin_reports_hs_codes_and_opt_in() -> None:
         proc = subprocess.run([sys.executable, "-m", "flake8", "--select", "HS", *extra,
                                str(optin)], capture_output=True, text=True, timeout=120)
         assert {line.split()[1] for line in proc.stdout.splitlines()} == codes, proc.stderr
+
+
+def _hooks() -> list[dict[str, str]]:
+    """The hook list of ``.pre-commit-hooks.yaml`` (a flat list of flat maps)."""
+    hooks: list[dict[str, str]] = []
+    for line in (ROOT / ".pre-commit-hooks.yaml").read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, _, value = line.lstrip("- ").partition(":")
+        if line.startswith("- "):
+            hooks.append({})
+        hooks[-1][key.strip()] = value.strip()
+    return hooks
+
+
+def test_pre_commit_hooks_run_the_lint(tmp_path: pathlib.Path) -> None:
+    hooks = _hooks()
+    assert [h["id"] for h in hooks] == ["mlaprefill-lint", "mlaprefill-lint-system"]
+    for hook in hooks:
+        assert hook["types"] == "[python]" and hook["language"] in ("python", "system")
+        entry = shlex.split(hook["entry"])
+        assert entry[:2] == ["mlaprefill", "lint"]
+        # pre-commit appends the staged file names to the entry
+        bad = tmp_path / "stage.py"
+        bad.write_text("import torch\ndef f(l, d):\n    return torch.tensor(l).to(d, "
+                       "non_blocking=True)\n")
+        proc = subprocess.run([sys.executable, "-m", "mlaprefill", *entry[1:], str(bad)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and " HS101 " in proc.stdout, proc.stderr
