@@ -324,7 +324,7 @@ def test_cli_unreadable_and_undecodable_files(tmp_path: pathlib.Path,
 
 def test_cli_unreadable_file_is_one_line(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from mlaprefill.audit import lint_cli
+    from mlaprefill.audit import cli_common
 
     secret = tmp_path / "secret.py"
     secret.write_text("x = 1\n")
@@ -332,7 +332,7 @@ def test_cli_unreadable_file_is_one_line(tmp_path: pathlib.Path, monkeypatch: py
     def denied(path, *args, **kwargs):  # root ignores file modes: deny like a read-only FS
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(lint_cli, "open", denied, raising=False)
+    monkeypatch.setattr(cli_common, "open", denied, raising=False)
     assert main(["lint", str(secret)]) == 2
     _one_line_error(capsys.readouterr().err, "secret.py", "cannot be read", "Permission denied")
 

@@ -15,39 +15,12 @@ import fnmatch
 import os
 import re
 import sys
-import tokenize
-from typing import Any, NoReturn
+from typing import Any
 
+from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
 from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding, lint_source
 
-__all__ = ["UsageError", "add_parser", "collect_files", "one_line_errors", "read_source", "run"]
-
-
-class UsageError(Exception):
-    """A user error: the message names the field and the fix, fit for one stderr line."""
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make ``parser`` report argument errors as one ``prog: error: ...`` line, exit 2.
-
-    argparse prints the whole usage block first; a user who typed one wrong flag needs the
-    line that names it (``--help`` still shows the usage).
-    """
-    def error(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message}; see {parser.prog} --help\n")
-
-    parse_known_args = parser.parse_known_args
-
-    def parse_strictly(args: Any = None, namespace: Any = None) -> Any:
-        # As a subcommand, leftovers would reach the top-level parser, which prints its usage.
-        ns, extras = parse_known_args(args, namespace)
-        if extras:
-            error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-    parser.error = error  # type: ignore[method-assign]
-    parser.parse_known_args = parse_strictly  # type: ignore[method-assign]
-    return parser
+__all__ = ["add_parser", "collect_files", "lint_files", "read_source", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -92,27 +65,14 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
 
 
 def read_source(path: str) -> str:
-    """Text of a Python file, decoded as Python does (UTF-8 unless a coding cookie says
-    otherwise).
+    """Text of a Python file (see :func:`~mlaprefill.audit.cli_common.read_python`).
 
     Raises
     ------
     UsageError
         If the file cannot be read or decoded.
     """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise UsageError(f"PATH {path!r} cannot be read ({e.strerror or e}); fix its "
-                         "permissions or pass --exclude") from None
-    try:
-        encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
-        return data.decode(encoding)
-    except (SyntaxError, UnicodeDecodeError, LookupError) as e:
-        reason = getattr(e, "reason", None) or getattr(e, "msg", None) or str(e)
-        raise UsageError(f"PATH {path!r} is not valid UTF-8 Python source ({reason}); "
-                         "save it as UTF-8 (or declare its coding) or pass --exclude") from None
+    return read_python(path, field="PATH", skip="pass --exclude")
 
 
 def _parse_select(select: str) -> list[str]:
