@@ -14,7 +14,9 @@ def reads(n):
     first = w[0].item()  # expect: HS201
     v = torch.ones(3).to("cuda")
     vv = v.max().item()  # expect: HS201
-    return total, lst, y, arr, first, vv
+    back = v.to("cpu")  # expect: HS201
+    pinned_back = v.to("cpu", non_blocking=True)  # async into pinned memory: no wait here
+    return total, lst, y, arr, first, vv, back, pinned_back
 
 
 class Model:
