@@ -75,7 +75,7 @@ def not_host_to_device(x, n):
     host = torch.zeros(n)
     host.copy_(dev, non_blocking=True)  # destination is host memory: not H2D
     unknown = x.foo
-    unknown.copy_(torch.zeros(n), non_blocking=True)  # destination not known to be a device
+    unknown.copy_(x.bar, non_blocking=True)  # neither end placed: HS103 needs a device dst
     blocking = torch.arange(n).to("cuda")  # blocking copies are not HS101
     return a, back, blocking
 

@@ -29,7 +29,12 @@ def copy_into_device(arr, n):
 
 
 def arr_tensor(arr):
-    return torch.as_tensor(arr)
+    return torch.tensor(arr)  # a fresh host tensor: what callers get is pageable
+
+
+def copy_into_parameter(dst, arr):
+    # the destination is a parameter: not known to be host memory, so the upload counts
+    dst.copy_(torch.from_numpy(arr), non_blocking=True)  # expect: HS101
 
 
 def pinned_then_new_tensor(n, device):

@@ -14,7 +14,9 @@ def reads(n):
     first = w[0].item()  # expect: HS201
     v = torch.ones(3).to("cuda")
     vv = v.max().item()  # expect: HS201
-    return total, lst, y, arr, first, vv
+    back = v.to("cpu")  # expect: HS201
+    pinned_back = v.to("cpu", non_blocking=True)  # async into pinned memory: no wait here
+    return total, lst, y, arr, first, vv, back, pinned_back
 
 
 class Model:
@@ -29,6 +31,6 @@ def host_reads_are_fine(n, device):
     x = torch.arange(n)
     a = x.sum().item()
     b = x.tolist()
-    c = torch.zeros(n, device=device).cpu()  # device unknown: not reported as CUDA
+    c = torch.zeros(n, device=device).cpu()  # the caller's device: not known to be a GPU
     d = torch.zeros(n, device="cpu").numpy()
     return a, b, c, d

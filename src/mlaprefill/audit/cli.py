@@ -1,11 +1,16 @@
-"""``mlaprefill audit [--json] [--strict] [--allow PATTERN] SCRIPT [ARGS...]``.
+"""``mlaprefill audit [--json] [--strict] [--allow PATTERN] [--profile] SCRIPT [ARGS...]``.
 
 Runs a Python script (``runpy``, ``sys.argv = [SCRIPT, *ARGS]``, as ``__main__``) under
-:func:`mlaprefill.audit.no_host_sync` and prints the host syncs grouped by location, with counts
-and bytes. Exit status: 0 clean, 1 host syncs found (or, in strict mode, the first one raised),
-2 usage error (missing script ...). A script that fails on its own keeps its exit status
-(an uncaught exception gives 1, like ``python SCRIPT``), after the report is printed.
-With ``--json`` stdout holds only the JSON report; the script's own stdout goes to stderr.
+:func:`mlaprefill.audit.no_host_sync` and prints the host syncs grouped by the first frame
+outside torch, with counts and bytes, one line per kind with its fix, and what the audit could
+not see (on a machine without CUDA no tensor is on a device, so no copy or read can
+synchronize: the report says so instead of an all-clear). Exit status: 0 clean, 1 host syncs
+found (or, in strict mode, the first one raised), 2 usage error (a missing, unreadable,
+non-UTF-8 or unparsable script, --profile without CUDA, a bad flag), as one line on stderr.
+A script that fails on its own keeps its exit status (an uncaught exception gives 1, like
+``python SCRIPT``), after the report is printed. With ``--json`` stdout holds only the JSON
+report (``complete``, ``not_seen``, ``by_frame``, ``fixes``, ...); the script's own stdout goes
+to stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import sys
 import traceback
 from typing import Any
 
+from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
+
 __all__ = ["add_parser", "audit_script", "run"]
 
 
@@ -30,6 +37,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=re.sub(r":\w+:`([^`]*)`", r"\1", __doc__.split("\n\n")[1]).replace("``", ""),
     )
     p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="report format (--json is --format json)")
     p.add_argument("--strict", action="store_true",
                    help="stop the script at the first host sync (HostSyncError)")
     p.add_argument("--allow", action="append", default=[], metavar="PATTERN",
@@ -40,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("script", metavar="SCRIPT", help="Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed to the script")
-    return p
+    return one_line_errors(p)
 
 
 def audit_script(
@@ -83,31 +92,58 @@ def audit_script(
     return audit, status, error
 
 
+def check_script(script: str) -> None:
+    """Raise :class:`~mlaprefill.audit.cli_common.UsageError` unless ``script`` is a readable
+    Python file that decodes and parses (so that a user error is never the script's failure)."""
+    if not os.path.exists(script):
+        raise UsageError(f"SCRIPT {script!r} does not exist; pass the path of a Python script")
+    if os.path.isdir(script):
+        raise UsageError(f"SCRIPT {script!r} is a directory; pass the path of a Python script "
+                         "(e.g. its __main__.py)")
+    source = read_python(script, field="SCRIPT", skip="audit another script")
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise UsageError(f"SCRIPT {script!r} does not parse (line {e.lineno}: {e.msg}); fix "
+                         "the syntax error") from None
+    except ValueError as e:  # null bytes
+        raise UsageError(f"SCRIPT {script!r} cannot be compiled ({e}); pass a Python "
+                         "source file") from None
+
+
+def _check_profile(profile: bool) -> None:
+    if not profile:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--profile needs CUDA (torch.cuda.is_available() is False on this "
+                         "machine); drop --profile here, or run on a CUDA machine")
+
+
 def run(args: argparse.Namespace) -> int:
     script = args.script
-    if not os.path.isfile(script):
-        print(f"mlaprefill audit: error: SCRIPT {script!r} is not a file; pass the path of a "
-              "Python script", file=sys.stderr)
+    try:
+        check_script(script)
+        _check_profile(args.profile)
+    except UsageError as e:
+        print(f"mlaprefill audit: error: {e}", file=sys.stderr)
         return 2
+    as_json = args.json or args.format == "json"
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     with redirect:
-        try:
-            audit, status, error = audit_script(script, script_args, strict=args.strict,
-                                                allow=args.allow, profile=args.profile)
-        except ValueError as e:  # e.g. --profile without CUDA
-            print(f"mlaprefill audit: error: {e}", file=sys.stderr)
-            return 2
+        audit, status, error = audit_script(script, script_args, strict=args.strict,
+                                            allow=args.allow, profile=args.profile)
     if error:
         print(error.rstrip(), file=sys.stderr)
-    found = bool(audit.findings)
-    if args.json:
+    if as_json:
         out = {"script": script, "args": script_args, "script_status": status, **audit.summary()}
         print(json.dumps(out, indent=2))
     else:
         print(f"mlaprefill audit {script}: " + audit.report())
-    if found:
+    if audit.findings:
         return 1
     return status

@@ -1,4 +1,5 @@
-"""Findings of the runtime audit: kinds, the :class:`Finding` record, grouping and reports.
+"""Findings of the runtime audit: kinds, the :class:`Finding` record, grouping, what the audit
+cannot see (:func:`audit_limits`) and reports.
 
 Pure Python (no torch import), shared by :mod:`mlaprefill.audit.runtime` and the CLI.
 """
@@ -9,7 +10,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["KINDS", "Finding", "HostSyncError", "format_report", "group_findings"]
+__all__ = ["KINDS", "Finding", "HostSyncError", "audit_limits", "format_report", "group_by_frame",
+           "group_findings"]
 
 # kind -> (what happened, how to fix it). Keys are the public vocabulary of findings.
 KINDS: dict[str, tuple[str, str]] = {
@@ -139,20 +141,99 @@ def group_findings(findings: Iterable[Finding]) -> list[dict[str, Any]]:
     return list(grouped.values())
 
 
+def group_by_frame(findings: Iterable[Finding]) -> list[dict[str, Any]]:
+    """Findings grouped by the first frame outside torch (and ``mlaprefill.audit``), in order
+    of first occurrence: ``count``, ``nbytes`` and ``kinds`` (kind -> count) per frame."""
+    frames: dict[tuple[str, int], dict[str, Any]] = {}
+    for f in findings:
+        g = frames.get((f.filename, f.lineno))
+        if g is None:
+            g = frames[(f.filename, f.lineno)] = {
+                "location": f.location, "filename": f.filename, "lineno": f.lineno,
+                "function": f.function, "code": f.code, "count": 0, "nbytes": 0, "kinds": {},
+            }
+        g["count"] += f.count
+        g["nbytes"] += f.nbytes
+        g["kinds"][f.kind] = g["kinds"].get(f.kind, 0) + f.count
+    return list(frames.values())
+
+
+_DEVICE_CLASSES = ("host<->device copies (pageable_h2d, sync_h2d, d2h), reads of device tensors "
+                   "(.item(), .tolist(), .cpu(), bool()) and data-dependent shapes")
+
+
+def audit_limits(*, cuda_available: bool, devices_seen: Iterable[str],
+                 profiled: bool) -> list[dict[str, str]]:
+    """The classes of host sync an audit run could not see, and why.
+
+    Each entry has ``scope`` (``"this machine"`` / ``"this run"``: the run is incomplete;
+    ``"always"``: a limit of the method), ``what``, ``why`` and ``fix``.
+    """
+    seen = sorted(set(devices_seen))
+    out: list[dict[str, str]] = []
+    if not seen:
+        if cuda_available:
+            out.append({"scope": "this run", "what": _DEVICE_CLASSES,
+                        "why": "no tensor was on a device in the audited code, so none of "
+                               "them could synchronize",
+                        "fix": "make sure the script runs on the GPU (device=...)"})
+        else:
+            out.append({"scope": "this machine", "what": _DEVICE_CLASSES,
+                        "why": "there is no CUDA device here (torch.cuda.is_available() is "
+                               "False), so no tensor lived on a device and none of them "
+                               "could synchronize",
+                        "fix": "run the audit on a CUDA machine, or check the code "
+                               "statically: mlaprefill lint PATH"})
+    elif not cuda_available:
+        out.append({"scope": "this machine", "what": "whether a pageable copy really stalls",
+                    "why": f"no CUDA device: the audit saw {', '.join(seen)} tensors, so it "
+                           "checked which ops would synchronize, not their cost",
+                    "fix": "run it on a CUDA machine (mlaprefill stallmap measures the stall)"})
+    out.append({"scope": "always", "what": "syncs in other threads",
+                "why": "torch keeps the dispatch mode per thread",
+                "fix": "audit each thread's work in that thread"})
+    out.append({"scope": "always", "what": "syncs inside torch.compile graphs",
+                "why": "compiled graphs run unaudited (graph breaks run eagerly and are seen)",
+                "fix": "audit the eager code, or check it statically: mlaprefill lint PATH"})
+    if not profiled:
+        out.append({"scope": "always", "what": "pageable copies made inside C++ extensions",
+                    "why": "the dispatcher does not see copies that never reach an aten op",
+                    "fix": "on CUDA, add --profile (torch.profiler counts pageable memcpys)"})
+    return out
+
+
 def format_report(findings: list[Finding], *, num_allowed: int = 0,
-                  profiler_pageable_memcpy: int | None = None) -> str:
-    """Human-readable report grouped by location, with counts, bytes and the fix."""
+                  profiler_pageable_memcpy: int | None = None,
+                  limits: list[dict[str, str]] | None = None) -> str:
+    """Human-readable report: host syncs grouped by the first frame outside torch, with counts
+    and bytes; then one line per kind with its fix; then what the audit could not see (an
+    incomplete run says so on its first line: no unqualified all-clear)."""
     groups = group_findings(findings)
     total = sum(g["count"] for g in groups)
-    locations = len({g["location"] for g in groups})
-    lines = [f"host syncs: {total} in {locations} location(s)"
-             + (f", {num_allowed} allowed" if num_allowed else "")]
+    frames = group_by_frame(findings)
+    incomplete = [x for x in limits or () if x["scope"] != "always"]
+    head = f"host syncs: {total} in {len(frames)} location(s)"
+    if num_allowed:
+        head += f", {num_allowed} allowed"
+    if incomplete:
+        head += f" -- incomplete: {incomplete[0]['scope']} hid some syncs (see 'not seen')"
+    lines = [head]
     if profiler_pageable_memcpy is not None:
         lines.append(f"profiler: {profiler_pageable_memcpy} x Memcpy HtoD (Pageable -> Device)")
-    for g in groups:
-        lines.append(f"{g['location']} in {g['function']}: {g['count']}x {g['kind']} "
-                     f"{g['op']} ({_fmt_bytes(g['nbytes'])})")
-        if g["code"]:
-            lines.append(f"    {g['code']}")
-        lines.append(f"    fix: {g['fix']}")
+    for frame in frames:
+        for g in groups:
+            if (g["filename"], g["lineno"]) == (frame["filename"], frame["lineno"]):
+                lines.append(f"{g['location']} in {g['function']}: {g['count']}x {g['kind']} "
+                             f"{g['op']} ({_fmt_bytes(g['nbytes'])})")
+        if frame["code"]:
+            lines.append(f"    {frame['code']}")
+    kinds = list(dict.fromkeys(f.kind for f in findings))
+    if kinds:
+        lines.append("fix per kind:")
+        lines.extend(f"  {k}: {KINDS[k][1]}" for k in kinds)
+    for x in incomplete:
+        lines.append(f"not seen on {x['scope']}: {x['what']}: {x['why']}; {x['fix']}")
+    always = [x["what"] for x in limits or () if x["scope"] == "always"]
+    if always:
+        lines.append(f"never seen by this audit: {'; '.join(always)}")
     return "\n".join(lines)

@@ -1,37 +1,43 @@
-"""``mlaprefill lint PATH... [--format text|json] [--select CODES] [--exclude GLOB]``.
+"""``mlaprefill lint PATH... [--format text|json|sarif|github] [--select CODES] [--exclude GLOB]``.
 
-Static host-sync lint (see :mod:`mlaprefill.audit.lint` for the codes). Directories are searched
-recursively for ``*.py`` (hidden directories and ``__pycache__`` skipped). Output: one
-``path:line:col: CODE message`` line per finding, or a JSON object. Exit status: 0 clean,
-1 findings, 2 usage error (a path that does not exist, a file that does not parse).
+Static host-sync lint (see :mod:`mlaprefill.audit.lint` for the codes; ``--explain CODE`` prints
+one in full). Directories are searched recursively for ``*.py`` (hidden directories and
+``__pycache__`` skipped). Output: one ``path:line:col: CODE message`` line per finding, a JSON
+object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. Exit status:
+0 clean, 1 findings, 2 usage error (a path that does not exist or cannot be read, a file that is
+not UTF-8 or does not parse, an unknown code), always as one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import os
 import re
 import sys
 from typing import Any
 
-from mlaprefill.audit.lint import LintFinding, lint_source
+from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
+from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding, lint_source
 
-__all__ = ["add_parser", "collect_files", "run"]
+__all__ = ["add_parser", "collect_files", "lint_files", "read_source", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "lint", help="static host-sync lint (HS101 pageable non_blocking copy, HS102, HS201)",
         description=re.sub(r":\w+:`([^`]*)`", r"\1", __doc__.split("\n\n")[1]).replace("``", ""))
-    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="files or directories")
+    p.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text",
+                   help="output: text (default), json, sarif (code scanning), github "
+                        "(workflow annotations)")
     p.add_argument("--select", default="HS", metavar="CODES",
-                   help="comma-separated code prefixes to report (default: HS)")
+                   help="comma-separated code prefixes to report (default: HS); opt-in codes "
+                        f"({', '.join(sorted(OPT_IN))}) only when named in full, e.g. HS,HS103")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip files whose path matches GLOB (repeatable)")
-    return p
+    p.add_argument("--explain", metavar="CODE", help="explain a code (e.g. HS101) and exit")
+    return one_line_errors(p)
 
 
 def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
@@ -39,43 +45,97 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
 
     Raises
     ------
-    FileNotFoundError
-        If a path does not exist.
+    UsageError
+        If a path does not exist or a directory cannot be listed.
     """
     files: list[str] = []
     for path in paths:
         if os.path.isdir(path):
+            if not os.access(path, os.R_OK | os.X_OK):
+                raise UsageError(f"PATH {path!r} is a directory that cannot be read; "
+                                 "fix its permissions or pass --exclude")
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
                 files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
-        elif os.path.isfile(path):
+        elif os.path.exists(path):
             files.append(path)
         else:
-            raise FileNotFoundError(path)
+            raise UsageError(f"PATH {path!r} does not exist; pass an existing file or directory")
     return [f for f in files if not any(fnmatch.fnmatch(f, g) for g in exclude)]
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        files = collect_files(list(args.paths), list(args.exclude))
-    except FileNotFoundError as e:
-        print(f"mlaprefill lint: error: PATH {str(e)!r} does not exist", file=sys.stderr)
-        return 2
-    select = [c.strip() for c in args.select.split(",") if c.strip()]
+def read_source(path: str) -> str:
+    """Text of a Python file (see :func:`~mlaprefill.audit.cli_common.read_python`).
+
+    Raises
+    ------
+    UsageError
+        If the file cannot be read or decoded.
+    """
+    return read_python(path, field="PATH", skip="pass --exclude")
+
+
+def _parse_select(select: str) -> list[str]:
+    codes = [c.strip().upper() for c in select.split(",") if c.strip()]
+    if not codes:
+        raise UsageError("--select is empty; pass code prefixes such as HS or HS101,HS201")
+    for c in codes:
+        if not any(code.startswith(c) for code in CODES):
+            raise UsageError(f"--select {c!r} matches no code; known codes: "
+                             f"{', '.join(sorted(CODES))}")
+    return codes
+
+
+def _explain(code: str) -> str:
+    from mlaprefill.audit.lint_report import EXPLANATIONS
+
+    key = code.strip().upper()
+    if key not in EXPLANATIONS:
+        raise UsageError(f"--explain {code!r} is not a code; pass one of "
+                         f"{', '.join(sorted(EXPLANATIONS))}")
+    return EXPLANATIONS[key]
+
+
+def lint_files(files: list[str], select: list[str]) -> list[LintFinding]:
+    """Findings of every file, in order.
+
+    Raises
+    ------
+    UsageError
+        If a file cannot be read, decoded or parsed.
+    """
     findings: list[LintFinding] = []
     for path in files:
+        source = read_source(path)
         try:
-            with open(path, encoding="utf-8") as fh:
-                source = fh.read()
             findings.extend(lint_source(source, path, select=select))
-        except (SyntaxError, UnicodeDecodeError) as e:
-            print(f"mlaprefill lint: error: cannot parse {path}: {e}", file=sys.stderr)
-            return 2
-    if args.format == "json":
-        print(json.dumps({"num_files": len(files), "num_findings": len(findings),
-                          "findings": [f.to_dict() for f in findings]}, indent=2))
-    else:
-        for f in findings:
-            print(f.format_text())
+        except SyntaxError as e:
+            raise UsageError(f"PATH {path!r} does not parse (line {e.lineno}: {e.msg}); fix "
+                             "the syntax error or pass --exclude") from None
+        except (ValueError, RecursionError) as e:  # null bytes, absurd nesting
+            raise UsageError(f"PATH {path!r} cannot be linted ({e}); pass --exclude") from None
+    return findings
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlaprefill.audit.lint_report import format_findings
+
+    try:
+        if args.explain is not None:
+            print(_explain(args.explain))
+            return 0
+        if not args.paths:
+            raise UsageError("PATH is missing; pass the files or directories to lint "
+                             "(or --explain CODE)")
+        select = _parse_select(args.select)
+        files = collect_files(list(args.paths), list(args.exclude))
+        findings = lint_files(files, select)
+    except UsageError as e:
+        print(f"mlaprefill lint: error: {e}", file=sys.stderr)
+        return 2
+    out = format_findings(findings, args.format, num_files=len(files))
+    if out:
+        print(out)
+    if args.format == "text":
         print(f"{len(findings)} finding(s) in {len(files)} file(s)", file=sys.stderr)
     return 1 if findings else 0

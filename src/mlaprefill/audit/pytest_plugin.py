@@ -75,7 +75,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
         failed = False
     finally:
         if failed and audit.findings:  # the test failed on its own: still show the syncs
-            item.add_report_section("call", "host syncs", audit.report())
+            item.add_report_section("call", "host syncs", audit.report(limits=False))
     if audit.findings:
-        pytest.fail(audit.report(), pytrace=False)
+        pytest.fail(audit.report(limits=False), pytrace=False)
     return result

@@ -52,7 +52,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from mlaprefill.audit.findings import KINDS, Finding, HostSyncError, format_report, group_findings
+from mlaprefill.audit.findings import (
+    KINDS,
+    Finding,
+    HostSyncError,
+    audit_limits,
+    format_report,
+    group_by_frame,
+    group_findings,
+)
 
 __all__ = ["KINDS", "Finding", "HostSyncAudit", "HostSyncError", "no_host_sync"]
 
@@ -239,7 +247,8 @@ class HostSyncAudit(TorchDispatchMode):
             else:
                 self._allow_locs.append((pattern, None))
         self._is_pinned_fn = is_pinned
-        self._is_device = is_device or _default_is_device
+        self._device_predicate = is_device or _default_is_device
+        self.devices_seen: set[str] = set()
         self._internal = tuple(internal)
         self._internal_cache: dict[str, bool] = {}
         self._pinned_storages: set[int] = set()
@@ -307,20 +316,38 @@ class HostSyncAudit(TorchDispatchMode):
         """Findings grouped by (location, kind, op), in order of first occurrence."""
         return group_findings(self.findings)
 
+    def limits(self) -> list[dict[str, str]]:
+        """What this audit could not see on this machine and in this run, and what it never
+        sees (see :func:`~mlaprefill.audit.findings.audit_limits`). A run with no device
+        tensor at all (no CUDA here) saw no copy or read that could synchronize."""
+        return audit_limits(cuda_available=torch.cuda.is_available(),
+                            devices_seen=self.devices_seen,
+                            profiled=self.profiler_pageable_memcpy is not None)
+
     def summary(self) -> dict[str, Any]:
-        """JSON-ready summary: counts, groups, every finding, allowed count, profiler count."""
+        """JSON-ready summary: counts, groups (by location/kind/op and by frame), every
+        finding, the fix per kind, allowed count, profiler count, and what was not seen
+        (``complete`` is False when this machine or run hid a class of sync)."""
+        limits = self.limits()
         return {
             "num_findings": sum(f.count for f in self.findings),
             "num_allowed": len(self.allowed),
             "profiler_pageable_memcpy": self.profiler_pageable_memcpy,
+            "complete": all(x["scope"] == "always" for x in limits),
+            "devices_seen": sorted(self.devices_seen),
+            "not_seen": limits,
             "groups": self.groups(),
+            "by_frame": group_by_frame(self.findings),
+            "fixes": {f.kind: f.fix for f in self.findings},
             "findings": [f.to_dict() for f in self.findings],
         }
 
-    def report(self) -> str:
-        """Human-readable report grouped by location, with counts and bytes."""
+    def report(self, *, limits: bool = True) -> str:
+        """Human-readable report grouped by the first frame outside torch, with counts, bytes,
+        the fix per kind and (``limits``) what the audit could not see."""
         return format_report(self.findings, num_allowed=len(self.allowed),
-                             profiler_pageable_memcpy=self.profiler_pageable_memcpy)
+                             profiler_pageable_memcpy=self.profiler_pageable_memcpy,
+                             limits=self.limits() if limits else None)
 
     # ------------------------------------------------------------------ context manager
 
@@ -374,6 +401,12 @@ class HostSyncAudit(TorchDispatchMode):
         return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ op handlers
+
+    def _is_device(self, device: torch.device) -> bool:
+        on_device = bool(self._device_predicate(device))
+        if on_device:
+            self.devices_seen.add(str(device))
+        return on_device
 
     def _pinned(self, t: torch.Tensor) -> bool:
         if self._pinned_storages and t.untyped_storage().data_ptr() in self._pinned_storages:

@@ -1,0 +1,472 @@
+"""Flow analysis of the static lint: statements, branches, loops, facts and the checks.
+
+Each function is walked in statement order with an environment ``name -> kind`` (also
+``"obj.attr"`` paths assigned in the function). ``if``/``try``/``match`` branches start from the
+same environment and are merged with :func:`~mlaprefill.audit.lint_where.join`; a branch that
+returns, raises, breaks or continues does not reach the merge. Loop bodies are walked a second
+time from the merge of the entry state and the first iteration's exit state.
+
+The module is walked three times: the first two passes gather module facts (kinds assigned to
+attributes, returned by functions and methods, bound at module level), the third reports.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from mlaprefill.audit.lint_kinds import (
+    LIST,
+    Facts,
+    KindModel,
+    Scope,
+    dotted,
+    is_dtype_expr,
+    kwarg,
+)
+from mlaprefill.audit.lint_where import (
+    ARG,
+    CPU_DEV,
+    DEVICE,
+    HOST,
+    HOST_KINDS,
+    NONE,
+    PAGEABLE,
+    TENSOR_KINDS,
+    UNKNOWN,
+    join,
+)
+
+__all__ = ["Report", "analyze"]
+
+# (node, code, message) -> None
+Report = Callable[[ast.AST, str, str], None]
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy")
+_TERMINATORS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
+_VALUE_TYPES = frozenset({
+    "None", "Tensor", "ndarray", "Parameter", "Any", "int", "float", "bool", "str", "bytes",
+    "list", "tuple", "dict", "set", "List", "Tuple", "Dict", "Set", "Sequence", "Iterable",
+})
+
+
+def _src(node: ast.AST, limit: int = 48) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_true(node: ast.expr | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def _join_envs(envs: list[dict[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key in {k for e in envs for k in e}:
+        kind: str | None = None
+        for e in envs:
+            kind = join(kind, e.get(key))
+        out[key] = kind or UNKNOWN
+    return out
+
+
+def _annotation_class(node: ast.expr | None) -> str | None:
+    """``C`` for an annotation ``C``, ``"C"``, ``C | None``, ``Optional[C]``, ``mod.C``."""
+    if node is None:
+        return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        left, right = _annotation_class(node.left), _annotation_class(node.right)
+        return left or right
+    if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)):
+        outer = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+        return _annotation_class(node.slice) if outer == "Optional" else None
+    name = node.id if isinstance(node, ast.Name) else \
+        node.attr if isinstance(node, ast.Attribute) else None
+    # a tensor or array annotation says nothing about where the value lives
+    return None if name in _VALUE_TYPES else name
+
+
+class _Flow:
+    """One module's analysis; see the module docstring."""
+
+    def __init__(self, tree: ast.Module, report: Report) -> None:
+        self.tree = tree
+        self.model = KindModel(tree)
+        self._report = report
+        self.reporting = False
+        self.pending = Facts()
+
+    def run(self) -> None:
+        for final in (False, False, True):
+            self.reporting = final
+            self.pending = Facts()
+            scope = Scope(env={}, types={})
+            self._block(self.tree.body, scope)
+            self.pending.globals = {k: v for k, v in scope.env.items() if "." not in k}
+            if not final:
+                self.model.facts = self.pending
+
+    def _add(self, node: ast.AST, code: str, message: str) -> None:
+        if self.reporting:
+            self._report(node, code, message)
+
+    # ------------------------------------------------------------------ statements
+
+    def _block(self, stmts: list[ast.stmt], scope: Scope) -> bool:
+        """Walk ``stmts``; False when the block never falls through (return, raise, ...)."""
+        return all(self._stmt(s, scope) for s in stmts)  # stops at the first that does not
+
+    def _stmt(self, s: ast.stmt, scope: Scope) -> bool:
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self._function(s, scope)
+        elif isinstance(s, ast.ClassDef):
+            for d in s.decorator_list:
+                self._expr(d, scope)
+            self._block(s.body, Scope(env={}, types={}, cls=s.name, class_body=True))
+        elif isinstance(s, ast.Assign):
+            self._expr(s.value, scope)
+            for t in s.targets:
+                self._assign(t, s.value, scope)
+        elif isinstance(s, ast.AnnAssign):
+            if s.value is not None:
+                self._expr(s.value, scope)
+                self._assign(s.target, s.value, scope)
+        elif isinstance(s, ast.AugAssign):
+            self._expr(s.value, scope)
+            self._expr(s.target, scope)
+        elif isinstance(s, (ast.For, ast.AsyncFor, ast.While)):
+            self._loop(s, scope)
+        elif isinstance(s, ast.If):
+            self._expr(s.test, scope)
+            return self._branches([s.body, s.orelse], scope, fallthrough_env=False)
+        elif isinstance(s, (ast.With, ast.AsyncWith)):
+            for item in s.items:
+                self._expr(item.context_expr, scope)
+                if item.optional_vars is not None:
+                    self._bind(item.optional_vars, None, scope)
+            return self._block(s.body, scope)
+        elif isinstance(s, (ast.Try, ast.TryStar)):
+            return self._try(s, scope)
+        elif isinstance(s, ast.Match):
+            self._expr(s.subject, scope)
+            return self._branches([c.body for c in s.cases], scope, fallthrough_env=True)
+        elif isinstance(s, ast.Return):
+            if s.value is not None:
+                self._expr(s.value, scope)
+            if scope.function is not None:
+                kind = self.model.kind(s.value, scope) if s.value is not None else NONE
+                self.pending.add_return(scope.cls, scope.function, kind)
+            return False
+        elif isinstance(s, ast.Expr):
+            self._expr(s.value, scope)
+        elif isinstance(s, (ast.Raise, ast.Assert, ast.Delete)):
+            for child in ast.iter_child_nodes(s):
+                if isinstance(child, ast.expr):
+                    self._expr(child, scope)
+        return not isinstance(s, _TERMINATORS)
+
+    def _branches(self, blocks: list[list[ast.stmt]], scope: Scope, *,
+                  fallthrough_env: bool) -> bool:
+        """Walk alternative blocks from one state and merge the ones that fall through."""
+        outs: list[dict[str, str]] = [dict(scope.env)] if fallthrough_env else []
+        for block in blocks:
+            inner = scope.branch()
+            if self._block(block, inner):
+                outs.append(inner.env)
+        if not outs:
+            return False
+        scope.env.clear()
+        scope.env.update(_join_envs(outs))
+        return True
+
+    def _try(self, s: ast.Try, scope: Scope) -> bool:
+        body = scope.branch()
+        falls = self._block(s.body, body)
+        if falls and s.orelse:
+            falls = self._block(s.orelse, body)
+        outs = [body.env] if falls else []
+        for h in s.handlers:
+            # an exception can come from any statement of the body: start from either end
+            handler = scope.branch(_join_envs([scope.env, body.env]))
+            if h.type is not None:
+                self._expr(h.type, handler)
+            if h.name:
+                handler.env[h.name] = UNKNOWN
+            if self._block(h.body, handler):
+                outs.append(handler.env)
+        scope.env.clear()
+        scope.env.update(_join_envs(outs) if outs else body.env)
+        return self._block(s.finalbody, scope) and bool(outs)
+
+    def _loop(self, s: ast.For | ast.AsyncFor | ast.While, scope: Scope) -> None:
+        head = s.iter if isinstance(s, (ast.For, ast.AsyncFor)) else s.test
+        self._expr(head, scope)
+        entry = dict(scope.env)
+        state = entry
+        for _ in range(2):  # the first iteration, then any later one
+            body = scope.branch(dict(state), loop=scope.loop + 1)
+            if isinstance(s, (ast.For, ast.AsyncFor)):
+                self.model.bind_loop_target(s.target, s.iter, body)
+            else:
+                self._expr(s.test, body)
+            self._block(s.body, body)
+            merged = _join_envs([entry, body.env])
+            if merged == state:
+                break
+            state = merged
+        scope.env.clear()
+        scope.env.update(state)
+        self._block(s.orelse, scope)
+
+    def _function(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, scope: Scope) -> None:
+        for d in fn.decorator_list:
+            self._expr(d, scope)
+        args = fn.args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+        env = {k: v for k, v in scope.env.items() if "." not in k}
+        types: dict[str, str] = {}
+        is_method = scope.class_body
+        # A free function's device parameter is the caller's choice (device-agnostic
+        # helpers, CPU in tests); a method's is the device its component serves.
+        marker = UNKNOWN if is_method else ARG
+        for p in params:
+            if p is None:
+                continue
+            env[p.arg] = marker  # bound, unknown: conventions and hints apply, not globals
+            cls_name = _annotation_class(p.annotation)
+            if cls_name is not None:
+                types[p.arg] = cls_name
+        for default in [*args.defaults, *(d for d in args.kw_defaults if d is not None)]:
+            self._expr(default, scope)
+        inner = Scope(env=env, types=types, cls=scope.cls,
+                      hints=self.model.function_hints(fn),
+                      function=fn.name if is_method or (scope.cls is None and
+                      scope.function is None) else None)
+        if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
+                             for d in fn.decorator_list):
+            inner.cls = None
+            inner.function = None
+        self._block(fn.body, inner)
+
+    # ------------------------------------------------------------------ binding
+
+    def _assign(self, target: ast.expr, value: ast.expr, scope: Scope) -> None:
+        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) \
+                and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                self._assign(t, v, scope)
+            return
+        self._bind(target, value, scope)
+
+    def _bind(self, target: ast.expr, value: ast.expr | None, scope: Scope) -> None:
+        model = self.model
+        kind = model.kind(value, scope) if value is not None else None
+        if isinstance(target, ast.Name):
+            name = target.id
+            for key in [k for k in scope.env if k.startswith(name + ".")]:
+                del scope.env[key]
+            scope.env.pop("[]" + name, None)
+            if _is_list_value(value):
+                scope.env[name] = LIST
+                scope.env["[]" + name] = kind or UNKNOWN
+            else:
+                scope.env[name] = kind or UNKNOWN
+            cls_name = self._constructed_class(value, scope)
+            if cls_name is not None:
+                scope.types[name] = cls_name
+            if scope.class_body and scope.cls is not None:
+                self.pending.add_attr(scope.cls, name, kind)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:
+                self._bind_kind(t, kind if kind in TENSOR_KINDS else None, scope)
+        elif isinstance(target, ast.Starred):
+            self._bind(target.value, value, scope)
+        elif isinstance(target, ast.Attribute):
+            path = dotted(target)
+            if path is not None:
+                scope.env[path] = kind or UNKNOWN
+            owner = target.value
+            if isinstance(owner, ast.Name) and owner.id == "self" and scope.cls is not None:
+                self.pending.add_attr(scope.cls, target.attr, kind)
+            else:
+                owner_type = model.type_of(owner, scope)
+                if owner_type is not None:
+                    self.pending.add_attr(owner_type, target.attr, kind)
+                self.pending.add_attr(None, target.attr, kind)
+        elif isinstance(target, ast.Subscript):
+            self._add_to_list(target.value, kind, scope)
+
+    def _bind_kind(self, target: ast.expr, kind: str | None, scope: Scope) -> None:
+        if isinstance(target, ast.Name):
+            scope.env[target.id] = kind or UNKNOWN
+            scope.env.pop("[]" + target.id, None)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:
+                self._bind_kind(t, kind, scope)
+        elif isinstance(target, ast.Starred):
+            self._bind_kind(target.value, kind, scope)
+        elif isinstance(target, ast.Attribute):
+            path = dotted(target)
+            if path is not None:
+                scope.env[path] = kind or UNKNOWN
+
+    def _add_to_list(self, container: ast.expr, kind: str | None, scope: Scope) -> None:
+        """``lst[i] = x`` / ``lst.append(x)``: the list's items may now be ``x``'s kind."""
+        if isinstance(container, ast.Name) and scope.env.get(container.id) == LIST:
+            key = "[]" + container.id
+            scope.env[key] = join(scope.env.get(key), kind or UNKNOWN) or UNKNOWN
+
+    def _constructed_class(self, value: ast.expr | None, scope: Scope) -> str | None:
+        if not isinstance(value, ast.Call):
+            return None
+        f = value.func
+        if isinstance(f, ast.Name) and f.id in self.model.classes:
+            return f.id
+        if isinstance(f, ast.Name) and f.id == "cls" and scope.cls is not None:
+            return scope.cls
+        return None
+
+    # ------------------------------------------------------------------ expressions
+
+    def _expr(self, e: ast.expr, scope: Scope) -> None:
+        if isinstance(e, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            inner = scope.branch()
+            for gen in e.generators:
+                self._expr(gen.iter, inner)
+                self.model.bind_loop_target(gen.target, gen.iter, inner)
+                for cond in gen.ifs:
+                    self._expr(cond, inner)
+            for part in ([e.key, e.value] if isinstance(e, ast.DictComp) else [e.elt]):
+                self._expr(part, inner)
+            return
+        if isinstance(e, ast.Lambda):
+            inner = scope.branch(loop=0)
+            for arg in e.args.args:
+                inner.env[arg.arg] = UNKNOWN
+            self._expr(e.body, inner)
+            return
+        if isinstance(e, ast.NamedExpr):
+            self._expr(e.value, scope)
+            self._bind(e.target, e.value, scope)
+            return
+        for child in ast.iter_child_nodes(e):
+            if isinstance(child, ast.keyword):
+                self._expr(child.value, scope)
+            elif isinstance(child, ast.expr):
+                self._expr(child, scope)
+        if isinstance(e, ast.Call):
+            self._call(e, scope)
+
+    def _call(self, call: ast.Call, scope: Scope) -> None:
+        model = self.model
+        f = call.func
+        cls_name = model.is_class_call(f)
+        if cls_name == "cls" and scope.cls is not None:
+            cls_name = scope.cls  # cls(...) in a classmethod
+        if cls_name is not None:  # Metadata(seq_lens=...): what its fields will hold
+            for kw in call.keywords:
+                if kw.arg:
+                    kind = model.kind(kw.value, scope)
+                    self.pending.add_attr(None, kw.arg, kind)
+                    if cls_name in model.classes:
+                        self.pending.add_attr(cls_name, kw.arg, kind)
+        if not isinstance(f, ast.Attribute):
+            return
+        m = f.attr
+        if m in ("append", "extend", "insert") and call.args:
+            item = call.args[-1]
+            kind = model.kind(item, scope)
+            if m == "extend":
+                kind = kind if kind in TENSOR_KINDS else None
+            self._add_to_list(f.value, kind, scope)
+            return
+        if scope.loop > 0 and (
+            (m == "pin_memory" and not model.is_torch(f.value))
+            or (model.is_torch(f.value) and _is_true(kwarg(call, "pin_memory")))
+        ):
+            self._add(call, "HS102",
+                      f"`{_src(call)}` inside a loop pins a fresh buffer every iteration; "
+                      "allocate pinned staging once outside the loop and reuse it (guard reuse "
+                      "with an event so a pending copy is never overwritten)")
+            return
+        if model.is_torch(f.value):
+            return
+        if m in _HOST_READS:
+            self._check_host_read(call, f.value, f".{m}()", scope)
+        elif m == "to":
+            self._check_to(call, scope)
+        elif m == "cuda" and (_is_true(kwarg(call, "non_blocking"))
+                              or any(_is_true(a) for a in call.args[1:2])):
+            self._check_upload(call, f.value, scope, dest_known=True)
+        elif m == "copy_" and (_is_true(kwarg(call, "non_blocking")) or (
+                len(call.args) > 1 and _is_true(call.args[1]))):
+            src = call.args[0] if call.args else kwarg(call, "src")
+            dst_kind = model.kind(f.value, scope)
+            if src is not None and dst_kind not in HOST_KINDS:
+                self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_host_read(self, call: ast.Call, value: ast.expr, what: str, scope: Scope) -> None:
+        if self.model.kind(value, scope) == DEVICE:
+            self._add(call, "HS201",
+                      f"`{what}` of `{_src(value)}`, a device tensor, makes the host wait for "
+                      "the device; keep the value on the device, or keep a host copy of it "
+                      "(compute it on the host, e.g. in the plan)")
+
+    def _check_to(self, call: ast.Call, scope: Scope) -> None:
+        model = self.model
+        f = call.func
+        assert isinstance(f, ast.Attribute)
+        target = model.to_target(call)
+        if target is None:
+            return
+        nb_kw = kwarg(call, "non_blocking")
+        extra = [a for a in call.args[1:] if not is_dtype_expr(a)]
+        non_blocking = _is_true(nb_kw) or any(_is_true(a) for a in extra)
+        dest = model.device_kind(target, scope)
+        if dest == CPU_DEV:
+            if not non_blocking:
+                self._check_host_read(call, f.value, f".to({_src(target, 20)})", scope)
+            return
+        if non_blocking:
+            self._check_upload(call, f.value, scope, dest_known=True)
+
+    def _check_upload(self, call: ast.Call, src: ast.expr, scope: Scope, *,
+                      dest_known: bool) -> None:
+        """A non_blocking copy of ``src`` to a destination not known to be the host.
+
+        ``dest_known``: the copy is meant to reach a device (``.to(dev)``, ``.cuda()``, a
+        ``copy_`` into a device tensor); only then is an unplaceable source worth HS103.
+        """
+        kind = self.model.kind(src, scope)
+        if kind == PAGEABLE:
+            self._add(call, "HS101",
+                      f"non_blocking=True copy of `{_src(src)}`, pageable host memory: the "
+                      "host can block until all queued GPU work finishes; allocate it with "
+                      "pin_memory=True or copy it into a pinned staging buffer first")
+        elif kind in (None, HOST) and dest_known:
+            where = "host memory of unknown pinnedness" if kind == HOST else \
+                "memory the lint cannot place"
+            self._add(call, "HS103",
+                      f"non_blocking=True copy of `{_src(src)}`, {where}: if it is pageable "
+                      "host memory the host can block until all queued GPU work finishes; "
+                      "make sure it is pinned (or on the device)")
+
+
+def _is_list_value(value: ast.expr | None) -> bool:
+    if isinstance(value, (ast.List, ast.ListComp)):
+        return True
+    return (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)
+            and isinstance(value.left, ast.List))
+
+
+def analyze(tree: ast.AST, report: Report) -> None:
+    """Run the lint's flow analysis over a parsed module, calling ``report`` per finding."""
+    if isinstance(tree, ast.Module):
+        _Flow(tree, report).run()
+

@@ -1,0 +1,538 @@
+"""Kinds of expressions for the static lint: where the value of an expression lives.
+
+:class:`KindModel` answers "what kind (see :mod:`mlaprefill.audit.lint_where`) does this
+expression have, in this scope?" from the flow facts of the current function (a
+:class:`Scope`), module facts gathered by earlier passes (:class:`Facts`: attributes, return
+values, module globals) and engine naming conventions. ``None`` means unknown or not a tensor.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+
+from mlaprefill.audit.lint_where import (
+    ACC_DEV,
+    ARG,
+    CPU_DEV,
+    DEVICE,
+    HOST,
+    HOST_KINDS,
+    NONE,
+    PAGEABLE,
+    PINNED,
+    SAME_DEV,
+    TENSOR_KINDS,
+    UNKNOWN,
+    join,
+    name_kind,
+    op_result,
+)
+
+__all__ = ["LIST", "Facts", "KindModel", "Scope", "device_kind_of_str", "dotted", "is_dtype_expr",
+           "kwarg", "truthy_pin"]
+
+LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
+
+_FACTORIES = frozenset({
+    "arange", "range", "linspace", "logspace", "zeros", "ones", "empty", "full", "eye", "rand",
+    "randn", "randint", "randperm", "tensor", "empty_strided", "frombuffer", "scalar_tensor",
+})
+_NOT_TENSOR_TORCH = frozenset({
+    "is_tensor", "numel", "finfo", "iinfo", "get_default_dtype", "is_floating_point",
+    "manual_seed", "is_grad_enabled", "no_grad", "inference_mode", "Size", "dtype",
+    "equal", "allclose", "result_type", "promote_types", "can_cast",
+})
+# Views share storage: a view of pinned memory is pinned. Transposes and expands are views
+# too, but a non-dense pinned source is staged through a pageable temporary by torch, so
+# they count as pageable (as the runtime audit's strided_pinned_h2d does).
+_VIEWS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "narrow", "flatten", "unflatten", "unsqueeze",
+    "squeeze", "select", "detach", "split", "chunk", "unbind", "tensor_split", "__getitem__",
+})
+_NOT_TENSOR_METHODS = frozenset({
+    "size", "dim", "numel", "stride", "data_ptr", "element_size", "is_contiguous", "is_pinned",
+    "nelement", "storage_offset", "untyped_storage", "get_device", "tolist", "item",
+    "record_stream", "append", "extend", "insert", "pop", "get", "keys", "items", "values",
+    "update", "setdefault", "index", "count", "join", "format", "startswith", "endswith",
+    "is_floating_point", "is_complex", "type", "__len__", "equal", "allclose",
+})
+_NEW_LIKE = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+_SAME_KIND_ATTRS = frozenset({"values", "indices", "data", "real", "imag"})
+_NON_TENSOR_ATTRS = frozenset({
+    "shape", "dtype", "ndim", "is_cuda", "is_cpu", "layout", "requires_grad", "grad_fn",
+    "is_leaf", "names", "itemsize", "nbytes",
+})
+_DTYPE_NAMES = frozenset({
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "int16",
+    "short", "int32", "int", "int64", "long", "uint8", "uint16", "uint32", "uint64", "bool",
+    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+})
+_ACC_PREFIXES = ("cuda", "meta", "xpu", "mps", "hip", "npu", "xla", "hpu", "privateuseone")
+_CAMEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")
+
+
+def device_kind_of_str(value: str) -> str | None:
+    """``cpu-dev`` / ``acc-dev`` for a device string, None for anything else."""
+    head = value.split(":")[0].strip().lower()
+    if head == "cpu":
+        return CPU_DEV
+    if head in _ACC_PREFIXES:
+        return ACC_DEV
+    return None
+
+
+def dotted(node: ast.expr) -> str | None:
+    """``"a.b.c"`` for an attribute chain rooted at a name, else None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def kwarg(call: ast.Call, name: str) -> ast.expr | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    return None
+
+
+def truthy_pin(node: ast.expr | None) -> bool:
+    """``pin_memory=`` anything but a literal False/None: a flag such as ``pin_memory=pin``
+    requests pinning whenever pinning is available, which is when it matters."""
+    return node is not None and not (isinstance(node, ast.Constant)
+                                     and node.value in (False, None))
+
+
+def is_dtype_expr(node: ast.expr) -> bool:
+    """``torch.int32``, ``x.dtype``, ``dtype``, ``positions_dtype``: a dtype, not a device."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in _DTYPE_NAMES or node.attr.endswith("dtype")
+    return isinstance(node, ast.Name) and node.id.endswith("dtype")
+
+
+@dataclasses.dataclass(slots=True)
+class Scope:
+    """Flow state of one function (or class/module body) during a pass."""
+
+    env: dict[str, str]
+    types: dict[str, str]
+    cls: str | None = None
+    hints: frozenset[str] = frozenset()
+    loop: int = 0
+    class_body: bool = False
+    function: str | None = None
+
+    def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
+        """The same scope over another env (a copy of this one by default)."""
+        return dataclasses.replace(self, env=dict(self.env) if env is None else env,
+                                   loop=self.loop if loop is None else loop)
+
+
+@dataclasses.dataclass(slots=True)
+class Facts:
+    """Module-wide knowledge from a whole pass: ``attrs[(class or None, attr)]`` and
+    ``returns[(class or None, function)]`` hold the join of every known kind assigned or
+    returned; ``globals`` the module body's names at its end."""
+
+    attrs: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
+    returns: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
+    globals: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def add_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
+        if kind in (None, NONE, UNKNOWN, LIST):
+            return
+        key = (owner, attr)
+        self.attrs[key] = join(self.attrs.get(key), kind) or kind
+
+    def add_return(self, owner: str | None, name: str, kind: str | None) -> None:
+        key = (owner, name)
+        self.returns[key] = join(self.returns.get(key), kind or UNKNOWN) or UNKNOWN
+
+
+class KindModel:
+    """Kinds of expressions in one module; see the module docstring."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.torch_names = {"torch"}
+        self.numpy_names: set[str] = set()
+        self.classes: set[str] = set()
+        self.functions: set[str] = set()
+        self.methods: set[tuple[str, str]] = set()
+        self.identifiers: set[str] = set()
+        self.hint_attrs: set[str] = set()
+        self.facts = Facts()
+        self._scan(tree)
+
+    # ------------------------------------------------------------------ syntax, once
+
+    def _scan(self, tree: ast.Module) -> None:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == "torch":
+                        self.torch_names.add(alias.asname or "torch")
+                    elif alias.name == "numpy":
+                        self.numpy_names.add(alias.asname or "numpy")
+            elif isinstance(node, ast.ClassDef):
+                self.classes.add(node.name)
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        self.methods.add((node.name, item.name))
+            elif isinstance(node, ast.Name):
+                self.identifiers.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                self.identifiers.add(node.attr)
+            elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
+                self.identifiers.add(node.arg)
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions.add(node.name)
+        for arg in self._device_args(tree):
+            if isinstance(arg, ast.Attribute) and arg.attr == "device" \
+                    and isinstance(arg.value, ast.Attribute):
+                self.hint_attrs.add(arg.value.attr)
+        self._hint_sources(tree)
+
+    @staticmethod
+    def _device_args(node: ast.AST) -> list[ast.expr]:
+        """Expressions used as a device: ``device=`` arguments and the target of ``.to()``."""
+        out: list[ast.expr] = []
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            dev = kwarg(call, "device")
+            if dev is not None:
+                out.append(dev)
+            elif (isinstance(call.func, ast.Attribute) and call.func.attr == "to"
+                  and call.args):
+                out.append(call.args[0])
+        return out
+
+    def function_hints(self, fn: ast.AST) -> frozenset[str]:
+        """Names ``x`` whose ``x.device`` this function uses as a device: engines write
+        ``device=x.device`` for tensors that live on the accelerator."""
+        return frozenset(
+            a.value.id for a in self._device_args(fn)
+            if isinstance(a, ast.Attribute) and a.attr == "device"
+            and isinstance(a.value, ast.Name))
+
+    def _hint_sources(self, tree: ast.Module) -> None:
+        """``x = obj.attr`` in a function that uses ``x.device`` as a device: ``attr`` is a
+        device attribute elsewhere too."""
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            hinted = self.function_hints(fn)
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute)
+                        and any(isinstance(t, ast.Name) and t.id in hinted
+                                for t in node.targets)):
+                    self.hint_attrs.add(node.value.attr)
+
+    def is_torch(self, node: ast.expr) -> bool:
+        root = node
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return isinstance(root, ast.Name) and root.id in self.torch_names
+
+    def is_class_call(self, func: ast.expr) -> str | None:
+        """The class name of a constructor-looking callee (``Meta(...)``, ``self.meta_cls``)."""
+        name = func.attr if isinstance(func, ast.Attribute) else \
+            func.id if isinstance(func, ast.Name) else None
+        if name is None:
+            return None
+        if name in self.classes or _CAMEL.match(name) or name.endswith("cls"):
+            return name
+        return None
+
+    # ------------------------------------------------------------------ names
+
+    def convention(self, name: str, *, attribute: bool = False, hint: bool = False) -> str | None:
+        """What the name alone says (suffixes, a ``.device`` used as a device, and for
+        attributes a ``<name>_cpu`` / ``_host`` / ``_np`` twin in the module)."""
+        k = name_kind(name, attribute=attribute)
+        if k is not None:
+            return k
+        if hint:
+            return DEVICE
+        if attribute and any(name + s in self.identifiers for s in ("_cpu", "_host", "_np")):
+            return DEVICE
+        return None
+
+    def name(self, ident: str, scope: Scope) -> str | None:
+        if ident in self.torch_names or ident in self.numpy_names:
+            return None
+        v = scope.env.get(ident)
+        if v == LIST:
+            return _known(scope.env.get("[]" + ident))
+        if v is None:
+            v = self.facts.globals.get(ident)
+        if v is not None and v not in (UNKNOWN, ARG):
+            return v if v != LIST else None
+        return self.convention(ident, hint=ident in scope.hints)
+
+    def type_of(self, node: ast.expr, scope: Scope) -> str | None:
+        if isinstance(node, ast.Name):
+            if node.id in ("self", "cls") and scope.cls is not None:
+                return scope.cls
+            return scope.types.get(node.id)
+        return None
+
+    def attribute(self, node: ast.Attribute, scope: Scope) -> str | None:
+        a = node.attr
+        if a == "device":
+            k = self.kind(node.value, scope)
+            if k in TENSOR_KINDS:
+                return ACC_DEV if k == DEVICE else CPU_DEV
+            if self.type_of(node.value, scope) is None:
+                return SAME_DEV  # a tensor we cannot place: the device is unknown too
+            # else the device of an object (``self.device``): its facts or its name say
+        if a in _NON_TENSOR_ATTRS:
+            return None
+        if a in _SAME_KIND_ATTRS:
+            return self.kind(node.value, scope)
+        if a in ("T", "mT", "H", "mH"):
+            k = self.kind(node.value, scope)
+            return PAGEABLE if k == PINNED else k
+        path = dotted(node)
+        if path is not None and path in scope.env:
+            v = scope.env[path]
+            if v not in (UNKNOWN, LIST):
+                return v
+        owner = self.type_of(node.value, scope)
+        if owner is None or owner in self.classes:
+            # this module's class: its own facts, else what any constructor call was given
+            fact = self.facts.attrs.get((owner, a)) if owner is not None else None
+            if fact is None:
+                fact = self.facts.attrs.get((None, a))
+            if fact is not None:
+                return _known(fact)
+        return self.convention(a, attribute=True, hint=a in self.hint_attrs)
+
+    # ------------------------------------------------------------------ devices
+
+    def device_kind(self, node: ast.expr | None, scope: Scope) -> str | None:
+        """``cpu-dev`` / ``acc-dev`` for a device expression, None when unknown."""
+        if node is None or (isinstance(node, ast.Constant) and node.value is None):
+            return CPU_DEV  # the default device
+        if isinstance(node, ast.Constant):
+            return device_kind_of_str(node.value) if isinstance(node.value, str) else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "device" and self.is_torch(node.func.value):
+            arg = node.args[0] if node.args else kwarg(node, "type")
+            return self.device_kind(arg, scope) if arg is not None else None
+        if isinstance(node, ast.IfExp):
+            a, b = self.device_kind(node.body, scope), self.device_kind(node.orelse, scope)
+            return a if a == b else None
+        if isinstance(node, ast.Name) and scope.env.get(node.id) == ARG:
+            return SAME_DEV  # the caller's device: the caller decides
+        k = self.kind(node, scope)
+        if k in (CPU_DEV, ACC_DEV, SAME_DEV):
+            return k
+        if k in HOST_KINDS:
+            return CPU_DEV
+        if k == DEVICE:
+            return ACC_DEV
+        return None
+
+    def made_on(self, device: ast.expr, scope: Scope) -> str | None:
+        """Kind of a tensor allocated with ``device=device``: anything not known to be the
+        CPU is taken to be the accelerator (engines pass ``self.device``), except the device
+        of a tensor whose place is unknown (the new tensor is wherever that one is)."""
+        dk = self.device_kind(device, scope)
+        return PAGEABLE if dk == CPU_DEV else None if dk == SAME_DEV else DEVICE
+
+    def to_target(self, call: ast.Call) -> ast.expr | None:
+        """The device (or tensor) argument of ``x.to(...)``; None for a dtype-only ``.to``."""
+        dev = kwarg(call, "device")
+        if dev is not None:
+            return dev
+        if call.args and not is_dtype_expr(call.args[0]):
+            return call.args[0]
+        return None
+
+    # ------------------------------------------------------------------ expressions
+
+    def kind(self, node: ast.expr, scope: Scope) -> str | None:
+        """Kind of ``node`` (see :mod:`mlaprefill.audit.lint_where`); None: unknown."""
+        if isinstance(node, ast.Name):
+            return self.name(node.id, scope)
+        if isinstance(node, ast.Constant):
+            if node.value is None:
+                return NONE
+            return device_kind_of_str(node.value) if isinstance(node.value, str) else None
+        if isinstance(node, ast.Attribute):
+            return self.attribute(node, scope)
+        if isinstance(node, ast.Subscript):
+            k = self.kind(node.value, scope)
+            return k if k in TENSOR_KINDS else None
+        if isinstance(node, ast.Call):
+            return self.call(node, scope)
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.left, (ast.List, ast.Tuple)) and isinstance(node.op, ast.Mult):
+                return self.kind(node.left, scope)  # [None] * n
+            return op_result([self.kind(node.left, scope), self.kind(node.right, scope)])
+        if isinstance(node, ast.UnaryOp):
+            if isinstance(node.op, ast.Not):
+                return None
+            return op_result([self.kind(node.operand, scope)])
+        if isinstance(node, ast.Compare):
+            if any(isinstance(op, (ast.Is, ast.IsNot, ast.In, ast.NotIn)) for op in node.ops):
+                return None
+            return op_result([self.kind(n, scope) for n in [node.left, *node.comparators]])
+        if isinstance(node, ast.IfExp):
+            return _known(join(self.kind(node.body, scope) or UNKNOWN,
+                               self.kind(node.orelse, scope) or UNKNOWN))
+        if isinstance(node, ast.NamedExpr):
+            return self.kind(node.value, scope)
+        if isinstance(node, ast.Starred):
+            return self.kind(node.value, scope)
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            out: str | None = NONE
+            for e in node.elts:
+                out = join(out, self.kind(e, scope) or UNKNOWN)
+            return _known(out) if node.elts else NONE
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
+            inner = scope.branch()
+            for gen in node.generators:
+                self.bind_loop_target(gen.target, gen.iter, inner)
+            return self.kind(node.elt, inner)
+        return None
+
+    def inputs(self, call: ast.Call, scope: Scope) -> list[str | None]:
+        """Kinds of the tensor inputs of a torch op (list arguments flattened)."""
+        out: list[str | None] = []
+        for a in [*call.args, *(kw.value for kw in call.keywords if kw.arg not in (
+                "dtype", "device", "out", "pin_memory", "layout", "requires_grad"))]:
+            if isinstance(a, (ast.List, ast.Tuple)):
+                out.extend(self.kind(e, scope) for e in a.elts)
+            else:
+                out.append(self.kind(a, scope))
+        return out
+
+    def call(self, call: ast.Call, scope: Scope) -> str | None:
+        f = call.func
+        if isinstance(f, ast.Name):
+            if f.id in self.functions:
+                return _known(self.facts.returns.get((None, f.id)))
+            return None
+        if not isinstance(f, ast.Attribute):
+            return None
+        if isinstance(f.value, ast.Name) and f.value.id in self.torch_names:
+            return self.torch_call(f.attr, call, scope)
+        if self.is_torch(f.value):  # torch.nn.functional.pad(x, ...), torch.ops...
+            return op_result(self.inputs(call, scope))
+        if isinstance(f.value, ast.Name) and f.value.id in self.numpy_names:
+            if f.attr in ("asarray", "ascontiguousarray") and call.args:
+                k = self.kind(call.args[0], scope)
+                return k if k in HOST_KINDS else PAGEABLE
+            return PAGEABLE
+        owner = self.type_of(f.value, scope)
+        if owner is not None and (owner, f.attr) in self.methods:
+            return _known(self.facts.returns.get((owner, f.attr)))
+        return self.method(f.attr, call, f.value, scope)
+
+    def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
+        if m == "device":
+            return self.device_kind(call, scope)
+        if m in _NOT_TENSOR_TORCH:
+            return None
+        if truthy_pin(kwarg(call, "pin_memory")):
+            return PINNED
+        out = kwarg(call, "out")
+        if out is not None:
+            return self.kind(out, scope)
+        dev = kwarg(call, "device")
+        if dev is not None:
+            return self.made_on(dev, scope)
+        if m in _FACTORIES:
+            return PAGEABLE
+        first = call.args[0] if call.args else None
+        if m.endswith("_like"):
+            return op_result([self.kind(first, scope)]) if first is not None else None
+        if m in ("as_tensor", "asarray") and first is not None:
+            if isinstance(first, (ast.List, ast.Tuple, ast.ListComp)):
+                return PAGEABLE
+            k = self.kind(first, scope)
+            return k if k in TENSOR_KINDS else None
+        if m == "from_numpy" and first is not None:
+            k = self.kind(first, scope)
+            return k if k in HOST_KINDS else PAGEABLE  # a NumPy array is pageable memory
+        return op_result(self.inputs(call, scope))
+
+    def method(self, m: str, call: ast.Call, recv: ast.expr, scope: Scope) -> str | None:
+        if m in _NOT_TENSOR_METHODS:
+            return None
+        if m == "pin_memory":
+            return PINNED
+        if m == "cuda":
+            return DEVICE
+        rk = self.kind(recv, scope)
+        if m in ("cpu", "numpy"):
+            return PAGEABLE if rk == DEVICE else rk if rk in HOST_KINDS else HOST
+        if m == "to":
+            return self.to_result(call, rk, scope)
+        if m in _NEW_LIKE:
+            if truthy_pin(kwarg(call, "pin_memory")):
+                return PINNED
+            dev = kwarg(call, "device")
+            return self.made_on(dev, scope) if dev is not None else op_result([rk])
+        if m.endswith("_") and not m.startswith("_"):
+            return rk  # in-place ops return self
+        if m in _VIEWS:
+            return rk if rk in TENSOR_KINDS else None
+        return op_result([rk])
+
+    def to_result(self, call: ast.Call, rk: str | None, scope: Scope) -> str | None:
+        target = self.to_target(call)
+        if target is None:  # dtype conversion: a new tensor where the source lives
+            return PAGEABLE if rk == PINNED else rk
+        dk = self.device_kind(target, scope)
+        if dk == CPU_DEV:
+            return PAGEABLE if rk == DEVICE else rk if rk in HOST_KINDS else HOST
+        return None if dk == SAME_DEV else DEVICE
+
+    # ------------------------------------------------------------------ loops
+
+    def elem_kinds(self, it: ast.expr, scope: Scope) -> list[str | None] | str | None:
+        """Kind of the items of an iterable: a list per position for ``zip`` / ``enumerate``."""
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
+            if it.func.id == "zip":
+                return [self.kind(a, scope) for a in it.args]
+            if it.func.id == "enumerate" and it.args:
+                return [None, self.kind(it.args[0], scope)]
+            if it.func.id in ("range", "len", "sorted", "reversed", "list", "set"):
+                return None
+        k = self.kind(it, scope)
+        return k if k in TENSOR_KINDS else None
+
+    def bind_loop_target(self, target: ast.expr, it: ast.expr, scope: Scope) -> None:
+        """Bind a ``for`` / comprehension target in ``scope.env`` (no facts recorded)."""
+        elems = self.elem_kinds(it, scope)
+        if isinstance(elems, list) and isinstance(target, (ast.Tuple, ast.List)) \
+                and len(elems) == len(target.elts):
+            for t, k in zip(target.elts, elems, strict=True):
+                _bind_plain(t, k if k in TENSOR_KINDS else None, scope)
+        else:
+            _bind_plain(target, elems if isinstance(elems, str) else None, scope)
+
+
+def _known(kind: str | None) -> str | None:
+    return None if kind in (UNKNOWN, LIST, ARG) else kind
+
+
+def _bind_plain(target: ast.expr, kind: str | None, scope: Scope) -> None:
+    if isinstance(target, ast.Name):
+        scope.env[target.id] = kind or UNKNOWN
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for t in target.elts:
+            _bind_plain(t, kind if kind in TENSOR_KINDS else None, scope)
+    elif isinstance(target, ast.Starred):
+        _bind_plain(target.value, kind, scope)
+

@@ -1,0 +1,149 @@
+"""Output of the static lint for people and tools: text, JSON, SARIF 2.1.0, GitHub annotations,
+and the long explanation of each code (``mlaprefill lint --explain CODE``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlaprefill
+from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding
+
+__all__ = ["EXPLANATIONS", "FORMATS", "format_findings", "to_github", "to_sarif"]
+
+FORMATS = ("text", "json", "sarif", "github")
+
+EXPLANATIONS: dict[str, str] = {
+    "HS101": """\
+HS101  non_blocking copy to a device from pageable host memory
+
+What: `x.to(device, non_blocking=True)`, `x.cuda(non_blocking=True)` or
+`dst.copy_(x, non_blocking=True)` where `x` is known to be ordinary (pageable) host memory:
+made on the host by torch or NumPy without pin_memory, or computed from host tensors.
+
+Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
+the host wait until every kernel already queued has finished (measured: 68-71 ms behind 55 ms
+of queued work on an H200 from 3 MiB up). `torch.cuda.set_sync_debug_mode` does not report it.
+
+Fix: allocate the source with pin_memory=True, or copy it into a pinned staging buffer that is
+reused only after an event says its last copy is done (see mlaprefill.StagingRing):
+
+    starts = torch.arange(n, dtype=torch.int32) * chunk
+    starts_dev = starts.to(device, non_blocking=True)          # HS101
+    host = torch.empty(n, dtype=torch.int32, pin_memory=True)
+    torch.mul(torch.arange(n, dtype=torch.int32), chunk, out=host)
+    starts_dev = host.to(device, non_blocking=True)             # clean
+
+Reported when one path makes the source pageable and no path pins it or puts it on a device.
+A pageable fallback on purpose (no CUDA, a benchmark baseline): add `# noqa: HS101`.""",
+    "HS102": """\
+HS102  pinning inside a loop
+
+What: `.pin_memory()` or a torch factory with pin_memory=True inside a `for`/`while` body.
+
+Why: each call allocates page-locked memory (cudaHostAlloc, or the caching host allocator):
+slow, and pinned memory is a scarce resource.
+
+Fix: allocate one pinned staging buffer outside the loop and copy into slices of it; guard its
+reuse with a CUDA event so a pending copy is never overwritten.""",
+    "HS103": """\
+HS103  non_blocking copy to a device from memory the lint cannot place (opt-in)
+
+What: like HS101, but the source is an argument, an attribute set in another module, or a
+host value whose pinnedness is unknown (`*_cpu`), so it may be pinned, pageable or on the
+device already. Off by default so that the default output stays precise; turn it on with
+`--select HS,HS103` (flake8: `--hostsync-enable HS103`) to review every upload.
+
+Fix: make sure the source is pinned (or already on the device); when it is, say so where it is
+made (pin_memory=True in this module) or add `# noqa: HS103`.""",
+    "HS201": """\
+HS201  host read of a device tensor
+
+What: `.item()`, `.tolist()`, `.cpu()`, `.numpy()` or a blocking `.to("cpu")` of a tensor the lint
+knows is on the device: made with device= something not known to be the CPU (a free function's
+own device parameter excepted: the caller chooses it), moved there, computed from device
+tensors, or named so (`*_gpu`, `x` beside `x_cpu`, `x` whose `x.device` is used as a device).
+
+Why: the host stops until the device has finished everything queued before the read, so the
+next step's host work cannot overlap the GPU.
+
+Fix: keep a host copy of the integers you need (compute them on the host, e.g. in the plan), or
+keep the value on the device; if it must come back, copy non_blocking into pinned memory and
+wait on an event where it is read. An intended read (a debug check): `# noqa: HS201`.""",
+}
+
+_LEVELS = {"HS101": "warning", "HS102": "warning", "HS103": "note", "HS201": "warning"}
+_RULE_NAMES = {"HS101": "PageableNonBlockingCopy", "HS102": "PinMemoryInLoop",
+               "HS103": "UnplacedNonBlockingCopy", "HS201": "DeviceTensorHostRead"}
+
+
+def _uri(path: str) -> str:
+    """Repository-relative POSIX path when under the working directory, else a file URI."""
+    rel = os.path.relpath(os.path.abspath(path))
+    if rel.startswith(".."):
+        return Path(path).resolve().as_uri()
+    return Path(rel).as_posix()
+
+
+def to_sarif(findings: Sequence[LintFinding]) -> dict[str, Any]:
+    """A SARIF 2.1.0 log (one run) for code-scanning upload."""
+    codes = sorted(CODES)
+    rules = [{
+        "id": code,
+        "name": _RULE_NAMES[code],
+        "shortDescription": {"text": CODES[code]},
+        "fullDescription": {"text": EXPLANATIONS[code].split("\n\n")[1]},
+        "help": {"text": EXPLANATIONS[code]},
+        "defaultConfiguration": {"level": _LEVELS[code], "enabled": code not in OPT_IN},
+    } for code in codes]
+    results = [{
+        "ruleId": f.code,
+        "ruleIndex": codes.index(f.code),
+        "level": _LEVELS[f.code],
+        "message": {"text": f.message},
+        "locations": [{"physicalLocation": {
+            "artifactLocation": {"uri": _uri(f.path)},
+            "region": {"startLine": f.line, "startColumn": f.col + 1},
+        }}],
+    } for f in findings]
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {"name": "mlaprefill-lint", "version": mlaprefill.__version__,
+                                "rules": rules}},
+            "results": results,
+        }],
+    }
+
+
+def _escape(value: str, *, prop: bool) -> str:
+    value = value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return value.replace(":", "%3A").replace(",", "%2C") if prop else value
+
+
+def to_github(findings: Sequence[LintFinding]) -> list[str]:
+    """GitHub Actions workflow commands: one ``::warning file=...`` line per finding."""
+    return [
+        f"::{'notice' if f.code in OPT_IN else 'warning'} "
+        f"file={_escape(f.path, prop=True)},line={f.line},col={f.col + 1},"
+        f"title={f.code}::{_escape(f.message, prop=False)}"
+        for f in findings
+    ]
+
+
+def format_findings(findings: Sequence[LintFinding], fmt: str, *, num_files: int) -> str:
+    """The whole stdout of ``mlaprefill lint`` in format ``fmt`` (one of :data:`FORMATS`)."""
+    if fmt == "json":
+        return json.dumps({"num_files": num_files, "num_findings": len(findings),
+                           "findings": [f.to_dict() for f in findings]}, indent=2)
+    if fmt == "sarif":
+        return json.dumps(to_sarif(findings), indent=2)
+    if fmt == "github":
+        return "\n".join(to_github(findings))
+    if fmt == "text":
+        return "\n".join(f.format_text() for f in findings)
+    raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
