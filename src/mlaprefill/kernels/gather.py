@@ -161,11 +161,13 @@ def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
         bad_np = bad.numpy()
         if bad_np.any():
             j0 = int(bad_np.argmax())
-            r = int(req.numpy()[j0])
+            # CPU tensors here (on_cpu): reading them is no device sync
+            r = int(req.numpy()[j0])  # noqa: HS201
+            tok = int(pos.numpy()[j0])  # noqa: HS201
             raise ValueError(
                 f"block_table[{r}] holds block id {int(block.numpy()[j0])} outside [0, "
-                f"num_blocks={num_blocks}) for context token {int(pos.numpy()[j0])} of request "
-                f"{r}; every block the context needs must index kv_cache")
+                f"num_blocks={num_blocks}) for context token {tok} of request {r}; every block "
+                f"the context needs must index kv_cache")
     rows = workspace[:num_rows]
     rows.copy_(kv_cache[block.clamp(0, max(num_blocks - 1, 0)), pos % page_size])
     if not on_cpu:
