@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, fh, indent=2)
     m = result["machine"]
     plot_stallmap(result, os.path.join(args.out, "stallmap.png"),
-                  title=f"{m.get('gpu')}, driver {m.get('driver')}, torch {m['torch']}: "
+                  title=f"{m.get('device_name')}, driver {m.get('driver')}, torch {m['torch']}: "
                         f"{args.queue_ms:g} ms queued")
-    print(f"{m.get('gpu')}  driver {m.get('driver')}  torch {m['torch']}  CUDA "
-          f"{m['cuda_runtime']}  ({time.perf_counter() - t0:.1f} s)")
+    print(f"{m.get('device_name')}  driver {m.get('driver')}  torch {m['torch']}  CUDA "
+          f"{m['cuda']}  ({time.perf_counter() - t0:.1f} s)")
     for c in checks:
         print(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['check']}: got {c['got']}"
               + (f" profiler={c['profiler_pageable_memcpy']}"

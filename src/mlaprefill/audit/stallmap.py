@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import re
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlaprefill._env import triton_version, utc_now
+from mlaprefill._env import utc_now
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -228,38 +227,15 @@ def plot_stallmap(result: dict[str, Any], path: str, *, title: str = "") -> None
 
 
 def machine_info() -> dict[str, Any]:
-    """GPU name, driver, torch/CUDA/triton versions, host (best effort, never raises)."""
+    """The machine of a stall map: :func:`mlaprefill._env.machine_info` of the current CUDA
+    device (the CPU without CUDA); best effort, never raises."""
     import torch
 
-    info: dict[str, Any] = {
-        "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-    }
-    info["triton"] = triton_version()
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["driver"] = _driver_version()
-    return info
+    from mlaprefill._env import machine_info as env_machine_info
 
-
-def _driver_version() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return out.strip().splitlines()[0]
-    except Exception:  # nvidia-smi missing: ask the driver API
-        pass
-    try:
-        import ctypes
-
-        version = ctypes.c_int()
-        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
-        return f"CUDA driver API {version.value // 1000}.{version.value % 1000 // 10}"
-    except Exception:
-        return None
+    cuda = torch.cuda.is_available()
+    return env_machine_info(torch.device("cuda", torch.cuda.current_device()) if cuda
+                            else torch.device("cpu"))
 
 
 class CudaCopyTimer:
@@ -399,9 +375,10 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, fh, indent=2)
     if args.plot:
         m = result["machine"]
-        plot_stallmap(result, args.plot, title=f"{m.get('gpu', '')}, driver {m.get('driver')}, "
-                                               f"torch {m['torch']}: {args.queue_ms:g} ms queued")
-    print(f"{result['machine'].get('gpu')}  queued {args.queue_ms:g} ms  repeats {args.repeats}  "
-          f"({result['wall_s']:.1f} s)")
+        plot_stallmap(result, args.plot,
+                      title=f"{m.get('device_name', '')}, driver {m.get('driver')}, "
+                            f"torch {m['torch']}: {args.queue_ms:g} ms queued")
+    print(f"{result['machine'].get('device_name')}  queued {args.queue_ms:g} ms  repeats "
+          f"{args.repeats}  ({result['wall_s']:.1f} s)")
     print(format_table(result))
     return 0
