@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 import traceback
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mlaprefill._env import utc_now
+from mlaprefill._env import machine_info, utc_now
 
 H = 128
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
@@ -657,7 +656,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    import triton
 
     device = "cuda"
     backends = [b for b in args.backends.split(",") if b]
@@ -665,10 +663,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "command": " ".join(sys.argv), "argv": sys.argv,
         "date_utc": utc_now(offset=True),
-        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
-                    "torch": torch.__version__, "triton": triton.__version__,
-                    "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-                    "python": platform.python_version()},
+        "machine": machine_info(torch.device(device)),
     }
     checks: dict[str, Any] = {}
     results["checks"] = checks

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from mlaprefill._env import utc_now
+from mlaprefill._env import machine_info, utc_now
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import get_backend
 from mlaprefill.batch import PrefillBatch
@@ -101,8 +101,7 @@ def _report(out: str, rows_out: list[dict], shape: dict) -> None:
     torch.cuda.synchronize()
     doc = {"benchmark": "determinism", "argv": sys.argv,
            "date_utc": utc_now(offset=True),
-           "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+           "machine": machine_info(torch.device("cuda")),
            "shape": shape, "rows": rows_out}
     Path(out).write_text(json.dumps(doc, indent=1))
     print(f"{'stage':<15} {'backend':<8} {'bitwise':<8} max|diff|")

@@ -67,6 +67,7 @@ def machine_info(device: Any) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["driver"] = _nvidia_smi_driver()
+        info["cudnn"] = torch.backends.cudnn.version()
     else:
         info["device_name"] = cpu_name()
     return info
