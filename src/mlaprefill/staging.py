@@ -275,9 +275,9 @@ class StagingRing:
             )
         try:
             dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"StagingRing device {device!r} is not a device ({exc}); pass "
-                             f"'cuda', 'cuda:N' or 'cpu'.") from None
+        except (RuntimeError, TypeError):
+            raise ValueError(f"StagingRing device {device!r} ({type(device).__name__}) is not a "
+                             f"device torch knows here; pass 'cuda', 'cuda:N' or 'cpu'.") from None
         if dev.type not in ("cpu", "cuda"):
             # Checked here: other devices (meta, ...) would only fail at the first upload.
             raise ValueError(f"StagingRing device {dev} is not supported; staging ships plans "
