@@ -704,6 +704,8 @@ def bench_argv(draw):
         argv += [flag, str(_TMP / value) if flag == "--out" else value]
     if "--dry-run" not in argv and "--device" not in argv:
         argv += ["--device", "cpu"]
+    if "--dry-run" not in argv and "--out" not in argv:
+        argv += ["--out", str(_TMP / "OUT")]  # never the default ./bench-out of the cwd
     return argv
 
 
