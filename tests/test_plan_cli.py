@@ -228,3 +228,12 @@ def test_closed_pipe_is_not_a_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0
     assert first.startswith(b"policy=packed") and "Traceback" not in err, err
+
+
+def test_batches_from_stdin(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"context_lens": [100], "query_lens": [2]}\n'))
+    rc, out, err = run_cli(capsys, "--batches", "-", "--workspace-tokens", "64",
+                           "--page-size", "16")
+    assert rc == 0 and err == "" and json.loads(out)["num_iterations"] == 2

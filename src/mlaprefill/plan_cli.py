@@ -19,6 +19,7 @@ with exit 2 (a 2e9-token context in 64-token iterations would otherwise take GiB
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from typing import Any
@@ -224,8 +225,12 @@ def run(args: argparse.Namespace) -> int:
             return _error("--batches replaces --context-lens/--query-lens; give one or the other")
         try:
             # bytes, decoded per line: a non-UTF-8 line is reported with its number
-            fh = (sys.stdin.buffer if args.batches == "-"
-                  else open(args.batches, "rb"))  # noqa: SIM115
+            if args.batches == "-":
+                # a text-only stdin (embedding callers) is re-encoded as UTF-8
+                fh = getattr(sys.stdin, "buffer", None) or io.BytesIO(
+                    sys.stdin.read().encode("utf-8", "surrogateescape"))
+            else:
+                fh = open(args.batches, "rb")  # noqa: SIM115
         except OSError as exc:
             return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
         plans = []
