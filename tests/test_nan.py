@@ -116,9 +116,10 @@ def _backend_isolation(name, device, dtype):
     """NaN in sequence 1's q / k / v: its rows NaN, sequences 0 and 2 bitwise unchanged."""
     q_lens, k_lens = [5, 3, 4], [6, 7, 0]
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(sum(q_lens), 2, 16, generator=g).to(device, dtype)
-    k = torch.randn(sum(k_lens), 2, 16, generator=g).to(device, dtype)
-    v = torch.randn(sum(k_lens), 2, 8, generator=g).to(device, dtype)
+    # head dims 32 / 16: multiples of 8 (cuDNN, FA2) and >= 16 (FlexAttention)
+    q = torch.randn(sum(q_lens), 2, 32, generator=g).to(device, dtype)
+    k = torch.randn(sum(k_lens), 2, 32, generator=g).to(device, dtype)
+    v = torch.randn(sum(k_lens), 2, 16, generator=g).to(device, dtype)
     clean_o, clean_l = _attend(name, q, k, v, q_lens, k_lens, causal=False, device=device)
     rows_b = slice(5, 8)
     keys_b = slice(6, 13)

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionBackend", "fix_empty_rows", "isolate_nonfinite_values", "seq_ids_from_cu"]
+__all__ = [
+    "AttentionBackend",
+    "fix_empty_rows",
+    "flag_inf_lse_as_nan",
+    "isolate_nonfinite_values",
+    "seq_ids_from_cu",
+]
 
 
 def seq_ids_from_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -49,14 +55,24 @@ def fix_empty_rows(out: torch.Tensor, lse: torch.Tensor, cu_seqlens_k: torch.Ten
     also writes ``+inf`` for a row whose softmax sum is NaN (a NaN in q or k) or 0; finite inputs
     never give ``+inf``, so such a row with keys is reported as NaN, not as a huge weight.
     """
-    flagged = lse == float("inf")  # [Tq, H]
-    lse.masked_fill_(flagged, float("nan"))
-    out.masked_fill_(flagged[..., None], float("nan"))
+    flag_inf_lse_as_nan(out, lse)
     k_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     empty = (k_lens == 0)[seq_ids_q]  # [Tq]
     lse.masked_fill_(empty[:, None], float("-inf"))
     out.masked_fill_(empty[:, None, None], 0.0)
     return out, lse
+
+
+def flag_inf_lse_as_nan(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Set ``out`` and ``lse`` to NaN (in place) where ``lse == +inf``.
+
+    Kernels report a row whose softmax sum is NaN (a NaN in q or k) or 0 as ``lse = +inf``
+    (FlashAttention-2 does); finite inputs never give ``+inf``, and merged as a weight it would
+    be read as "all the mass". Device ops only, never synchronizes.
+    """
+    flagged = lse == float("inf")  # [Tq, H]
+    lse.masked_fill_(flagged, float("nan"))
+    out.masked_fill_(flagged[..., None], float("nan"))
 
 
 def isolate_nonfinite_values(v: torch.Tensor, seq_ids_k: torch.Tensor, seq_ids_q: torch.Tensor,
