@@ -93,3 +93,23 @@ def test_meta_tensor_block_table_accepted():
     # Only shape/dtype are read, so a block table on any device (here: meta) is fine.
     bt = torch.empty(1, 4, dtype=torch.int32, device="meta")
     assert PrefillBatch([1], [256], page_size=64, block_table=bt).num_reqs == 1
+
+
+@pytest.mark.parametrize("query_lens, context_lens, match", [
+    # int64 sum of 4 x 2**62 wraps to 0: was accepted with num_context_tokens == 0
+    ([1] * 4, [2**62] * 4, r"context_lens\[0\] = 4611686018427387904 overflows int32"),
+    ([1, 1], [0, 2**31], r"context_lens\[1\] = 2147483648 overflows int32"),
+    ([2**31, 1], [0, 0], r"query_lens\[0\] = 2147483648 overflows int32.*split request 0"),
+    ([1], np.array([2**63], np.uint64), r"context_lens\[0\] = 9223372036854775808 overflows"),
+    ([1], [2**64], r"context_lens\[0\] = 18446744073709551616 overflows int32"),
+    ([1], [-2**63 - 1], r"context_lens\[0\] = -9223372036854775809 is negative"),
+    ([1, 1], torch.tensor([2**40, 0]), r"context_lens\[0\] = 1099511627776 overflows int32"),
+])
+def test_lengths_beyond_int32_rejected_before_summing(query_lens, context_lens, match):
+    with pytest.raises(ValueError, match=match):
+        PrefillBatch(query_lens, context_lens, page_size=4)
+
+
+def test_page_size_beyond_int32_rejected():
+    with pytest.raises(ValueError, match=r"page_size = 1099511627776 overflows int32"):
+        PrefillBatch([1], [1], page_size=2**40)

@@ -106,3 +106,118 @@ def test_uneven_scenario_packed_needs_fewer_iterations_and_stays_below_threshold
     assert packed["iterations"].sum() < 0.85 * equal["iterations"].sum()
     assert equal["steps_over_threshold_fraction"] > 0.1
     assert packed["steps_over_threshold_fraction"] == 0.0
+
+
+# -- issue 12: a table and plot that read well, errors before work, bounded dry runs --------
+def _doc(ran_on="cpu", repeats=3, spread=(900.0, 1100.0)):
+    def metrics(tput, lo, hi):
+        m = {k: 1.0 for k in METRIC_KEYS}
+        m.update(throughput_tok_s=tput, throughput_tok_s_min=lo, throughput_tok_s_max=hi,
+                 repeats=repeats, ttft_ms_mean=1000.0, metadata_bytes_max=2**20)
+        return m
+    return {"ran_on": ran_on, "scenario": "cpu-tiny",
+            "machine": {"device_name": "AMD EPYC" if ran_on == "cpu" else "NVIDIA H200"},
+            "config": {"preset": "tiny", "tp": 1},
+            "variants": [{"name": "pageable+equal", "metrics": metrics(1000.0, *spread)},
+                         {"name": "ring+equal", "metrics": metrics(1050.0, 1000.0, 1080.0)},
+                         {"name": "ring+packed", "metrics": metrics(2000.0, 1950.0, 2050.0)}]}
+
+
+@pytest.mark.parametrize("ran_on", ["cpu", "cuda"])
+def test_table_headers_are_unique_and_gpu_busy_only_on_gpu(ran_on):
+    """Was: two 'vs base' and three 'p99' columns, and 'GPU busy' on a CPU run."""
+    import re
+
+    from mlaprefill.bench.report import format_table
+
+    lines = format_table(_doc(ran_on)).splitlines()
+    headers = re.split(r"\s{2,}", lines[0].strip())
+    assert len(headers) == len(set(headers)), headers
+    row = re.split(r"\s{2,}", lines[3].strip())
+    assert len(row) == len(headers)  # every value under its own header
+    assert ("GPU busy" in headers) == (ran_on == "cuda")
+    assert "tok/s vs 1st" in headers and "TTFT p99" in headers and "blocked p99" in headers
+
+
+def test_noise_note_in_table_and_plot(tmp_path):
+    from mlaprefill.bench.report import format_table, noise_note, plot_title, within_noise
+
+    doc = _doc()
+    assert within_noise(doc) == ["ring+equal"]  # overlaps the first; ring+packed does not
+    assert "ring+equal is within the run-to-run spread of pageable+equal" in format_table(doc)
+    assert noise_note(_doc(spread=(960.0, 999.0))) is None  # nothing overlaps: no note
+    assert "one repeat" in noise_note(_doc(repeats=1))
+    title = plot_title(doc)
+    assert "on AMD EPYC (cpu)" in title and "CPU run" in title
+    assert "on NVIDIA H200 (cuda)" in plot_title(_doc("cuda"))
+    pytest.importorskip("matplotlib")
+    from mlaprefill.bench.report import write_png
+
+    assert write_png(doc, tmp_path / "b.png") is None and (tmp_path / "b.png").stat().st_size
+
+
+def test_variants_help_lists_every_policy_and_vllm(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "equal|packed|balanced" in text and "'+vllm'" in text
+    assert "pageable+equal+vllm, pin+equal+vllm, ring+equal, ring+packed" in text
+
+
+def _no_run(monkeypatch):
+    import mlaprefill.bench.runner as runner
+
+    def boom(*a, **k):
+        raise AssertionError("the run started although the input was invalid")
+    monkeypatch.setattr(runner, "run_suite", boom)
+
+
+@pytest.mark.parametrize("make_out", [
+    lambda tmp: tmp / "file",                 # a file, not a directory
+    lambda tmp: tmp / "file" / "sub",         # below a file: cannot be created
+])
+def test_unwritable_out_fails_before_the_run(tmp_path, capsys, monkeypatch, make_out):
+    """Was: the whole benchmark ran, then a FileNotFoundError traceback."""
+    (tmp_path / "file").write_text("x")
+    _no_run(monkeypatch)
+    assert main(["bench", *SMALL, "--out", str(make_out(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mlaprefill bench: error: --out ") and len(err.splitlines()) == 1
+
+
+def test_results_that_cannot_be_written_exit_2(tmp_path, capsys, monkeypatch):
+    import mlaprefill.bench.report as report
+
+    def fail(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(report, "write_json", fail)
+    assert main(["bench", *SMALL, "--repeats", "1", "--out", str(tmp_path)]) == 2
+    assert "cannot write the results (Permission denied)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    # Was: minutes of simulation (1e8) and a MemoryError (1e12)
+    (["--dry-run", "--prompt-len", "100000000"], r"at least 6,250,000 steps .* --token-budget"),
+    (["--dry-run", "--prompt-len", "1000000000000"], r"--prompt-len .* overflow int32"),
+    (["--dry-run", "--num-requests", "100000000"], r"--num-requests 100000000 is more than"),
+    (["--dry-run", "--num-blocks", "100000000000"], r"100,000,000,000 pages"),
+    (["--device", "cpu", "--layers", "1000000"], r"needs about .* GiB on cpu .* lower --layers"),
+    (["--device", "cpu", "--request-rate", "1e-300"], r"--request-rate 1e-300/s spreads"),
+    (["--device", "xyz"], r"--device 'xyz' is not one of auto, cpu, cuda, cuda:N"),
+    (["--max-seconds", "nan"], r"--max-seconds must be a finite number >= 0"),
+    (["--seed", "-1"], r"--seed must be >= 0"),
+    (["--preset", "nope"], r"--preset 'nope' is unknown"),
+    (["--backend", "nope"], r"--backend 'nope' is unknown"),
+    (["--dry-run", "--workspace", "100000000000"], r"--workspace 100000000000 overflows int32"),
+])
+def test_bad_sizes_are_one_line_before_any_work(capsys, monkeypatch, argv, match):
+    import re
+    import time
+
+    _no_run(monkeypatch)
+    t0 = time.perf_counter()
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(match, err[-1]), err
+    assert err[-1].startswith("mlaprefill bench: error: ")
+    assert time.perf_counter() - t0 < 10

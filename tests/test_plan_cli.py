@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlaprefill.cli import main
 
@@ -107,3 +109,131 @@ def test_console_entry_no_traceback():
                            "--query-lens", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "query_lens[0] = 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- issue 12: no tracebacks, memory proportional to the output, first-use options ----------
+def test_negative_list_value_reports_the_field():
+    """Was: argparse's 'argument --context-lens: expected one argument'."""
+    rc = main(["plan", "--context-lens", "-5,1000", "--query-lens", "1,1"])
+    assert rc == 2
+    rc = main(["plan", "--query-lens", "-1", "--context-lens", "4"])
+    assert rc == 2
+
+
+def test_negative_list_value_message(capsys):
+    rc, out, err = run_cli(capsys, "--context-lens", "-5,1000", "--query-lens", "1,1")
+    assert rc == 2 and out == ""
+    assert "context_lens[0] = -5 is negative" in err and "expected one argument" not in err
+
+
+def test_huge_plan_refused_before_planning(capsys):
+    """Was: 2e9 context tokens in 64-token iterations allocated ~7.5 GiB, even for text."""
+    import tracemalloc
+
+    tracemalloc.start()
+    rc, out, err = run_cli(capsys, "--context-lens", "2000000000", "--query-lens", "1",
+                           "--workspace-tokens", "64")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert rc == 2 and out == ""
+    assert "may have up to 31,250,000 iterations" in err or "2,000,000,000 iterations" in err
+    assert "--max-iterations 100,000" in err and "raise --workspace-tokens" in err
+    assert peak < 20 * 2**20, peak
+    rc, out, err = run_cli(capsys, "--context-lens", "20000000", "--query-lens", "1",
+                           "--workspace-tokens", "64")
+    assert rc == 2 and "312,500 iterations" in err  # refused too
+    rc, out, _ = run_cli(capsys, "--context-lens", "20000000", "--query-lens", "1",
+                         "--workspace-tokens", "64", "--max-iterations", "400000", "--json")
+    assert rc == 0 and json.loads(out)["num_iterations"] == 312_500
+
+
+@settings(max_examples=60, deadline=None)
+@given(context_lens=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+       page_size=st.sampled_from([1, 4, 16, 64]), extra=st.integers(0, 300),
+       policy=st.sampled_from(["packed", "equal", "balanced"]))
+def test_iteration_bound_holds(context_lens, page_size, extra, policy):
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.plan_cli import max_iterations_bound
+
+    planner = ChunkPlanner(page_size + extra, page_size, policy)
+    batch = PrefillBatch([1] * len(context_lens), context_lens, page_size=page_size)
+    try:
+        plan = planner.plan(batch)
+    except ValueError:  # equal without one page per request: the planner's own error
+        assert policy == "equal" and max_iterations_bound(batch, planner) == 0
+        return
+    assert plan.num_iterations <= max_iterations_bound(batch, planner)
+
+
+def test_policy_auto_works_like_the_api(capsys):
+    import torch
+
+    from mlaprefill.attention import MLAChunkedPrefill
+
+    api = MLAChunkedPrefill(torch.zeros(2 * 16, 8), qk_nope_head_dim=8, v_head_dim=8,
+                            qk_rope_head_dim=8).resolve_policy("auto")
+    rc, out, err = run_cli(capsys, "--context-lens", "80000,1000", "--query-lens", "4,1",
+                           "--policy", "auto")
+    assert rc == 0 and err == ""
+    assert out.splitlines()[0].startswith(f"policy={api} ") and "(auto: backend" in out
+    rc, out, _ = run_cli(capsys, "--context-lens", "80000,1000", "--query-lens", "4,1",
+                         "--policy", "auto", "--backend", "varlen", "--json")
+    assert rc == 0 and json.loads(out)["policy"] == "balanced"  # FA2 varlen's preference
+    rc, _, err = run_cli(capsys, "--context-lens", "8", "--query-lens", "1", "--backend", "math")
+    assert rc == 2 and "--backend only matters with --policy auto" in err
+
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"context_lens": [1], "query_lens": [1]}\n\xff\xfe{}\n', r"line 2: not UTF-8 text"),
+    (b"[" * 100_000 + b"\n", r"line 1: not valid JSON \(nested too deeply\)"),
+    (b'{"context_lens": [1e400], "query_lens": [1]}\n', r"line 1: context_lens must be a list"),
+    (b'{"context_lens": [' + b"9" * 30 + b'], "query_lens": [1]}\n',
+     r"line 1: PrefillBatch.context_lens\[0\] = 9{30} overflows int32"),
+    (b'{"context_lens": [2000000000], "query_lens": [1]}\n', r"line 1: the plan may have up to"),
+])
+def test_batches_bad_bytes_exit_2(tmp_path, capsys, content, match):
+    """Was: UnicodeDecodeError / RecursionError tracebacks."""
+    f = tmp_path / "b.jsonl"
+    f.write_bytes(content)
+    rc, out, err = run_cli(capsys, "--batches", str(f), "--workspace-tokens", "64")
+    assert rc == 2 and out == ""
+    assert re.search(match, err), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_batches_keys_and_compact_mode_in_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert '{"context_lens": [ints], "query_lens": [ints]}' in text
+    assert "compact unless --token-tables" in text and "--max-iterations" in text
+
+
+def test_version(capsys):
+    from mlaprefill import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"mlaprefill {__version__}"
+
+
+def test_closed_pipe_is_not_a_traceback():
+    proc = subprocess.Popen([sys.executable, "-m", "mlaprefill", "plan", "--context-lens",
+                             "3200000", "--query-lens", "1", "--workspace-tokens", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0
+    assert first.startswith(b"policy=packed") and "Traceback" not in err, err
+
+
+def test_batches_from_stdin(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"context_lens": [100], "query_lens": [2]}\n'))
+    rc, out, err = run_cli(capsys, "--batches", "-", "--workspace-tokens", "64",
+                           "--page-size", "16")
+    assert rc == 0 and err == "" and json.loads(out)["num_iterations"] == 2

@@ -25,3 +25,24 @@ def test_readme_example_runs_and_matches_reference(capsys) -> None:
     out, lse = ns["out"].cpu().double(), ns["lse"].cpu().double()
     assert torch.linalg.norm(out - ref_out) / torch.linalg.norm(ref_out) < 1e-4
     assert torch.allclose(lse, ref_lse, atol=1e-4)
+
+
+def test_readme_cpu_install_takes_torch_from_the_cpu_index() -> None:
+    """Plain `pip install torch==X` is the CUDA build on Linux x86-64 (several GB); the README's
+    quick start and CI must take the CPU build from PyTorch's own index, and say what the test
+    extra pulls."""
+    text = README.read_text()
+    quick = re.search(r"## Quick start.*?```bash\n(.*?)```", text, flags=re.S).group(1)
+    install = re.search(r"pip install torch==[\d.]+ --index-url (\S+)", quick)
+    assert install and install.group(1) == "https://download.pytorch.org/whl/cpu"
+    assert "Triton" in text and "1.0 GB" in text
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in ci
+
+
+def test_readme_states_the_validation_contract() -> None:
+    text = README.read_text()
+    section = text[text.index("## Validation contract"):]
+    for words in ("always", "validate=True", "synchronizes", "undefined", "NaN", "-inf",
+                  "exit status 2"):
+        assert words in section, words

@@ -25,14 +25,18 @@ Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens`
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mlaprefill.backends import AttentionBackend, get_backend, seq_ids_from_cu
 from mlaprefill.kernels.gather import gather_context_rows
 from mlaprefill.kernels.merge import merge_attention_states
+from mlaprefill.plan import ChunkPlan
+from mlaprefill.staging import DevicePlan
 
 __all__ = ["DEFAULT_WORKSPACE_TOKENS", "MLAChunkedPrefill", "mla_chunked_prefill"]
 
@@ -55,12 +59,18 @@ class MLAChunkedPrefill:
     qk_nope_head_dim, v_head_dim : int
     softmax_scale : float, optional
         Default ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (rope dim read from the inputs).
+        A finite number > 0 (``TypeError`` for a non-number, ``ValueError`` for NaN, inf or
+        <= 0: a NaN scale would make every output NaN).
     backend : ``"auto" | "cudnn" | "flex" | "varlen" | "math"``
         ``auto`` picks the fastest backend that runs the weight's device and dtype (see
         :data:`mlaprefill.backends.AUTO_ORDER`); :attr:`backend_name` tells which.
     qk_rope_head_dim : int, optional
         Only used to pick the backend before the first forward (default 64); the forward reads
         the real rope dim from ``k_pe_new`` and re-checks.
+
+    Notes
+    -----
+    What is checked, and when: see :meth:`forward` and the README's "Validation contract".
     """
 
     def __init__(self, kv_b_proj_weight: torch.Tensor, *, qk_nope_head_dim: int,
@@ -69,6 +79,14 @@ class MLAChunkedPrefill:
         for name, value in (("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if qk_rope_head_dim is not None and (isinstance(qk_rope_head_dim, bool) or not isinstance(
+                qk_rope_head_dim, int) or qk_rope_head_dim < 0):
+            raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got "
+                             f"{qk_rope_head_dim!r}")
+        softmax_scale = check_softmax_scale(softmax_scale)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str ('auto', 'cudnn', 'flex', 'varlen' or "
+                            f"'math'), got {type(backend).__name__}")
         if not isinstance(kv_b_proj_weight, torch.Tensor) or kv_b_proj_weight.dim() != 2:
             raise ValueError(
                 "kv_b_proj_weight must be a 2-D tensor [H * (qk_nope_head_dim + v_head_dim), "
@@ -157,13 +175,21 @@ class MLAChunkedPrefill:
 
     def _validate(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                   kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
-                  context_source: Any = None) -> int:
+                  context_source: Any = None, return_lse: Any = False,
+                  validate: Any = False) -> int:
         """Check every input against the weight and the plan's host ints; return rope dim.
 
-        With a ``context_source`` the forward never reads ``block_table`` (the source gathers the
-        rows, e.g. from a rank's local shard), so its width is not checked against the contexts.
+        Host-only (never reads device memory) unless ``validate``; see :meth:`forward`. With a
+        ``context_source`` the forward never reads ``block_table`` (the source gathers the rows,
+        e.g. from a rank's local shard), so it is not checked against the contexts.
         """
-        plan = device_plan.chunk_plan
+        for name, flag in (("return_lse", return_lse), ("validate", validate)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if context_source is not None and not callable(context_source):
+            raise TypeError(f"context_source must be a callable (iteration, workspace) -> rows "
+                            f"or None, got {type(context_source).__name__}")
+        plan = check_device_plan(device_plan)
         for name, t in (("q", q), ("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new),
                         ("kv_cache", kv_cache), ("block_table", block_table)):
             if not isinstance(t, torch.Tensor):
@@ -222,12 +248,19 @@ class MLAChunkedPrefill:
                                  f"upload the plan with StagingRing({device!s})")
         if not q.is_contiguous():
             raise ValueError("q must be contiguous [T, H, qk_head_dim]; call .contiguous()")
+        if context_source is None and max_ctx > 0 and (block_table.device.type == "cpu"
+                                                      or validate):
+            # Free on host memory; on a device it copies the used columns to the host: a sync.
+            check_block_ids(block_table, plan.context_lens, plan.page_size, kv_cache.shape[0])
+        if validate:
+            check_device_plan_matches(device_plan)
         return rope
 
     # -- the forward -----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                 kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
                 return_lse: bool = False, context_source: ContextSource | None = None,
+                validate: bool = False,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output of every new token over its context and the new tokens before it.
 
@@ -243,17 +276,40 @@ class MLAChunkedPrefill:
         context_source : callable ``(iteration, workspace) -> rows``, optional
             Supplies iteration ``i``'s latent rows ``[iteration_tokens[i], kv_lora_rank +
             qk_rope_head_dim]`` in workspace order (DCP all-gathers them); default: paged gather.
+        validate : bool
+            Also check what only device memory can tell, **synchronizing the host** (one D2H copy
+            of the block table's used columns and of the DevicePlan's tensors): every block id a
+            context reads is in ``[0, num_blocks)``, and the DevicePlan's device tensors still
+            hold its plan (a ring slot is reused after ``valid_uploads`` later uploads). For
+            debugging and first integration, not for the hot path.
 
         Returns
         -------
         out : [T, H, v_head_dim] in q's dtype; with ``return_lse`` also lse [T, H], natural log,
         float32 (float64 for float64 inputs); ``-inf`` only for a query with no keys at all.
+        A NaN in a request's inputs gives NaN in that request's rows and never changes another
+        request's rows.
 
-        Never synchronizes: shapes come from the plan's host ints only.
+        Raises
+        ------
+        TypeError
+            A tensor argument that is not a tensor, ``device_plan`` that is not a
+            :class:`~mlaprefill.staging.DevicePlan` (e.g. a host ``ChunkPlan``), a non-bool flag.
+        ValueError
+            Shapes, dtypes or devices that do not match each other, the weight or the plan; on
+            CPU tensors (or with ``validate``) a block id outside ``[0, num_blocks)``.
+
+        Never synchronizes unless ``validate=True``: shapes come from the plan's host ints only.
+        Checked always, on the host, for free: types, shapes, dtypes, devices, the plan against
+        the inputs, block ids of CPU block tables. Undefined: tensors modified while the forward
+        runs, a DevicePlan used after its ring slot was reused (see ``validate``), block ids
+        outside the cache on CUDA without ``validate`` (the gather writes NaN rows for them, so
+        the request's output is NaN and other requests are unaffected).
         """
-        plan = device_plan.chunk_plan
         rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                              context_source=context_source)
+                              context_source=context_source, return_lse=return_lse,
+                              validate=validate)
+        plan = device_plan.chunk_plan
         device, dtype = q.device, q.dtype
         nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
         qk = nope + rope
@@ -329,12 +385,82 @@ class MLAChunkedPrefill:
     __call__ = forward
 
 
+def check_softmax_scale(softmax_scale: Any) -> float | None:
+    """``softmax_scale`` as a float (None stays None); ``TypeError``/``ValueError`` naming it."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a number (e.g. 1 / sqrt(qk_head_dim) times the "
+                        f"YaRN mscale) or None, got {type(softmax_scale).__name__} "
+                        f"{softmax_scale!r:.40}")
+    value = float(softmax_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {value!r}; leave it "
+                         f"None for 1 / sqrt(qk_head_dim)")
+    return value
+
+
+def check_device_plan(device_plan: Any) -> ChunkPlan:
+    """The host chunk plan of ``device_plan``, or ``TypeError``/``ValueError`` saying what to
+    pass."""
+    if not isinstance(device_plan, DevicePlan):
+        hint = (" (a host plan: upload it first)" if hasattr(device_plan, "device_arrays")
+                else "")
+        raise TypeError(f"device_plan must be a DevicePlan, got {type(device_plan).__name__}"
+                        f"{hint}; pass StagingRing(device).upload(plan)")
+    missing = [n for n in _PLAN_TENSORS if n not in device_plan.tensors]
+    needed = ("num_reqs", "num_query_tokens", "page_size", "context_lens", "num_iterations",
+              "iteration_tokens", "max_chunk_lens", "max_query_len", "cu_query_lens")
+    chunk_plan = getattr(device_plan.plan, "chunk_plan", None)
+    missing += [f"plan.chunk_plan.{n}" for n in needed if not hasattr(chunk_plan, n)]
+    if missing:
+        raise ValueError(f"device_plan lacks {missing}; pass StagingRing(device).upload(plan) "
+                         f"of a ChunkPlanner plan")
+    return chunk_plan
+
+
+def check_block_ids(block_table: torch.Tensor, context_lens: Any, page_size: int,
+                    num_blocks: int) -> None:
+    """``ValueError`` if a page that a context reads is outside ``[0, num_blocks)``.
+
+    Reads the used columns of ``block_table`` on the host: free for a CPU tensor, a
+    synchronizing D2H copy for a device tensor (only done with ``validate=True``).
+    """
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    need = -(-ctx // page_size)  # pages each request reads
+    width = int(need.max(initial=0))
+    table = block_table[:, :width].cpu().numpy().astype(np.int64)
+    used = np.arange(width)[None, :] < need[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        r, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_table[{r}, {j}] = {int(table[r, j])} is outside [0, num_blocks={num_blocks}) "
+            f"but request {r}'s context ({int(ctx[r])} tokens) reads pages 0..{int(need[r]) - 1};"
+            f" every page a context reads must index kv_cache (a negative id would read another "
+            f"page)")
+
+
+def check_device_plan_matches(device_plan: Any) -> None:
+    """``ValueError`` if the DevicePlan's device tensors no longer hold its host plan (reads
+    them: synchronizes on a device)."""
+    host = device_plan.plan.device_arrays()
+    for name, t in device_plan.tensors.items():
+        if name in host and not np.array_equal(t.cpu().numpy(), host[name]):
+            raise ValueError(
+                f"device_plan.{name} on {t.device} differs from its host plan: the staging slot "
+                f"was reused (a ring-mode DevicePlan stays valid for the ring's valid_uploads "
+                f"later uploads). Upload the plan again right before the forward.")
+
+
+_PLAN_TENSORS = ("cu_query_lens", "chunk_starts", "cu_seq_lens")
+
+
 def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
     """The device tensors of a DevicePlan the forward reads (validation helper)."""
     if device_plan is None:
         return {}
-    return {name: device_plan.tensors[name] for name in
-            ("cu_query_lens", "chunk_starts", "cu_seq_lens")}
+    return {name: device_plan.tensors[name] for name in _PLAN_TENSORS}
 
 
 def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: torch.Tensor,
@@ -375,6 +501,7 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
                         backend: str = "auto", return_lse: bool = False,
                         process_group: Any = None, dcp_interleave: int = 1,
                         qk_nope_head_dim: int | None = None, v_head_dim: int | None = None,
+                        validate: bool = False,
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One call: PrefillBatch -> ChunkPlanner.plan -> StagingRing.upload -> forward.
 
@@ -387,11 +514,19 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     With ``process_group`` of world size > 1 this is the context-parallel version
     (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
     single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
+
+    ``validate=True`` adds the checks that read device memory (and so **synchronize**): see
+    :meth:`MLAChunkedPrefill.forward`; single-rank only (the DCP path has ``debug``). Every
+    argument is checked on the host first (``TypeError``/``ValueError`` naming it); the README's
+    "Validation contract" lists what is checked when.
     """
     if process_group is not None:
         import torch.distributed as dist
 
         if dist.get_world_size(process_group) > 1:
+            if validate:
+                raise ValueError("validate=True checks the single-rank path only; for the "
+                                 "context-parallel path set MLAPREFILL_DCP_DEBUG=1 instead")
             from mlaprefill.dcp import mla_chunked_prefill_dcp
 
             return mla_chunked_prefill_dcp(
@@ -411,7 +546,13 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got "
                          f"{tuple(kv_cache.shape)}")
-    page = kv_cache.shape[1] if page_size is None else page_size
+    if page_size is not None and page_size != kv_cache.shape[1]:
+        raise ValueError(f"page_size={page_size!r} but kv_cache has {kv_cache.shape[1]} tokens "
+                         f"per page (kv_cache.shape[1]); leave page_size out to use the cache's")
+    for name, value in (("policy", policy), ("backend", backend)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    page = kv_cache.shape[1]
     batch = PrefillBatch(query_lens, context_lens, page_size=page, block_table=block_table)
     if batch.num_query_tokens != q.shape[0]:
         raise ValueError(f"sum(query_lens) = {batch.num_query_tokens} but q has {q.shape[0]} "
@@ -421,4 +562,4 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     plan = ChunkPlanner(workspace_tokens, page, policy=op.resolve_policy(policy)).plan(batch)
     device_plan = StagingRing(kv_cache.device).upload(plan)
     return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                      return_lse=return_lse)
+                      return_lse=return_lse, validate=validate)

@@ -49,6 +49,11 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
                 f"PrefillBatch.{name} could not be read as a 1-D sequence of ints ({exc}); "
                 f"pass a list of ints, an integer numpy array or a CPU int tensor."
             ) from None
+        if arr.dtype == object and arr.ndim == 1 and arr.size and all(
+                type(v) is int for v in arr.tolist()):
+            # Python ints beyond 64 bits: numpy keeps them as objects. Report the overflow.
+            r = next(i for i, v in enumerate(arr.tolist()) if not 0 <= v <= INT32_MAX)
+            raise ValueError(_overflow_message(name, r, int(arr[r])))
         # np.asarray([]) is float64: let it through to the empty-batch message
         if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind != "f"):
                 raise ValueError(
@@ -60,15 +65,26 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
             f"PrefillBatch.{name} must be 1-D [num_reqs], got shape {tuple(arr.shape)}; "
             f"pass one length per request."
         )
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT32_MAX:
-        raise ValueError(
-            f"PrefillBatch.{name} has values beyond int32 (max {INT32_MAX}); shorten the batch."
-        )
+    # Every length must fit int32 (kernels index tokens with int32) *before* anything is summed:
+    # int64 sums wrap silently (4 x 2**62 sums to 0), and uint64 values wrap in astype(int64).
+    if arr.size and int(arr.max()) > INT32_MAX:
+        r = int(np.argmax(arr))
+        raise ValueError(_overflow_message(name, r, int(arr[r])))
     # np.asarray of a list is already fresh; an array/tensor is copied so later changes to the
     # caller's data cannot change the batch.
     out = arr.astype(np.int64, copy=shares)
     out.flags.writeable = False
     return out
+
+
+def _overflow_message(name: str, r: int, value: int) -> str:
+    if value < 0:
+        return (f"PrefillBatch.{name}[{r}] = {value} is negative; lengths count tokens and "
+                f"must be >= 0.")
+    fix = (f"split request {r}'s new tokens over several steps" if name == "query_lens" else
+           "contexts beyond int32 tokens are not supported")
+    return (f"PrefillBatch.{name}[{r}] = {value} overflows int32 (max {INT32_MAX}: kernels index "
+            f"tokens with int32); {fix}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +108,9 @@ class PrefillBatch:
     ValueError
         Naming the field, the request index and the fix, for: an empty batch, mismatched lengths,
         negative lengths, a zero query length, non-int dtypes, CUDA tensors for the lengths, a
-        block table of the wrong dtype/shape or too short, totals that overflow int32.
+        block table of the wrong dtype/shape or too short, any length, total or
+        ``context_lens + query_lens`` beyond int32 (checked before summing, so int64 sums never
+        wrap), a ``page_size`` beyond int32.
 
     Notes
     -----
@@ -110,6 +128,11 @@ class PrefillBatch:
             raise ValueError(
                 f"PrefillBatch.page_size must be a positive int (tokens per cache page), "
                 f"got {ps!r}."
+            )
+        if ps > INT32_MAX:
+            raise ValueError(
+                f"PrefillBatch.page_size = {ps} overflows int32 (max {INT32_MAX}); use the "
+                f"cache's page size (tokens per page, e.g. 64)."
             )
         object.__setattr__(self, "page_size", int(ps))
         q = _as_host_lengths("query_lens", self.query_lens)
@@ -138,7 +161,9 @@ class PrefillBatch:
                 f"needs >= 1 new token. Drop request {r} from the batch (a request with no new "
                 f"tokens has nothing to prefill)."
             )
-        q_total = int(q.sum())  # values are >= 0 here; lengths beyond int64 were rejected
+        # Values are in [0, INT32_MAX] here, so these int64 sums cannot wrap (that would need
+        # 2**32 requests); the totals are then checked against int32.
+        q_total = int(q.sum())
         c_total = int(c.sum())
         for name, total in (("query_lens", q_total), ("context_lens", c_total)):
             if total > INT32_MAX:

@@ -10,14 +10,21 @@ Examples::
 Defaults: ``--workspace-tokens 65536`` (vLLM's default chunked-context workspace) and
 ``--page-size 64`` (the page size of FlashMLA-style MLA kernels and DeepSeek deployments).
 Invalid input prints the validation message (with the line number for ``--batches``) and exits 2.
+
+Memory and time grow with what is printed: before planning, the number of iterations is bounded
+from the lengths alone, and a plan of more than ``--max-iterations`` (default 100,000) is refused
+with exit 2 (a 2e9-token context in 64-token iterations would otherwise take GiBs to print).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from typing import Any
+
+import numpy as np
 
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import POLICIES, ChunkPlan, ChunkPlanner
@@ -27,6 +34,9 @@ __all__ = ["add_parser", "format_plan", "run"]
 DEFAULT_WORKSPACE_TOKENS = 65536
 DEFAULT_PAGE_SIZE = 64
 _MAX_PIECES_SHOWN = 8
+_MAX_ITERATIONS = 100_000
+# Kept here (not imported) so `mlaprefill plan` does not import torch unless --policy auto.
+_BACKEND_NAMES = ("cudnn", "flex", "varlen", "math")
 
 
 class _InputError(ValueError):
@@ -51,16 +61,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"vLLM's)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per cache page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--policy", choices=POLICIES, default="packed",
+    p.add_argument("--policy", choices=("auto", *POLICIES), default="packed",
                    help="packed: fewest iterations (default); equal: vLLM's chunking; "
-                        "balanced: about as few, each request in every iteration until it runs out")
-    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+                        "balanced: about as few, each request in every iteration until it runs "
+                        "out; auto: what mla_chunked_prefill(policy='auto') picks for --backend")
+    p.add_argument("--backend", default="auto", choices=("auto", *_BACKEND_NAMES),
+                   help="with --policy auto: the attention backend whose preferred policy to use "
+                        "(default auto: the backend picked on this machine, bf16 on CUDA, fp32 "
+                        "on CPU)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as JSON (compact: O(iterations x requests) entries)")
     p.add_argument("--token-tables", action="store_true",
                    help="with --json/--batches: also print vLLM's per-token token_to_seq table "
                         "(one entry per context token; left out by default)")
     p.add_argument("--batches", metavar="FILE",
-                   help="JSON lines (- for stdin), one batch per line; prints one JSON plan "
-                        "per line")
+                   help='UTF-8 JSON lines (- for stdin), one batch per line: {"context_lens": '
+                        '[ints], "query_lens": [ints]} (exactly these two keys, one entry per '
+                        'request); prints one JSON plan per line, in order (compact unless '
+                        '--token-tables), or nothing if a line is invalid')
+    p.add_argument("--max-iterations", type=int, default=_MAX_ITERATIONS, metavar="N",
+                   help=f"refuse plans that may have more than N iterations, before planning "
+                        f"(default {_MAX_ITERATIONS:,}; memory and output grow with it)")
     return p
 
 
@@ -101,11 +122,65 @@ def format_plan(plan: ChunkPlan) -> str:
     return "\n".join(lines)
 
 
+def max_iterations_bound(batch: PrefillBatch, planner: ChunkPlanner) -> int:
+    """An upper bound on ``planner.plan(batch).num_iterations`` from the lengths alone (O(R)).
+
+    ``packed``: every iteration but the last holds >= W - page_size + 1 tokens (plan.py), and
+    cutting each request alone into pieces of ``floor(W / page_size)`` pages is a stream plan,
+    which greedy furthest-reach never needs more iterations than. ``equal``: exactly
+    ``ceil(max / chunk)`` (0 if infeasible: the planner raises). ``balanced``: at most equal's
+    count when equal is feasible, else at most one page per iteration of the longest context, or
+    packed's pieces.
+    """
+    ctx = batch.context_lens
+    longest, total = int(ctx.max()), int(ctx.sum())
+    if longest == 0:
+        return 0
+    w, ps = planner.workspace_tokens, planner.page_size
+    packed = min(-(-total // (w - ps + 1)), int((-(-ctx // (w // ps * ps))).sum()))
+    if planner.policy == "packed":
+        return packed
+    chunk = (w // int(np.count_nonzero(ctx))) // ps * ps
+    equal = -(-longest // chunk) if chunk else 0
+    if planner.policy == "equal":
+        return equal
+    return equal if chunk else max(packed, -(-longest // ps))
+
+
+def _resolve_auto_policy(backend: str) -> tuple[str, str]:
+    """``(policy, backend name)`` as ``MLAChunkedPrefill(...).resolve_policy("auto")`` gives."""
+    import torch
+
+    from mlaprefill.backends import BACKENDS, get_backend
+
+    if backend != "auto":  # a named backend: its preference, wherever it would run
+        return BACKENDS[backend].preferred_policy, backend
+    cuda = torch.cuda.is_available()
+    chosen = get_backend("auto", device="cuda" if cuda else "cpu",
+                         dtype=torch.bfloat16 if cuda else torch.float32,
+                         qk_head_dim=192, v_head_dim=128)  # DeepSeek head dims
+    return chosen.preferred_policy, chosen.name
+
+
+def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int) -> ChunkPlan:
+    bound = max_iterations_bound(batch, planner)
+    if bound > limit:
+        raise _InputError(
+            f"the plan may have up to {bound:,} iterations (policy {planner.policy}, "
+            f"{batch.num_context_tokens:,} context tokens, workspace_tokens "
+            f"{planner.workspace_tokens}, page_size {planner.page_size}), more than "
+            f"--max-iterations {limit:,}; raise --workspace-tokens, or raise --max-iterations "
+            f"to print it anyway (memory and output grow with the iterations)")
+    return planner.plan(batch)
+
+
 def _batch_from_json_line(line: str, page_size: int) -> PrefillBatch:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise _InputError(f"not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise _InputError("not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise _InputError('expected an object {"context_lens": [...], "query_lens": [...]}')
     unknown = sorted(set(obj) - {"context_lens", "query_lens"})
@@ -129,8 +204,19 @@ def _error(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``mlaprefill plan``; returns the exit code (0 ok, 2 invalid input)."""
+    if args.max_iterations < 0:
+        return _error(f"--max-iterations must be >= 0, got {args.max_iterations}")
+    policy, auto_note = args.policy, ""
+    if policy == "auto":
+        try:
+            policy, backend = _resolve_auto_policy(args.backend)
+        except ValueError as exc:
+            return _error(str(exc))
+        auto_note = f" (auto: backend {backend})"
+    elif args.backend != "auto":
+        return _error("--backend only matters with --policy auto; drop it or add --policy auto")
     try:
-        planner = ChunkPlanner(args.workspace_tokens, args.page_size, args.policy)
+        planner = ChunkPlanner(args.workspace_tokens, args.page_size, policy)
     except ValueError as exc:
         return _error(str(exc))
     out = sys.stdout
@@ -138,18 +224,33 @@ def run(args: argparse.Namespace) -> int:
         if args.context_lens is not None or args.query_lens is not None:
             return _error("--batches replaces --context-lens/--query-lens; give one or the other")
         try:
-            fh = sys.stdin if args.batches == "-" else open(args.batches, encoding="utf-8")  # noqa: SIM115
+            # bytes, decoded per line: a non-UTF-8 line is reported with its number
+            if args.batches == "-":
+                # a text-only stdin (embedding callers) is re-encoded as UTF-8
+                fh = getattr(sys.stdin, "buffer", None) or io.BytesIO(
+                    sys.stdin.read().encode("utf-8", "surrogateescape"))
+            else:
+                fh = open(args.batches, "rb")  # noqa: SIM115
         except OSError as exc:
             return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
         plans = []
         with fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    plans.append(planner.plan(_batch_from_json_line(line, args.page_size)))
-                except ValueError as exc:
-                    return _error(f"{args.batches} line {lineno}: {exc}")
+            try:
+                for lineno, raw in enumerate(fh, start=1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        return _error(f"{args.batches} line {lineno}: not UTF-8 text (byte "
+                                      f"{exc.start}); --batches takes UTF-8 JSON lines")
+                    if not line.strip():
+                        continue
+                    try:
+                        batch = _batch_from_json_line(line, args.page_size)
+                        plans.append(_plan_checked(planner, batch, args.max_iterations))
+                    except ValueError as exc:
+                        return _error(f"{args.batches} line {lineno}: {exc}")
+            except OSError as exc:
+                return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
         # Printed only once every line is valid, so output is all-or-nothing.
         for plan in plans:
             out.write(json.dumps(plan.to_json(token_tables=args.token_tables),
@@ -158,11 +259,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         context_lens = _parse_list("--context-lens", args.context_lens)
         query_lens = _parse_list("--query-lens", args.query_lens)
-        plan = planner.plan(PrefillBatch(query_lens, context_lens, page_size=args.page_size))
+        batch = PrefillBatch(query_lens, context_lens, page_size=args.page_size)
+        plan = _plan_checked(planner, batch, args.max_iterations)
     except ValueError as exc:
         return _error(str(exc))
     if args.json:
         out.write(json.dumps(plan.to_json(token_tables=args.token_tables)) + "\n")
     else:
-        out.write(format_plan(plan) + "\n")
+        text = format_plan(plan)
+        if auto_note:
+            first, _, rest = text.partition("\n")
+            text = f"{first}{auto_note}\n{rest}"
+        out.write(text + "\n")
     return 0

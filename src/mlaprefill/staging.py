@@ -291,7 +291,15 @@ class StagingRing:
             raise ValueError(
                 f"StagingRing.valid_uploads must be an int >= 0, got {valid_uploads!r}."
             )
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"StagingRing device {device!r} ({type(device).__name__}) is not a "
+                             f"device torch knows here; pass 'cuda', 'cuda:N' or 'cpu'.") from None
+        if dev.type not in ("cpu", "cuda"):
+            # Checked here: other devices (meta, ...) would only fail at the first upload.
+            raise ValueError(f"StagingRing device {dev} is not supported; staging ships plans "
+                             f"to 'cuda' or 'cuda:N' ('cpu' on a machine without a GPU).")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from mlaprefill.backends.base import AttentionBackend, fix_empty_rows, seq_ids_from_cu
+from mlaprefill.backends.base import (
+    AttentionBackend,
+    fix_empty_rows,
+    isolate_nonfinite_values,
+    seq_ids_from_cu,
+)
 from mlaprefill.backends.cudnn import CudnnBackend
 from mlaprefill.backends.flex import FlexBackend
 from mlaprefill.backends.math import MathBackend
@@ -22,6 +27,7 @@ __all__ = [
     "AttentionBackend",
     "fix_empty_rows",
     "get_backend",
+    "isolate_nonfinite_values",
     "seq_ids_from_cu",
 ]
 

@@ -9,6 +9,12 @@ with equal query/key lengths per sequence, where top-left and bottom-right align
 returning ``out [Tq, H, Dv]`` and ``lse [Tq, H]`` (natural log, float32; float64 for float64
 inputs). A query whose sequence has no keys gets ``lse = -inf`` and ``out = 0`` (never NaN).
 
+NaN: a NaN (or inf) in a sequence's ``q``, ``k`` or ``v`` gives NaN in that sequence's rows
+(output and/or LSE, as plain softmax attention would) and never changes another sequence's rows.
+Kernels that mix sequences in one tile (FlexAttention's document mask, the ``math`` backend's
+dense matmul) multiply masked probabilities (0) by other sequences' values, and ``0 * NaN`` is
+NaN: they use :func:`isolate_nonfinite_values`.
+
 ``max_seqlen_q`` / ``max_seqlen_k`` are host ints (from the plan): a backend never reads device
 memory to decide a shape, so ``attend`` never synchronizes.
 """
@@ -20,7 +26,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionBackend", "fix_empty_rows", "seq_ids_from_cu"]
+__all__ = [
+    "AttentionBackend",
+    "fix_empty_rows",
+    "flag_inf_lse_as_nan",
+    "isolate_nonfinite_values",
+    "seq_ids_from_cu",
+]
 
 
 def seq_ids_from_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -35,16 +47,60 @@ def seq_ids_from_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def fix_empty_rows(out: torch.Tensor, lse: torch.Tensor, cu_seqlens_k: torch.Tensor,
                    seq_ids_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Force ``out = 0, lse = -inf`` (in place) for queries whose sequence has no keys.
+    """Force ``out = 0, lse = -inf`` (in place) for queries whose sequence has no keys, and
+    ``out = lse = NaN`` for queries with keys whose LSE came back ``+inf``.
 
-    Kernels disagree on that case (FlashAttention-2 writes ``lse = +inf``; others may leave NaN or
-    garbage), so backends normalize it here, on device, without a sync.
+    Kernels disagree on the empty case (FlashAttention-2 writes ``lse = +inf``; others may leave
+    NaN or garbage), so backends normalize it here, on device, without a sync. FlashAttention-2
+    also writes ``+inf`` for a row whose softmax sum is NaN (a NaN in q or k) or 0; finite inputs
+    never give ``+inf``, so such a row with keys is reported as NaN, not as a huge weight.
     """
+    flag_inf_lse_as_nan(out, lse)
     k_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     empty = (k_lens == 0)[seq_ids_q]  # [Tq]
     lse.masked_fill_(empty[:, None], float("-inf"))
     out.masked_fill_(empty[:, None, None], 0.0)
     return out, lse
+
+
+def flag_inf_lse_as_nan(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Set ``out`` and ``lse`` to NaN (in place) where ``lse == +inf``.
+
+    Kernels report a row whose softmax sum is NaN (a NaN in q or k) or 0 as ``lse = +inf``
+    (FlashAttention-2 does); finite inputs never give ``+inf``, and merged as a weight it would
+    be read as "all the mass". Device ops only, never synchronizes.
+    """
+    flagged = lse == float("inf")  # [Tq, H]
+    lse.masked_fill_(flagged, float("nan"))
+    out.masked_fill_(flagged[..., None], float("nan"))
+
+
+def isolate_nonfinite_values(v: torch.Tensor, seq_ids_k: torch.Tensor, seq_ids_q: torch.Tensor,
+                             num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep a non-finite value of one sequence out of every other sequence's output.
+
+    Parameters
+    ----------
+    v : [Tk, H, Dv]
+    seq_ids_k : int64 [Tk], sequence of each key; seq_ids_q : int64 [Tq], of each query
+    num_seqs : int, host int
+
+    Returns
+    -------
+    v_clean : [Tk, H, Dv], ``v`` with non-finite entries set to 0 (a copy)
+    poisoned : bool [Tq, H], True where the query's own sequence has a non-finite value in that
+        head: the caller sets those rows' output and LSE to NaN after the kernel.
+
+    Per (sequence, head), so a NaN value also poisons queries that a causal mask hides it from
+    (as the float64 reference's ``softmax @ v`` does). Device ops only: never synchronizes.
+    Costs one read of ``v`` and one write of the copy.
+    """
+    bad = ~torch.isfinite(v)                       # [Tk, H, Dv]
+    v_clean = v.masked_fill(bad, 0)
+    bad_rows = bad.any(dim=-1).to(torch.int32)     # [Tk, H]
+    per_seq = torch.zeros(num_seqs, v.shape[1], dtype=torch.int32, device=v.device)
+    per_seq.index_add_(0, seq_ids_k, bad_rows)     # [num_seqs, H]: non-finite values per head
+    return v_clean, (per_seq > 0)[seq_ids_q]       # [Tq, H]
 
 
 class AttentionBackend(abc.ABC):

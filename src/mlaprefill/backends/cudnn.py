@@ -23,6 +23,7 @@ import torch
 from mlaprefill.backends.base import (
     AttentionBackend,
     fix_empty_rows,
+    flag_inf_lse_as_nan,
     lse_to_tokens_heads,
     seq_ids_from_cu,
 )
@@ -76,6 +77,7 @@ class CudnnBackend(AttentionBackend):
                 q4, k4, v4, None, True, 0.0, causal, False, scale=softmax_scale)
             out[q0:q1].copy_(res[0][0].transpose(0, 1))  # [nq, H, Dv]
             lse[q0:q1].copy_(res[1].reshape(num_heads, q1 - q0).t())  # [nq, H]
+        flag_inf_lse_as_nan(out, lse)  # a NaN row never reads as "all the mass"
         return out, lse
 
     def _ragged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -5,7 +5,8 @@ document (sequence) ids keeps each query on its own sequence's keys (and causal 
 ``flex_attention`` is compiled once per backend instance (first call per shape compiles). The
 block mask is built on device from ``cu_seqlens`` (no host reads). FlexAttention supports
 ``Dv != Dqk``. LSE comes back natural-log ``[1, H, Tq]``; fully masked rows are normalized by
-:func:`fix_empty_rows`.
+:func:`fix_empty_rows`. Non-finite values are kept inside their sequence by
+:func:`isolate_nonfinite_values` (a copy of V: one more pass over it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import Any
 
 import torch
 
-from mlaprefill.backends.base import AttentionBackend, fix_empty_rows, seq_ids_from_cu
+from mlaprefill.backends.base import (
+    AttentionBackend,
+    fix_empty_rows,
+    isolate_nonfinite_values,
+    seq_ids_from_cu,
+)
 
 __all__ = ["FlexBackend"]
 
@@ -71,6 +77,10 @@ class FlexBackend(AttentionBackend):
                 return doc_q[q_idx] == doc_k[kv_idx]
 
         block_mask = create_block_mask(mask_mod, None, None, num_q, num_k, device=q.device)
+        # A block on a sequence boundary computes p @ v over both sequences' keys with p = 0 on
+        # the masked ones: 0 * NaN would carry one sequence's NaN value into the other.
+        v, poisoned = isolate_nonfinite_values(v, seq_ids_k, seq_ids_q,
+                                               cu_seqlens_k.shape[0] - 1)
         q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, Dqk]
         k4 = k.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dqk]
         v4 = v.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dv]
@@ -78,4 +88,7 @@ class FlexBackend(AttentionBackend):
                                  return_aux=AuxRequest(lse=True))
         out = out4[0].transpose(0, 1)  # [Tq, H, Dv] view
         lse = aux.lse[0].t().float()  # [Tq, H] view (natural log)
-        return fix_empty_rows(out, lse, cu_seqlens_k, seq_ids_q)
+        out, lse = fix_empty_rows(out, lse, cu_seqlens_k, seq_ids_q)
+        out.masked_fill_(poisoned[..., None], float("nan"))
+        lse.masked_fill_(poisoned, float("nan"))
+        return out, lse

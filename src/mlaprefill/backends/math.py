@@ -2,7 +2,9 @@
 
 All sequences at once with a document mask (no Python loop over sequences, no host reads), so it
 is sync-free like the GPU backends. Memory is ``H * Tq * Tk`` scores: meant for CPU, tests and
-small batches, not for 64k-token contexts.
+small batches, not for 64k-token contexts. Masking uses where (``masked_fill``), never a multiply
+by the mask, so a NaN of one sequence never reaches another (see
+:func:`~mlaprefill.backends.base.isolate_nonfinite_values`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from typing import Any
 
 import torch
 
-from mlaprefill.backends.base import AttentionBackend, seq_ids_from_cu
+from mlaprefill.backends.base import (
+    AttentionBackend,
+    isolate_nonfinite_values,
+    seq_ids_from_cu,
+)
 
 __all__ = ["MathBackend"]
 
@@ -43,10 +49,18 @@ class MathBackend(AttentionBackend):
             pos_k = torch.arange(num_k, device=q.device) - cu_seqlens_k.long()[seq_ids_k]
             mask &= pos_q[:, None] >= pos_k[None, :]
         scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * softmax_scale
+        # masked_fill (a where), not a multiply: a NaN score of another sequence becomes -inf
         scores.masked_fill_(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]; -inf for rows without keys
-        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]; -inf for rows without keys, NaN stays
+        lse_safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
         probs = torch.exp(scores - lse_safe[..., None])  # masked entries: exp(-inf) = 0
-        out = torch.einsum("hqk,khd->qhd", probs, v.to(acc))
+        # probs @ v sums over every key of the batch: 0 * NaN of another sequence's value would
+        # be NaN, so non-finite values are zeroed here and their own sequence's rows poisoned.
+        v_clean, poisoned = isolate_nonfinite_values(v, seq_ids_k, seq_ids_q,
+                                                     cu_seqlens_k.shape[0] - 1)
+        out = torch.einsum("hqk,khd->qhd", probs, v_clean.to(acc))
+        lse = lse.t()
+        out.masked_fill_(poisoned[..., None], float("nan"))
+        lse = lse.masked_fill(poisoned, float("nan"))
         lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-        return out.to(q.dtype), lse.t().to(lse_dtype)
+        return out.to(q.dtype), lse.to(lse_dtype)

@@ -45,6 +45,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -149,9 +150,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--share", choices=("fcfs", "fair"),
                    help="how running prefills share the step budget")
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
+    from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
-                   help="comma list of TRANSFER+POLICY (pageable|pin|ring + equal|packed), or "
-                        "'all'; default pageable+equal,pin+equal,ring+equal,ring+packed")
+                   help="comma list of TRANSFER+POLICY[+vllm]: TRANSFER pageable|pin|ring, "
+                        "POLICY equal|packed|balanced, '+vllm' also ships vLLM's per-token "
+                        "token_to_seq (the pre-fix metadata layout); or 'all' (every "
+                        "TRANSFER+POLICY). Default: the scenario's, else "
+                        + ", ".join(DEFAULT_VARIANTS))
     p.add_argument("--repeats", type=int, help="interleaved repeats per variant")
     p.add_argument("--warmup-steps", type=int, help="unmeasured steps per variant first")
     p.add_argument("--no-warmup-run", action="store_true",
@@ -171,7 +176,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="no model, no device: print the metadata bytes per step the scenario's "
                         "steps would upload (per planner policy) and exit")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
-                   help="directory for bench.json and bench.png (default: ./bench-out)")
+                   help="directory for bench.json and bench.png (default: ./bench-out); "
+                        "created and checked writable before the run starts")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
@@ -179,6 +185,144 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _fail(msg: str) -> int:
     print(f"mlaprefill bench: error: {msg}", file=sys.stderr)
     return 2
+
+
+#: Limits of one bench invocation, checked before any work (so that a typo such as
+#: ``--prompt-len 100000000`` is one line of error, not minutes of simulation or a MemoryError).
+#: Every shipped scenario is far below them (16 x 80 Ki tokens: 320 steps, 20,480 pages).
+MAX_REQUESTS = 65_536
+MAX_STEPS = 20_000
+MAX_STEP_TOKENS = 2**20
+MAX_PAGES = 2**22
+MAX_TABLE_ENTRIES = 2**24  # block-table entries of one step (concurrency x pages per request)
+MAX_ARRIVAL_SPAN_S = 3600.0
+
+_FLAGS = {"prompt_len": "--prompt-len", "num_requests": "--num-requests",
+          "token_budget": "--token-budget", "max_concurrent": "--concurrency",
+          "page_size": "--page-size", "num_blocks": "--num-blocks", "num_layers": "--layers",
+          "vocab_size": "--vocab", "workspace_tokens": "--workspace"}
+
+
+def check_workload(config: Any, *, dry_run: bool) -> None:
+    """``ValueError`` naming the options if ``config`` is beyond what one bench run handles.
+
+    Checks (host arithmetic only, before anything is allocated): request count, int32 token and
+    slot totals, simulated steps, cache pages, block-table size, arrival span; for a real run
+    also the memory of weights + cache + the largest step against what the device has free.
+    """
+    from mlaprefill.batch import INT32_MAX
+    from mlaprefill.bench.engine import default_num_blocks, workload
+    from mlaprefill.bench.model import MODEL_PRESETS, model_dims
+
+    cfg = config
+    if cfg.preset not in MODEL_PRESETS:
+        raise ValueError(f"--preset {cfg.preset!r} is unknown; choose one of "
+                         f"{sorted(MODEL_PRESETS)}.")
+    if cfg.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {cfg.seed}.")
+    for name in ("workspace_tokens", "page_size"):
+        if getattr(cfg, name) > INT32_MAX:
+            raise ValueError(f"{_FLAGS[name]} {getattr(cfg, name)} overflows int32 (max "
+                             f"{INT32_MAX}).")
+    if cfg.num_requests > MAX_REQUESTS:
+        raise ValueError(f"--num-requests {cfg.num_requests} is more than this benchmark runs "
+                         f"({MAX_REQUESTS}); lower it.")
+    longest = cfg.prompt_len * (1 + cfg.prompt_len_spread)
+    if cfg.num_requests * longest > INT32_MAX:
+        raise ValueError(f"--num-requests {cfg.num_requests} x --prompt-len {cfg.prompt_len} "
+                         f"(x {1 + cfg.prompt_len_spread:g} spread) tokens overflow int32 (max "
+                         f"{INT32_MAX}); lower them.")
+    prompt_lens, arrivals = workload(cfg)
+    total = int(prompt_lens.sum())
+    steps = -(-total // cfg.token_budget)
+    if steps > MAX_STEPS:
+        raise ValueError(f"the workload needs at least {steps:,} steps ({total:,} prompt tokens / "
+                         f"--token-budget {cfg.token_budget}), more than the {MAX_STEPS:,} this "
+                         f"benchmark runs; lower --prompt-len or --num-requests, or raise "
+                         f"--token-budget.")
+    if min(cfg.token_budget, total) > MAX_STEP_TOKENS:
+        raise ValueError(f"--token-budget {cfg.token_budget} lets one step hold up to "
+                         f"{min(cfg.token_budget, total):,} tokens, more than the "
+                         f"{MAX_STEP_TOKENS:,} this benchmark runs per step; lower it.")
+    num_blocks = default_num_blocks(cfg, prompt_lens)
+    if num_blocks > MAX_PAGES or num_blocks * cfg.page_size > INT32_MAX:
+        raise ValueError(f"the cache would have {num_blocks:,} pages of {cfg.page_size} tokens "
+                         f"(limits: {MAX_PAGES:,} pages, {INT32_MAX:,} slots); lower "
+                         f"--num-blocks, --prompt-len or --concurrency, or raise --page-size.")
+    pages = -(-int(prompt_lens.max()) // cfg.page_size)
+    table = min(cfg.max_concurrent, cfg.num_requests) * pages
+    if table > MAX_TABLE_ENTRIES:
+        raise ValueError(f"a step's block table could hold {table:,} entries (--concurrency x "
+                         f"pages per prompt), more than {MAX_TABLE_ENTRIES:,}; lower "
+                         f"--concurrency or --prompt-len, or raise --page-size.")
+    if float(arrivals[-1]) > MAX_ARRIVAL_SPAN_S:
+        raise ValueError(f"--request-rate {cfg.request_rate:g}/s spreads the arrivals over "
+                         f"{float(arrivals[-1]):.3g} s (limit {MAX_ARRIVAL_SPAN_S:.0f} s); raise "
+                         f"--request-rate or leave it out (all requests at once).")
+    dims = model_dims(cfg.preset, tp=cfg.tp, vocab_size=cfg.vocab_size)  # ValueError on bad tp
+    if not dry_run:
+        _check_memory(cfg, dims, num_blocks, total)
+
+
+def _free_bytes(device: Any) -> int | None:
+    """Free memory of ``device`` in bytes, or None when unknown."""
+    import torch
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(cfg: Any, dims: Any, num_blocks: int, total_tokens: int) -> None:
+    """Weights + cache + the largest step's buffers against the device's free memory."""
+    import torch
+    device = cfg.resolve_device()
+    elt = torch.empty(0, dtype=cfg.resolve_dtype(device)).element_size()
+    m, hd, inter = dims.mla, dims.hidden_size, dims.intermediate_size
+    heads = m.num_heads
+    q = (heads * m.qk_head_dim * hd if dims.q_lora_rank is None
+         else dims.q_lora_rank * (hd + heads * m.qk_head_dim))
+    layer = (q + m.latent_dim * hd + hd * heads * m.v_head_dim + 3 * inter * hd
+             + heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank)
+    weights = (cfg.num_layers * layer + 2 * dims.vocab_size * hd) * elt
+    cache = cfg.num_layers * num_blocks * cfg.page_size * m.latent_dim * elt
+    t, w = min(cfg.token_budget, total_tokens), min(cfg.workspace_tokens, total_tokens)
+    step = (t * (4 * hd + 2 * inter) * 4                      # activations, float32 upper bound
+            + w * (m.latent_dim + heads * (m.qk_head_dim + max(m.qk_head_dim, m.v_head_dim))) * elt)
+    if device.type == "cpu":  # the math backend materializes [H, T, W] scores (a few copies)
+        step += 3 * heads * t * (w + t) * 4
+    need = weights + cache + step
+    free = _free_bytes(device)
+    if free is not None and need > free:
+        gib = 2.0**30
+        raise ValueError(
+            f"this run needs about {need / gib:.1f} GiB on {device} (weights {weights / gib:.1f}, "
+            f"cache {cache / gib:.1f}, largest step {step / gib:.1f}) but {free / gib:.1f} GiB "
+            f"are free; lower --layers, --vocab, --prompt-len, --concurrency, --num-blocks, "
+            f"--token-budget or --workspace.")
+
+
+def _check_out_dir(out: Path) -> None:
+    """Create ``out`` and prove it writable now, so a bad --out fails before the run."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory for bench.json and bench.png.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".mlaprefill-write-check-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc}); pass a "
+                         f"writable directory.") from None
+    for name in ("bench.json", "bench.png"):
+        if (out / name).is_dir():
+            raise ValueError(f"--out {out}: {out / name} is a directory; remove it or pass "
+                             f"another --out.")
 
 
 def _parse_variants(text: str | None, default: tuple[str, ...] | None = None) -> list:
@@ -209,6 +353,19 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} requested but CUDA is not available; use "
                          f"--device cpu (or leave it out).")
+    device = args.device or "auto"
+    if device not in ("auto", "cpu", "cuda") and not (
+            device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda, cuda:N.")
+    if device.startswith("cuda:") and torch.cuda.is_available() \
+            and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1}).")
+    if args.backend is not None:
+        from mlaprefill.backends import BACKENDS
+        if args.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"--backend {args.backend!r} is unknown; choose one of "
+                             f"{['auto', *BACKENDS]}.")
     values = dict(scenario.engine)
     for opt, fld in _ENGINE_OPTS.items():
         v = getattr(args, opt, None)
@@ -257,17 +414,22 @@ def run(args: argparse.Namespace) -> int:
     # allocator grow in place instead of cudaMalloc + (at the memory limit) a syncing cudaFree.
     # Must be set before the first CUDA allocation; an explicit setting is respected.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
     try:
         name, scenario, config = build_config(args)
         variants = _parse_variants(args.variants, scenario.variants)
         repeats = args.repeats if args.repeats is not None else scenario.repeats
         warmup = args.warmup_steps if args.warmup_steps is not None else scenario.warmup_steps
         max_seconds = scenario.max_seconds if args.max_seconds is None else args.max_seconds
-        max_seconds = max_seconds or None  # 0 = no cap
         if repeats < 1 or warmup < 0:
             raise ValueError(f"--repeats must be >= 1 and --warmup-steps >= 0, got {repeats} "
                              f"and {warmup}.")
-        import torch
+        if not (max_seconds is None or 0 <= max_seconds < math.inf):
+            raise ValueError(f"--max-seconds must be a finite number >= 0 (0 = no cap), got "
+                             f"{max_seconds}.")
+        check_workload(config, dry_run=args.dry_run)
+        if not args.dry_run and args.out is not None:
+            _check_out_dir(Path(args.out))
         on_cpu = config.resolve_device().type == "cpu"
         if on_cpu and not args.dry_run:
             why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
@@ -279,9 +441,14 @@ def run(args: argparse.Namespace) -> int:
             return _dry_run(name, config, variants)
         doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
                         scenario_note=scenario.note, progress=not args.no_progress,
-                        max_seconds=max_seconds, warmup_run=not args.no_warmup_run)
+                        max_seconds=max_seconds or None,  # 0 = no cap
+                        warmup_run=not args.no_warmup_run)
     except ValueError as exc:
         return _fail(str(exc))
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        # The estimate above missed (other processes, fragmentation): still one line.
+        return _fail(f"out of memory during the run ({type(exc).__name__}); lower --layers, "
+                     f"--prompt-len, --concurrency, --token-budget or --workspace.")
     doc["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                       if k != "command" and not callable(v)}
     print(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
@@ -295,7 +462,10 @@ def run(args: argparse.Namespace) -> int:
               "engine working, not the pageable stall (that needs a GPU).")
     if args.out is not None:
         out = Path(args.out)
-        write_json(doc, out / "bench.json")
-        msg = write_png(doc, out / "bench.png")
+        try:
+            write_json(doc, out / "bench.json")
+            msg = write_png(doc, out / "bench.png")
+        except OSError as exc:  # checked before the run; the directory changed since
+            return _fail(f"--out {out}: cannot write the results ({exc.strerror or exc}).")
         print(f"wrote {out / 'bench.json'}" + (f"; {msg}" if msg else f" and {out / 'bench.png'}"))
     return 0

@@ -5,9 +5,16 @@ For one (token, head) with partial results ``(o1, l1)`` and ``(o2, l2)`` (natura
     l   = log(exp(l1) + exp(l2))
     out = o1 * exp(l1 - l) + o2 * exp(l2 - l)
 
-computed stably around ``m = max(l1, l2)``. A ``-inf`` LSE means "no keys": it contributes
-nothing, whatever its output holds (even NaN); two ``-inf`` merge to ``out = 0, lse = -inf``,
-never NaN. Math in float32; the running output keeps its dtype.
+computed stably around ``m = max(l1, l2)``. Rules, per (token, head):
+
+- a ``-inf`` LSE means "no keys": that side contributes nothing, whatever its output holds (even
+  NaN: kernels leave garbage in rows without keys); two ``-inf`` merge to ``out = 0, lse = -inf``;
+- NaN propagates: a NaN LSE on a side that is not ``-inf`` makes the merged output row and LSE
+  NaN, and a NaN in a contributing output stays NaN in the merged output (also where its weight
+  underflows to 0: ``0 * NaN``). Emptiness is decided by ``lse == -inf`` only, never by
+  ``weight > 0`` (which is false for NaN and read NaN as "no keys" before).
+
+Math in float32; the running output keeps its dtype.
 
 In place because the running state is ours: reading ``o1``, ``o2`` and writing ``o1`` is 3 passes
 over ``[T, H, v_head_dim]``, against 4 (plus an allocation) for an out-of-place merge.
@@ -50,16 +57,19 @@ if HAS_TRITON:
                      other=float("-inf")).to(tl.float32)
         l2 = tl.load(part_lse_ptr + t * stride_plse_t + h * stride_plse_h, mask=row_mask,
                      other=float("-inf")).to(tl.float32)
+        # "No keys" is exactly lse == -inf (false for NaN). A NaN LSE makes its weight NaN
+        # (whatever tl.maximum does with NaN), hence s, both coefficients and the new LSE.
+        e1 = l1 == float("-inf")
+        e2 = l2 == float("-inf")
+        empty = e1 & e2
         m = tl.maximum(l1, l2)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w1 = tl.exp(l1 - m_safe)
-        w2 = tl.exp(l2 - m_safe)
-        s = w1 + w2
-        nonempty = s > 0.0
-        s_safe = tl.where(nonempty, s, 1.0)
+        m_safe = tl.where(empty, 0.0, m)
+        w1 = tl.where(e1, 0.0, tl.exp(l1 - m_safe))
+        w2 = tl.where(e2, 0.0, tl.exp(l2 - m_safe))
+        s_safe = tl.where(empty, 1.0, w1 + w2)
         c1 = w1 / s_safe
         c2 = w2 / s_safe
-        new_lse = tl.where(nonempty, m_safe + tl.log(s_safe), float("-inf"))
+        new_lse = tl.where(empty, float("-inf"), m_safe + tl.log(s_safe))
 
         cols = tl.arange(0, BLOCK_D)
         col_mask = cols < HEAD_DIM
@@ -68,9 +78,10 @@ if HAS_TRITON:
         p_off = (t * stride_part_t + h * stride_part_h)[:, None] + cols[None, :]
         o1 = tl.load(out_ptr + o_off, mask=mask, other=0.0).to(tl.float32)
         o2 = tl.load(part_out_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
-        # where(), not multiply: a -inf side may carry NaN/garbage and must not leak (0 * NaN).
-        o = (tl.where((c1 > 0.0)[:, None], o1 * c1[:, None], 0.0)
-             + tl.where((c2 > 0.0)[:, None], o2 * c2[:, None], 0.0))
+        # where(), not multiply: a -inf side may carry NaN/garbage and must not leak (0 * NaN);
+        # a side with keys is always multiplied, so its NaN survives even a 0 weight.
+        o = (tl.where(e1[:, None], 0.0, o1 * c1[:, None])
+             + tl.where(e2[:, None], 0.0, o2 * c2[:, None]))
         # The [BLOCK_ROWS] LSE values are replicated across the program's warps: every warp
         # loads l1 itself. Storing the merged LSE in place before *all* warps have read l1 let a
         # late warp read the merged value and scale its columns of `out` wrongly: the likely
@@ -106,21 +117,23 @@ def merge_attention_states_torch(out: torch.Tensor, lse: torch.Tensor, part_out:
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
     l1 = lse.to(acc)
     l2 = part_lse.to(acc)
-    m = torch.maximum(l1, l2)
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    w1 = torch.exp(l1 - m_safe)
-    w2 = torch.exp(l2 - m_safe)
-    s = w1 + w2
-    nonempty = s > 0
-    s_safe = torch.where(nonempty, s, torch.ones_like(s))
+    # Same rules as the kernel: "no keys" is exactly -inf; NaN propagates (see module doc).
+    e1 = l1 == float("-inf")
+    e2 = l2 == float("-inf")
+    empty = e1 & e2
+    zero = torch.zeros((), dtype=acc, device=out.device)
+    one = torch.ones((), dtype=acc, device=out.device)
+    m_safe = torch.where(empty, zero, torch.maximum(l1, l2))  # torch.maximum propagates NaN
+    w1 = torch.where(e1, zero, torch.exp(l1 - m_safe))
+    w2 = torch.where(e2, zero, torch.exp(l2 - m_safe))
+    s_safe = torch.where(empty, one, w1 + w2)
     c1 = (w1 / s_safe).unsqueeze(-1)
     c2 = (w2 / s_safe).unsqueeze(-1)
-    zero = torch.zeros((), dtype=acc, device=out.device)
-    merged = (torch.where(c1 > 0, out.to(acc) * c1, zero)
-              + torch.where(c2 > 0, part_out.to(acc) * c2, zero))
+    merged = (torch.where(e1.unsqueeze(-1), zero, out.to(acc) * c1)
+              + torch.where(e2.unsqueeze(-1), zero, part_out.to(acc) * c2))
     out.copy_(merged)
-    lse.copy_(torch.where(nonempty, m_safe + torch.log(s_safe),
-                          torch.full_like(m, float("-inf"))))
+    lse.copy_(torch.where(empty, torch.full_like(m_safe, float("-inf")),
+                          m_safe + torch.log(s_safe)))
     return out, lse
 
 
