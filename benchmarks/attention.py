@@ -182,7 +182,7 @@ def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
 
 
 def check_forward(device: str) -> dict:
-    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.api import mla_chunked_prefill
     from mlaprefill.backends import BACKENDS
     from mlaprefill.reference import mla_prefill_reference
 

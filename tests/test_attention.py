@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.api import mla_chunked_prefill
+from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.reference import mla_prefill_reference
@@ -318,7 +319,7 @@ def test_policy_auto_follows_the_backend(monkeypatch):
 def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, world_size):
     import torch.distributed as dist
 
-    import mlaprefill.dcp as dcp
+    import mlaprefill.api as api
 
     query_lens, context_lens = [2, 1], [5, 0]
     x = make_inputs(query_lens, context_lens)
@@ -330,7 +331,7 @@ def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, w
 
     group = object()
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: world_size if g is group else 0)
-    monkeypatch.setattr(dcp, "mla_chunked_prefill_dcp", fake_dcp)
+    monkeypatch.setattr(api, "mla_chunked_prefill_dcp", fake_dcp)
     result = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                  x["block_table"], query_lens, context_lens, x["weight"],
                                  workspace_tokens=8, process_group=group, dcp_interleave=4)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.api import mla_chunked_prefill
+from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import BACKENDS, get_backend
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import (

@@ -221,7 +221,7 @@ def test_workspace_too_small_for_gathered_rows() -> None:
 
 
 def test_single_rank_path_is_the_plain_forward() -> None:
-    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.api import mla_chunked_prefill
 
     gen = torch.Generator().manual_seed(3)
     query_lens, context_lens = [2, 1], [20, 0]

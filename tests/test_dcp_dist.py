@@ -75,7 +75,7 @@ def _inputs(query_lens, context_lens, page_size, seed):
 
 
 def _run_case(rank, world, case, seed, device, check_delegation):
-    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.api import mla_chunked_prefill
 
     query_lens, context_lens, page_size, interleave, workspace, policy = case
     # GPU: the math backend (fp32, any head dims, no compile); the benchmark times the fast ones.
@@ -181,7 +181,7 @@ def _run_errors(rank, world, device):
         expect = "local block_table covers" if rank == 1 else "another DCP rank failed"
         assert expect in str(exc), exc
     # The environment switch reaches the one-call helper's delegation too.
-    from mlaprefill.attention import mla_chunked_prefill
+    from mlaprefill.api import mla_chunked_prefill
     from mlaprefill.dcp.forward import DEBUG_ENV
 
     os.environ[DEBUG_ENV] = "1"

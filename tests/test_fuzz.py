@@ -35,7 +35,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.api import mla_chunked_prefill
+from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import INT32_MAX, PrefillBatch
 from mlaprefill.cli import main
 from mlaprefill.kernels import gather_context_rows_torch, merge_attention_states_torch

@@ -15,7 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.api import mla_chunked_prefill
+from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import get_backend, isolate_nonfinite_values
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import merge_attention_states, merge_attention_states_torch

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+from mlaprefill.api import mla_chunked_prefill
+from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.staging import StagingRing

@@ -19,7 +19,7 @@ from mlaprefill.config import PRESETS, MLAConfig
 # for importing torch and Triton.
 _LAZY = {
     "MLAChunkedPrefill": "mlaprefill.attention",
-    "mla_chunked_prefill": "mlaprefill.attention",
+    "mla_chunked_prefill": "mlaprefill.api",
     "PrefillBatch": "mlaprefill.batch",
     "ChunkPlan": "mlaprefill.plan",
     "ChunkPlanner": "mlaprefill.plan",
@@ -32,7 +32,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mlaprefill.attention import MLAChunkedPrefill, mla_chunked_prefill
+    from mlaprefill.api import mla_chunked_prefill
+    from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.audit import HostSyncError, no_host_sync
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.plan import ChunkPlan, ChunkPlanner

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from mlaprefill.kernels.merge import merge_attention_states
 from mlaprefill.plan import ChunkPlan
 from mlaprefill.staging import DevicePlan
 
-__all__ = ["DEFAULT_WORKSPACE_TOKENS", "MLAChunkedPrefill", "mla_chunked_prefill"]
+__all__ = ["DEFAULT_WORKSPACE_TOKENS", "MLAChunkedPrefill", "infer_head_dims"]
 
 #: Default workspace of :func:`mla_chunked_prefill` (context tokens up-projected per iteration).
 DEFAULT_WORKSPACE_TOKENS = 32 * 1024
@@ -492,74 +492,11 @@ def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: t
     return nope, v_dim, rope
 
 
-def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
-                        kv_cache: torch.Tensor, block_table: torch.Tensor,
-                        query_lens: Sequence[int] | Any, context_lens: Sequence[int] | Any,
-                        kv_b_proj_weight: torch.Tensor, *, softmax_scale: float | None = None,
-                        workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
-                        page_size: int | None = None, policy: str = "auto",
-                        backend: str = "auto", return_lse: bool = False,
-                        process_group: Any = None, dcp_interleave: int = 1,
-                        qk_nope_head_dim: int | None = None, v_head_dim: int | None = None,
-                        validate: bool = False,
-                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One call: PrefillBatch -> ChunkPlanner.plan -> StagingRing.upload -> forward.
+def __getattr__(name: str) -> Any:
+    # The one-call API moved to mlaprefill.api (above both this module and mlaprefill.dcp); the
+    # old import path keeps working without importing it at module load (no cycle).
+    if name == "mla_chunked_prefill":
+        from mlaprefill import api
 
-    ``query_lens`` / ``context_lens`` are host ints (a list, numpy array or CPU tensor; a CUDA
-    tensor is rejected because reading it would sync). Head dims are inferred: ``qk_rope_head_dim
-    = k_pe_new.shape[1]``, ``qk_nope_head_dim = q.shape[2] - rope``, ``v_head_dim =
-    weight rows / H - nope`` (pass them to check). ``page_size`` defaults to ``kv_cache.shape[1]``.
-    ``policy="auto"`` plans with the backend's :attr:`~MLAChunkedPrefill.preferred_policy`
-    (``packed`` for cudnn/flex/math, ``balanced`` for varlen); or name a planner policy.
-    With ``process_group`` of world size > 1 this is the context-parallel version
-    (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
-    single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
-
-    ``validate=True`` adds the checks that read device memory (and so **synchronize**): see
-    :meth:`MLAChunkedPrefill.forward`; single-rank only (the DCP path has ``debug``). Every
-    argument is checked on the host first (``TypeError``/``ValueError`` naming it); the README's
-    "Validation contract" lists what is checked when.
-    """
-    if process_group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(process_group) > 1:
-            if validate:
-                raise ValueError("validate=True checks the single-rank path only; for the "
-                                 "context-parallel path set MLAPREFILL_DCP_DEBUG=1 instead")
-            from mlaprefill.dcp import mla_chunked_prefill_dcp
-
-            return mla_chunked_prefill_dcp(
-                q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
-                kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
-                page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
-                process_group=process_group, dcp_interleave=dcp_interleave)
-
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.plan import ChunkPlanner
-    from mlaprefill.staging import StagingRing
-
-    nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight, qk_nope_head_dim,
-                                        v_head_dim)
-    if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got "
-                         f"{tuple(kv_cache.shape)}")
-    if page_size is not None and page_size != kv_cache.shape[1]:
-        raise ValueError(f"page_size={page_size!r} but kv_cache has {kv_cache.shape[1]} tokens "
-                         f"per page (kv_cache.shape[1]); leave page_size out to use the cache's")
-    for name, value in (("policy", policy), ("backend", backend)):
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    page = kv_cache.shape[1]
-    batch = PrefillBatch(query_lens, context_lens, page_size=page, block_table=block_table)
-    if batch.num_query_tokens != q.shape[0]:
-        raise ValueError(f"sum(query_lens) = {batch.num_query_tokens} but q has {q.shape[0]} "
-                         f"tokens; the lengths must describe q's packing")
-    op = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
-                           softmax_scale=softmax_scale, backend=backend, qk_rope_head_dim=rope)
-    plan = ChunkPlanner(workspace_tokens, page, policy=op.resolve_policy(policy)).plan(batch)
-    device_plan = StagingRing(kv_cache.device).upload(plan)
-    return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                      return_lse=return_lse, validate=validate)
+        return api.mla_chunked_prefill
+    raise AttributeError(f"module 'mlaprefill.attention' has no attribute {name!r}")

@@ -4,8 +4,9 @@
   (numpy only).
 * :mod:`~mlaprefill.dcp.plan` — :class:`DCPChunkPlanner`: the single-rank plan of the global
   lengths plus each rank's local share and the compact reorder table (pure CPU, no torch).
-* :mod:`~mlaprefill.dcp.forward` — :func:`mla_chunked_prefill_dcp` and
-  :class:`DCPContextSource` (local gather -> all-gather -> reorder -> single-rank forward).
+* :mod:`~mlaprefill.dcp.forward` — :class:`DCPContextSource` (local gather -> all-gather ->
+  reorder, the forward's ``context_source``). The one-call :func:`mla_chunked_prefill_dcp` lives
+  in :mod:`mlaprefill.api` (exported here too).
 * :mod:`~mlaprefill.dcp.shard` — shard / unshard a paged cache (torch; tests and migration).
 
 Exports are lazy, so ``import mlaprefill.dcp.plan`` (or this package) loads no torch until a
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "DCPContextSource": "forward",
     "check_dcp_consistency": "forward",
-    "mla_chunked_prefill_dcp": "forward",
+    "mla_chunked_prefill_dcp": "mlaprefill.api",
     "reorder_rows_index": "forward",
     "check_dcp_config": "layout",
     "dcp_global_token": "layout",
@@ -36,10 +37,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from mlaprefill.api import mla_chunked_prefill_dcp
     from mlaprefill.dcp.forward import (
         DCPContextSource,
         check_dcp_consistency,
-        mla_chunked_prefill_dcp,
         reorder_rows_index,
     )
     from mlaprefill.dcp.layout import (
@@ -57,7 +58,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mlaprefill.dcp' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"mlaprefill.dcp.{module}"), name)
+    path = module if "." in module else f"mlaprefill.dcp.{module}"
+    return getattr(importlib.import_module(path), name)
 
 
 __all__ = [

@@ -18,22 +18,13 @@ optional cross-rank consistency check (``debug=True``), which reads one small te
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlaprefill.attention import (
-    DEFAULT_WORKSPACE_TOKENS,
-    MLAChunkedPrefill,
-    infer_head_dims,
-    mla_chunked_prefill,
-)
-from mlaprefill.batch import PrefillBatch
-from mlaprefill.dcp.layout import check_dcp_config
-from mlaprefill.dcp.plan import DCPChunkPlan, DCPChunkPlanner, dcp_config_digest
+from mlaprefill.dcp.plan import DCPChunkPlan
 from mlaprefill.kernels import gather_context_rows
 
 __all__ = [
@@ -41,7 +32,6 @@ __all__ = [
     "DCPContextSource",
     "check_dcp_consistency",
     "dcp_world",
-    "mla_chunked_prefill_dcp",
     "reorder_rows_index",
 ]
 
@@ -203,7 +193,7 @@ def check_dcp_consistency(digest: tuple[int, int, int], process_group: Any,
         )
 
 
-def _check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
+def check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
                        plan: DCPChunkPlan) -> None:
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be this rank's [local_num_blocks, page_size, "
@@ -223,102 +213,10 @@ def _check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
             f"(see mlaprefill.dcp.shard_paged_cache).")
 
 
-def mla_chunked_prefill_dcp(
-    q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor, kv_cache: torch.Tensor,
-    block_table: torch.Tensor, query_lens: Any, context_lens: Any,
-    kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
-    softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
-    page_size: int | None = None, policy: str = "auto", backend: str = "auto",
-    return_lse: bool = False, debug: bool | None = None, staging: Any = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
+def __getattr__(name: str) -> Any:
+    # The one-call DCP function moved to mlaprefill.api (it sits above attention and dcp).
+    if name == "mla_chunked_prefill_dcp":
+        from mlaprefill import api
 
-    Parameters
-    ----------
-    q : [num_query_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim] (roped)
-    kv_c_new : [num_query_tokens, kv_lora_rank]
-    k_pe_new : [num_query_tokens, qk_rope_head_dim] (roped)
-    kv_cache : [local_num_blocks, page_size, kv_lora_rank + qk_rope_head_dim]
-        **This rank's** shard (layout: :mod:`mlaprefill.dcp.layout`).
-    block_table : int32 [num_reqs, local_max_blocks]
-        **This rank's** block table over its local tokens.
-    query_lens, context_lens : host ints [num_reqs]
-        **Global** lengths, identical on every rank.
-    kv_b_proj_weight : [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
-    process_group : ProcessGroup or None
-        DCP group; ``None`` or world size 1 runs the single-rank path unchanged.
-    dcp_interleave : int
-        Interleave ``I >= 1`` of the sharded layout.
-    softmax_scale, workspace_tokens, page_size, policy, backend, return_lse
-        As in :func:`mlaprefill.attention.mla_chunked_prefill`; ``workspace_tokens`` also bounds
-        the all-gathered rows of an iteration, ``page_size`` defaults to ``kv_cache.shape[1]``.
-    debug : bool, optional
-        Check with one small collective that all ranks passed the same lengths and config
-        (raises ``ValueError`` naming what differs). Synchronizes the host once. Default: on
-        when the environment has ``MLAPREFILL_DCP_DEBUG=1`` (reaches the one-call
-        ``mla_chunked_prefill(..., process_group=...)`` path too).
-    staging : StagingRing, optional
-        Reused for the upload; default a fresh ``StagingRing(q.device)``.
-
-    Returns
-    -------
-    out : [num_query_tokens, num_heads, v_head_dim], q's dtype — identical on every rank and
-        equal to the single-rank result on the unsharded cache; with ``return_lse`` also
-        ``lse`` [num_query_tokens, num_heads] float32, natural log.
-
-    Raises
-    ------
-    ValueError
-        Before any collective: non-positive ``dcp_interleave``, a workspace that cannot hold an
-        iteration's gathered rows, a local block table too short for this rank's share, and
-        the planner's own errors. With ``debug`` the input errors are raised right after the
-        one check collective, on every rank (also ranks whose own inputs were fine), and ranks
-        that disagree on the global lengths/config raise naming what differs.
-
-    Notes
-    -----
-    Collective: every rank of ``process_group`` must call it with the same global lengths.
-    Host work is the plan (numpy) and one upload; no host synchronization unless ``debug``.
-    """
-    check_dcp_config(1, dcp_interleave)
-    rank, world = dcp_world(process_group)
-    if world == 1:
-        return mla_chunked_prefill(
-            q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
-            kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
-            page_size=page_size, policy=policy, backend=backend, return_lse=return_lse)
-    page = kv_cache.shape[1] if page_size is None else page_size
-    batch = PrefillBatch(query_lens, context_lens, page_size=page)
-    if debug is None:
-        debug = os.environ.get(DEBUG_ENV) == "1"
-    resolved = policy
-    try:
-        nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight)
-        mla = MLAChunkedPrefill(kv_b_proj_weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
-                                softmax_scale=softmax_scale, backend=backend,
-                                qk_rope_head_dim=rope)
-        resolved = mla.resolve_policy(policy)  # the digest below compares what ranks plan with
-        planner = DCPChunkPlanner(workspace_tokens, page, world=world, interleave=dcp_interleave,
-                                  policy=resolved)
-        plan = planner.plan(batch, rank=rank)
-        _check_local_cache(kv_cache, block_table, plan)
-    except ValueError as exc:
-        if not debug:
-            raise  # before any collective; identical inputs fail identically on every rank
-        error: ValueError | None = exc
-    else:
-        error = None
-    if debug:
-        # Inconsistent inputs can fail on some ranks only: agree first, then raise everywhere.
-        device = "cpu" if dist.get_backend(process_group) == "gloo" else q.device
-        digest = dcp_config_digest(batch, world=world, interleave=dcp_interleave,
-                                   workspace_tokens=workspace_tokens, policy=resolved)
-        check_dcp_consistency(digest, process_group, device, local_error=error)
-    if staging is None:
-        from mlaprefill.staging import StagingRing
-
-        staging = StagingRing(q.device)
-    device_plan = staging.upload(plan)
-    source = DCPContextSource(kv_cache, block_table, device_plan, process_group)
-    return mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
-                       device_plan, return_lse=return_lse, context_source=source)
+        return api.mla_chunked_prefill_dcp
+    raise AttributeError(f"module 'mlaprefill.dcp.forward' has no attribute {name!r}")
