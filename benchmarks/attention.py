@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
-"""H200 checks and benchmark of the forward: backends, gather, merge, whole chunked forward.
+"""H200 benchmark of the forward: backends, gather, merge, whole chunked forward, policies.
 
 Usage::
 
@@ -7,11 +7,11 @@ Usage::
 
 Sections (each recorded in the JSON; a failing section records its error and the rest runs):
 
-* ``checks`` — every backend against the float64 math reference (bf16 tolerances), the full
-  forward per backend against :func:`mlaprefill.reference.mla_prefill_reference`, the Triton
-  gather/merge against their torch fallbacks, and the no-sync proof: plan + upload + forward
-  under ``torch.cuda.set_sync_debug_mode("error")`` and under the profiler, counting
-  ``Memcpy HtoD (Pageable -> Device)`` and ``Memcpy DtoH`` events.
+Correctness (every backend against the float64 math reference, the forward against
+:func:`mlaprefill.reference.mla_prefill_reference`, the Triton kernels against their torch
+fallbacks, the no-sync proof) is in the ``gpu``-marked tests (``tests/test_attention_gpu.py``),
+not here.
+
 * ``attention`` — TFLOP/s per backend, non-causal context chunks of 4k-64k keys, 1-16 requests;
   FLOPs = 2 * sum_r(q_r * k_r) * H * (qk_head_dim + v_head_dim) (= 2·Tq·Tk·H·(192+128) for one
   request).
@@ -19,6 +19,7 @@ Sections (each recorded in the JSON; a failing section records its error and the
   against a plain device-to-device copy of the same bytes measured in the same run.
 * ``merge`` — GB/s, bytes = 3 * T * H * 128 * 2 + 3 * T * H * 4.
 * ``forward`` — the whole chunked-context forward vs the sum of its parts each timed alone.
+* ``policies`` — the whole forward per planner policy.
 
 Times: ``triton.testing.do_bench`` (CUDA events, warm-up excluded), median over its repetitions.
 """
@@ -98,62 +99,7 @@ def _varlen_inputs(q_lens: list[int], k_lens: list[int], heads: int, dtype: torc
 
 
 # ---------------------------------------------------------------------------------------------
-# checks
-def check_backends(device: str) -> dict:
-    from mlaprefill.backends import BACKENDS, get_backend
-
-    out: dict[str, Any] = {}
-    cases = {
-        "noncausal": ([37, 1, 64, 5], [100, 0, 129, 64], False),
-        "causal": ([37, 1, 64, 5], [37, 1, 64, 5], True),
-    }
-    ref_be = BACKENDS["math"]()
-    for case, (ql, kl, causal) in cases.items():
-        x = _varlen_inputs(ql, kl, 8, torch.bfloat16, device)
-        ro, rl = ref_be.attend(x["q"].double(), x["k"].double(), x["v"].double(), x["cu_q"],
-                               x["cu_k"], x["max_q"], x["max_k"], causal=causal,
-                               softmax_scale=QK ** -0.5)
-        for name in [*BACKENDS, "cudnn_ragged"]:
-            key = f"{name}/{case}"
-            try:
-                be = get_backend(name.split("_")[0], device=device, dtype=torch.bfloat16,
-                                 qk_head_dim=QK, v_head_dim=VDIM)
-                host = {} if name.endswith("ragged") else {
-                    "cu_seqlens_q_host": x["cu_q_host"], "cu_seqlens_k_host": x["cu_k_host"]}
-                o, lse = be.attend(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"],
-                                   x["max_k"], causal=causal, softmax_scale=QK ** -0.5, **host)
-                finite = torch.isfinite(rl)
-                rel = ((o.double() - ro).norm() / ro.norm()).item()
-                lse_err = (lse.double()[finite] - rl[finite]).abs().max().item()
-                empty_ok = bool(torch.equal(torch.isinf(lse), ~finite)
-                                and (o[~finite.all(1)] == 0).all().item()
-                                and not torch.isnan(o).any().item())
-                out[key] = {"rel_err": rel, "lse_max_abs_err": lse_err, "empty_rows_ok": empty_ok,
-                            "pass": rel <= 1e-2 and lse_err <= 1e-3 * 10 and empty_ok}
-            except Exception as exc:
-                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
-    # raw LSE layouts, to document conventions
-    x = _varlen_inputs([5, 3], [7, 2], 4, torch.bfloat16, device)
-    raw = {}
-    try:
-        r = torch.ops.aten._flash_attention_forward(
-            x["q"], x["k"], torch.nn.functional.pad(x["v"], (0, QK - VDIM)), x["cu_q"],
-            x["cu_k"], 5, 7, 0.0, False, False, scale=0.1)
-        raw["flash_lse_shape"] = list(r[1].shape)
-    except Exception as exc:
-        raw["flash_lse_shape"] = str(exc)[:300]
-    try:
-        r = torch.ops.aten._cudnn_attention_forward(
-            x["q"], x["k"], x["v"], None, x["cu_q"], x["cu_k"], 5, 7, True, 0.0, False, False,
-            scale=0.1)
-        raw["cudnn_lse_shape"] = list(r[1].shape)
-        raw["cudnn_lse_stride"] = list(r[1].stride())
-    except Exception as exc:
-        raw["cudnn_lse_shape"] = str(exc)[:300]
-    out["raw_lse_layouts"] = raw
-    return out
-
-
+# inputs and timing
 def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
                     dtype: torch.dtype, device: str, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator(device=device).manual_seed(seed)
@@ -181,122 +127,6 @@ def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
     }
 
 
-def check_forward(device: str) -> dict:
-    from mlaprefill.api import mla_chunked_prefill
-    from mlaprefill.backends import BACKENDS
-    from mlaprefill.reference import mla_prefill_reference
-
-    x = _forward_inputs([17, 1, 64, 5, 33], [0, 64, 200, 1, 128], 16, torch.bfloat16, device)
-    ro, rl = mla_prefill_reference(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                   x["block_table"], x["query_lens"], x["context_lens"],
-                                   x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM)
-    out: dict[str, Any] = {}
-    for name in BACKENDS:
-        for policy, ws in (("packed", 128), ("equal", 256), ("packed", 4096)):
-            key = f"{name}/{policy}/ws{ws}"
-            try:
-                o, lse = mla_chunked_prefill(
-                    x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
-                    x["query_lens"], x["context_lens"], x["weight"], workspace_tokens=ws,
-                    policy=policy, backend=name, return_lse=True)
-                rel = ((o.double().cpu() - ro).norm() / ro.norm()).item()
-                lse_err = (lse.double().cpu() - rl).abs().max().item()
-                out[key] = {"rel_err": rel, "lse_max_abs_err": lse_err,
-                            "pass": rel <= 1e-2 and lse_err <= 1e-2}
-            except Exception as exc:
-                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
-    return out
-
-
-def check_kernels(device: str) -> dict:
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.kernels import (
-        gather_context_rows,
-        gather_context_rows_torch,
-        merge_attention_states,
-        merge_attention_states_torch,
-    )
-    from mlaprefill.plan import ChunkPlanner
-
-    out: dict[str, Any] = {}
-    x = _forward_inputs([3, 2, 4], [1000, 64, 4097], 4, torch.bfloat16, device)
-    plan = ChunkPlanner(1024, PAGE).plan(PrefillBatch(x["query_lens"], x["context_lens"],
-                                                      page_size=PAGE))
-    cu = torch.from_numpy(plan.cu_seq_lens).to(device)
-    cs = torch.from_numpy(plan.chunk_starts).to(device)
-    ok = True
-    for i in range(plan.num_iterations):
-        n = plan.iteration_tokens[i]
-        w1 = torch.zeros(plan.max_iteration_tokens, RANK + ROPE, device=device,
-                         dtype=torch.bfloat16)
-        w2 = w1.clone()
-        gather_context_rows(x["kv_cache"], x["block_table"], cu[i], cs[i], w1, n,
-                            use_kernel=True)
-        gather_context_rows_torch(x["kv_cache"], x["block_table"], cu[i], cs[i], w2, n)
-        ok &= bool(torch.equal(w1, w2))
-    out["gather_equal_torch"] = ok
-    t, h = 1000, 16
-    g = torch.Generator(device=device).manual_seed(1)
-    o = torch.randn(t, h, VDIM, device=device, generator=g).bfloat16()
-    lse = torch.randn(t, h, device=device, generator=g)
-    po = torch.randn(t, h, QK, device=device, generator=g).bfloat16()[..., :VDIM]
-    pl = torch.randn(h, t, device=device, generator=g).t()
-    lse[:10] = float("-inf")
-    pl[5:20] = float("-inf")
-    po[5:20] = float("nan")
-    o1, l1, o2, l2 = o.clone(), lse.clone(), o.clone(), lse.clone()
-    merge_attention_states(o1, l1, po, pl, use_kernel=True)
-    merge_attention_states_torch(o2, l2, po, pl)
-    diff = (o1.float() - o2.float()).abs()
-    out["merge_max_abs_diff"] = diff.max().item()
-    worst = int(diff.argmax().item()) // (h * VDIM)
-    out["merge_worst_token"] = {"token": worst, "lse": lse[worst].tolist()[:4],
-                                "part_lse": pl[worst].tolist()[:4],
-                                "kernel_lse": l1[worst].tolist()[:4],
-                                "torch_lse": l2[worst].tolist()[:4]}
-    out["merge_tolerance"] = 1e-2 * o2.float().abs().max().item()  # bf16 rounding of the result
-    out["merge_lse_equal_inf"] = bool(torch.equal(torch.isinf(l1), torch.isinf(l2)))
-    out["merge_both_inf_rows_zero"] = bool((o1[5:10] == 0).all().item()
-                                           and torch.isinf(l1[5:10]).all().item())
-    out["merge_no_nan"] = not bool(torch.isnan(o1).any().item())
-    out["pass"] = (ok and out["merge_max_abs_diff"] <= out["merge_tolerance"]
-                   and out["merge_lse_equal_inf"] and out["merge_both_inf_rows_zero"]
-                   and out["merge_no_nan"])
-    return out
-
-
-def check_no_sync(device: str, backends: list[str]) -> dict:
-    """Plan + upload + forward under sync debug mode "error" and the profiler, per backend."""
-    from mlaprefill.attention import MLAChunkedPrefill
-    from mlaprefill.audit.cuda_check import check_step_async
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.plan import ChunkPlanner
-    from mlaprefill.staging import StagingRing
-
-    x = _forward_inputs([512, 1, 300, 64], [4096, 0, 1000, 64 * 20], 16, torch.bfloat16,
-                        device)
-    results: dict[str, Any] = {}
-    for name in backends:
-        try:
-            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                                   backend=name)
-            ring = StagingRing(device)
-            planner = ChunkPlanner(2048, PAGE, policy="packed")
-            batch = PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE)
-
-            def step(op=op, ring=ring, planner=planner, batch=batch) -> torch.Tensor:
-                dplan = ring.upload(planner.plan(batch))
-                return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                  x["block_table"], dplan)
-
-            results[name] = check_step_async(step, steps=3).to_dict()
-        except Exception as exc:
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
-# timing
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
     (1, 4096, 4096), (1, 4096, 16384), (1, 4096, 65536),
     (4, 4096, 16384), (16, 4096, 65536), (16, 4096, 16384),
@@ -636,13 +466,6 @@ def _table(results: dict) -> str:
                 continue
             lines.append(f"  H={r['heads']:3d} {r['shape']:9s} {r['backend']:7s} "
                          f"{r['policy']:8s} it={r['iterations']:3d} {r['forward_ms']:8.2f}")
-    ch = results.get("checks", {})
-    for key in ("backends", "forward", "kernels", "no_sync"):
-        sec = ch.get(key, {})
-        if isinstance(sec, dict):
-            bad = [k for k, v in sec.items()
-                   if isinstance(v, dict) and (v.get("pass") is False or "error" in v)]
-            lines.append(f"check {key}: {'ok' if not bad else 'FAILED ' + ', '.join(bad)}")
     return "\n".join(lines)
 
 
@@ -665,18 +488,10 @@ def main() -> int:
         "date_utc": utc_now(offset=True),
         "machine": machine_info(torch.device(device)),
     }
-    checks: dict[str, Any] = {}
-    results["checks"] = checks
-
     def dump() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
 
-    if "checks" not in skip:
-        _section(checks, "backends", lambda: check_backends(device), dump)
-        _section(checks, "kernels", lambda: check_kernels(device), dump)
-        _section(checks, "forward", lambda: check_forward(device), dump)
-        _section(checks, "no_sync", lambda: check_no_sync(device, ["auto", *backends]), dump)
     if "gather" not in skip:
         _section(results, "gather", lambda: bench_gather(device), dump)
     if "merge" not in skip:
@@ -688,7 +503,6 @@ def main() -> int:
         _section(results, "forward", lambda: bench_forward(device, backends), dump)
     if "policies" not in skip:
         _section(results, "policies", lambda: bench_policies(device, backends), dump)
-    print(json.dumps(checks, indent=1, default=str)[:6000])
     print(_table(results))
     return 0
 

@@ -11,7 +11,7 @@
 #   tests        every `gpu`-marked test (JUnit XML in OUT_DIR/gpu_tests.xml)
 #   plan_upload  benchmarks/plan_upload.py
 #   audit        benchmarks/audit_gpu.py (audit overhead + stall map)
-#   attention    benchmarks/attention.py (checks, kernels, backends, whole forward, forward per
+#   attention    benchmarks/attention.py (kernels, backends, whole forward, forward per
 #                planner policy)
 #   determinism  benchmarks/determinism.py --probe --runs 16
 # dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on

@@ -71,7 +71,10 @@ def test_forward_matches_reference(backend, policy, workspace):
 
 @pytest.mark.parametrize("backend", ["cudnn", "flex", "varlen"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backend_matches_math_with_empty_sequences(backend, causal):
+@pytest.mark.parametrize("host_offsets", [False, True])
+def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets):
+    """Also with the offsets as host ints: cuDNN then launches its cached dense kernel per
+    sequence, without them its ragged kernel."""
     q_lens = [37, 1, 64, 5]
     k_lens = q_lens if causal else [100, 0, 129, 64]
     heads, qk = 8, NOPE + ROPE
@@ -88,7 +91,9 @@ def test_backend_matches_math_with_empty_sequences(backend, causal):
     ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), *args,
                                             causal=causal, softmax_scale=qk ** -0.5)
     be = get_backend(backend, device="cuda", dtype=torch.bfloat16, qk_head_dim=qk, v_head_dim=V)
-    o, lse = be.attend(q, k, v, *args, causal=causal, softmax_scale=qk ** -0.5)
+    host = {"cu_seqlens_q_host": args[0].cpu().numpy(),
+            "cu_seqlens_k_host": args[1].cpu().numpy()} if host_offsets else {}
+    o, lse = be.attend(q, k, v, *args, causal=causal, softmax_scale=qk ** -0.5, **host)
     assert o.shape == (sum(q_lens), heads, V) and lse.shape == (sum(q_lens), heads)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     finite = torch.isfinite(ref_l)
