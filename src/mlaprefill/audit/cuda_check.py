@@ -52,6 +52,8 @@ def check_step_async(step: Callable[[], Any], *, steps: int = 3,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from mlaprefill.audit.runtime_cuda import is_pageable_memcpy
+
     if not torch.cuda.is_available():
         raise ValueError("check_step_async needs CUDA (torch.cuda.is_available() is False); "
                          "use mlaprefill.audit.no_host_sync on a CPU machine")
@@ -82,7 +84,7 @@ def check_step_async(step: Callable[[], Any], *, steps: int = 3,
             names[ev.name] = names.get(ev.name, 0) + 1
     return StepSyncCheck(
         steps=steps, sync_debug_error=error, memcpy_events=names,
-        pageable_htod=sum(v for k, v in names.items() if "HtoD" in k and "Pageable" in k),
+        pageable_htod=sum(v for k, v in names.items() if is_pageable_memcpy(k)),
         dtoh=sum(v for k, v in names.items() if "DtoH" in k),
         htod=sum(v for k, v in names.items() if "HtoD" in k),
         min_htod_per_step=min_htod_per_step)
