@@ -1,3 +1,11 @@
+"""Shared test setup: the ``gpu`` skip, and random paged MLA inputs.
+
+Test modules import the builders with ``from conftest import paged_mla_inputs``: ``tests/`` has no
+``__init__.py``, so pytest puts it on ``sys.path`` and registers this file as ``conftest``.
+"""
+
+from __future__ import annotations
+
 import pytest
 import torch
 
@@ -9,3 +17,66 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _paged_cache(context_lens, g, *, page_size, latent_dim, spare_blocks, extra_columns,
+                 pad_block, dtype, device):
+    # Request r owns ceil(context_lens[r] / page_size) blocks, in a random order over the cache;
+    # spare_blocks more are owned by nobody (what a poisoned "unused page" test writes to).
+    blocks = [-(-c // page_size) for c in context_lens]
+    used = sum(blocks)
+    num_blocks = used + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32)
+    width = max(max(blocks, default=0), 1) + extra_columns
+    table = torch.full((len(blocks), width), pad_block, dtype=torch.int32, device=device)
+    owned = torch.arange(width)[None, :] < torch.tensor(blocks)[:, None]  # [num_reqs, width]
+    table[owned.to(device)] = perm[:used]  # row-major: request 0's blocks first
+    cache = torch.randn(num_blocks, page_size, latent_dim, generator=g, device=device)
+    return cache.to(dtype), table
+
+
+def paged_cache(context_lens, *, page_size, latent_dim, spare_blocks=1, extra_columns=0,
+                pad_block=0, dtype=torch.float32, device="cpu", seed=0):
+    """A random paged cache and the block table that holds ``context_lens`` tokens in it.
+
+    Returns ``(kv_cache [num_blocks, page_size, latent_dim] dtype, block_table int32 [num_reqs,
+    max(1, max_blocks) + extra_columns])``, both on ``device``. Blocks are handed out in a random
+    permutation; ``num_blocks = sum(ceil(context_lens / page_size)) + spare_blocks``. Table entries
+    past a request's blocks (also every entry of a zero-context request) hold ``pad_block``.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    return _paged_cache(context_lens, g, page_size=page_size, latent_dim=latent_dim,
+                        spare_blocks=spare_blocks, extra_columns=extra_columns,
+                        pad_block=pad_block, dtype=dtype, device=device)
+
+
+def paged_mla_inputs(query_lens, context_lens, *, heads=3, rank=16, nope=8, rope=4, v=6,
+                     page_size=4, dtype=torch.float32, device="cpu", seed=0, spare_blocks=1,
+                     extra_columns=1, pad_block=0):
+    """Random inputs of one MLA chunked-prefill forward, as a dict.
+
+    Tensors (on ``device``, ``dtype`` unless said): ``q [T, heads, nope + rope]``,
+    ``kv_c_new [T, rank]``, ``k_pe_new [T, rope]``, ``kv_cache [num_blocks, page_size,
+    rank + rope]``, ``block_table`` int32 (layout as :func:`paged_cache`; by default one column
+    past the widest context, for tests that write there), ``weight [heads * (nope + v), rank]``
+    scaled by ``rank ** -0.5``; T = sum(query_lens). Also the dims ``heads``, ``rank``, ``nope``,
+    ``rope``, ``v``, ``page_size``. Values come from one generator on ``device``, seeded ``seed``.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv_cache, block_table = _paged_cache(
+        context_lens, g, page_size=page_size, latent_dim=rank + rope, spare_blocks=spare_blocks,
+        extra_columns=extra_columns, pad_block=pad_block, dtype=dtype, device=device)
+    t = sum(query_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    return dict(
+        q=randn(t, heads, nope + rope).to(dtype),
+        kv_c_new=randn(t, rank).to(dtype),
+        k_pe_new=randn(t, rope).to(dtype),
+        kv_cache=kv_cache,
+        block_table=block_table,
+        weight=(randn(heads * (nope + v), rank) * rank ** -0.5).to(dtype),
+        heads=heads, rank=rank, nope=nope, rope=rope, v=v, page_size=page_size,
+    )

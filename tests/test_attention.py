@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
@@ -40,29 +41,6 @@ def plain_reference(q, kv_c_new, k_pe_new, cache, table, query_lens, context_len
         outs.append(torch.einsum("his,shd->ihd", torch.softmax(s, -1), vals))
         start += n_new
     return torch.cat(outs), torch.cat(lses)
-
-
-def make_inputs(query_lens, context_lens, *, heads=3, rank=16, nope=8, rope=4, v=6,
-                page_size=4, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    blocks = [max(1, -(-c // page_size)) for c in context_lens]
-    num_blocks = sum(blocks) + 1
-    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    table = torch.full((len(blocks), max(blocks) + 1), num_blocks - 1, dtype=torch.int32)
-    off = 0
-    for r, nb in enumerate(blocks):
-        table[r, :nb] = perm[off:off + nb]
-        off += nb
-    t = sum(query_lens)
-    return dict(
-        q=torch.randn(t, heads, nope + rope, generator=g).to(dtype),
-        kv_c_new=torch.randn(t, rank, generator=g).to(dtype),
-        k_pe_new=torch.randn(t, rope, generator=g).to(dtype),
-        kv_cache=torch.randn(num_blocks, page_size, rank + rope, generator=g).to(dtype),
-        block_table=table,
-        weight=(torch.randn(heads * (nope + v), rank, generator=g) * rank ** -0.5).to(dtype),
-        nope=nope, v=v, page_size=page_size,
-    )
 
 
 def run_forward(x, query_lens, context_lens, workspace, policy, **kw):
@@ -112,7 +90,7 @@ def batches(draw):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 3))
 def test_forward_matches_plain_reference(batch, policy, dtype, seed):
     page, query_lens, context_lens, workspace = batch
-    x = make_inputs(query_lens, context_lens, page_size=page, dtype=dtype, seed=seed)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=page, dtype=dtype, seed=seed)
     out, lse, _, op = run_forward(x, query_lens, context_lens, workspace, policy)
     assert op.backend_name == "math"
     check(out, lse, x, query_lens, context_lens, dtype)
@@ -127,7 +105,7 @@ def test_forward_matches_plain_reference(batch, policy, dtype, seed):
     ([2, 6], [64, 3], 200),                 # workspace bigger than all context
 ])
 def test_awkward_cases(policy, query_lens, context_lens, workspace):
-    x = make_inputs(query_lens, context_lens, page_size=4)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=4)
     out, lse, plan, _ = run_forward(x, query_lens, context_lens, workspace, policy)
     if sum(context_lens) == 0:
         assert plan.num_iterations == 0
@@ -136,7 +114,7 @@ def test_awkward_cases(policy, query_lens, context_lens, workspace):
 
 def test_many_iterations_equal_one_iteration():
     query_lens, context_lens = [3, 4, 2], [37, 64, 9]
-    x = make_inputs(query_lens, context_lens, page_size=4, heads=2, nope=5, rope=3, v=7)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=4, heads=2, nope=5, rope=3, v=7)
     small, lse_small, plan_small, _ = run_forward(x, query_lens, context_lens, 12, "packed")
     big, lse_big, plan_big, _ = run_forward(x, query_lens, context_lens, 512, "packed")
     assert plan_small.num_iterations >= 9 and plan_big.num_iterations == 1
@@ -146,7 +124,7 @@ def test_many_iterations_equal_one_iteration():
 
 def test_one_call_matches_and_infers_dims():
     query_lens, context_lens = [2, 5], [9, 0]
-    x = make_inputs(query_lens, context_lens, page_size=4, heads=2, nope=6, rope=2, v=10)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=4, heads=2, nope=6, rope=2, v=10)
     out, lse = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                    x["block_table"], query_lens, context_lens, x["weight"],
                                    workspace_tokens=8, return_lse=True)
@@ -160,7 +138,7 @@ def test_one_call_matches_and_infers_dims():
 def test_softmax_scale_is_applied():
     # several iterations, zero context, one token: the scale must reach every part and the LSE
     query_lens, context_lens = [3, 1, 2], [6, 0, 8]
-    x = make_inputs(query_lens, context_lens)
+    x = paged_mla_inputs(query_lens, context_lens)
     args = (x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
             context_lens, x["weight"])
     a = mla_chunked_prefill(*args, workspace_tokens=8)
@@ -175,7 +153,7 @@ def test_softmax_scale_is_applied():
 
 def test_context_source_hook_replaces_gather():
     query_lens, context_lens = [2, 3], [10, 7]
-    x = make_inputs(query_lens, context_lens, page_size=2)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=2)
     plan = ChunkPlanner(6, 2).plan(PrefillBatch(query_lens, context_lens, page_size=2))
     dplan = StagingRing("cpu").upload(plan)
     calls = []
@@ -203,7 +181,7 @@ def test_context_source_hook_replaces_gather():
 
 def test_float64_inputs_give_float64_results():
     query_lens, context_lens = [2, 1], [5, 8]
-    x = make_inputs(query_lens, context_lens, dtype=torch.float64)
+    x = paged_mla_inputs(query_lens, context_lens, dtype=torch.float64)
     out, lse = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                    x["block_table"], query_lens, context_lens, x["weight"],
                                    workspace_tokens=4, return_lse=True)
@@ -218,7 +196,7 @@ def test_float64_inputs_give_float64_results():
 @pytest.fixture
 def setup():
     query_lens, context_lens = [2, 3], [5, 4]
-    x = make_inputs(query_lens, context_lens)
+    x = paged_mla_inputs(query_lens, context_lens)
     plan = ChunkPlanner(8, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
     dplan = StagingRing("cpu").upload(plan)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
@@ -273,7 +251,7 @@ def test_bad_weight_and_lengths(setup):
 
 
 def test_backend_choice_is_visible():
-    x = make_inputs([1], [0])
+    x = paged_mla_inputs([1], [0])
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=8, v_head_dim=6, backend="auto")
     assert op.backend_name == "math"
     assert MLAChunkedPrefill(x["weight"], qk_nope_head_dim=8, v_head_dim=6,
@@ -289,7 +267,7 @@ def test_policy_auto_follows_the_backend(monkeypatch):
                        v_head_dim=6).preferred_policy == "packed"
     assert VarlenFlashBackend.preferred_policy == "balanced"
     query_lens, context_lens = [2, 1, 3], [40, 4, 0]
-    x = make_inputs(query_lens, context_lens, page_size=4)
+    x = paged_mla_inputs(query_lens, context_lens, page_size=4)
     seen = []
     real = attention_mod.MLAChunkedPrefill.forward
 
@@ -322,7 +300,7 @@ def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, w
     import mlaprefill.api as api
 
     query_lens, context_lens = [2, 1], [5, 0]
-    x = make_inputs(query_lens, context_lens)
+    x = paged_mla_inputs(query_lens, context_lens)
     seen = {}
 
     def fake_dcp(*args, **kwargs):

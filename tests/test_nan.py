@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import get_backend, isolate_nonfinite_values
@@ -23,7 +24,6 @@ from mlaprefill.kernels import merge_attention_states, merge_attention_states_to
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
-from test_attention import make_inputs
 
 NAN, NEG_INF = float("nan"), float("-inf")
 
@@ -196,7 +196,7 @@ def _poison(x, where):
 @pytest.mark.parametrize("workspace", [12, 16, 64])  # many iterations / shared / one
 @pytest.mark.parametrize("where", ["cache_kv_c", "cache_k_pe", "q", "kv_c_new", "unused_page"])
 def test_nan_in_one_request_stays_in_that_request(policy, workspace, where):
-    x = make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
+    x = paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
     clean_out, clean_lse, _ = _forward(x, workspace, policy)
     out, lse, _ = _forward(_poison(x, where), workspace, policy)
     b_rows = torch.ones(sum(QUERY_LENS), dtype=torch.bool)
@@ -226,7 +226,7 @@ def test_nan_in_one_request_stays_in_that_request(policy, workspace, where):
 
 def test_nan_weight_poisons_every_request_and_never_reads_as_no_keys():
     """A NaN shared by everyone (the up-projection weight) gives NaN everywhere, not 0/-inf."""
-    x = make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
+    x = paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
     x["weight"] = x["weight"].clone()
     x["weight"][0, 0] = NAN  # head 0's first nope row: head 0's keys
     out, lse, _ = _forward(x, 8, "packed")
@@ -235,7 +235,7 @@ def test_nan_weight_poisons_every_request_and_never_reads_as_no_keys():
 
 
 def test_one_call_nan_stays_in_request():
-    x = make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
+    x = paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
     args = ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")
     clean = mla_chunked_prefill(*(x[k] for k in args), QUERY_LENS, CONTEXT_LENS, x["weight"],
                                 workspace_tokens=8)
@@ -268,9 +268,8 @@ def test_gpu_triton_merge_nan_rules():
 def test_gpu_forward_nan_stays_in_request(backend, where):
     """Triton gather + merge + each backend: B unchanged, A NaN (bf16; math in fp32)."""
     dtype = torch.float32 if backend == "math" else torch.bfloat16
-    x = make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4, heads=2, rank=32, nope=16, rope=16,
-                    v=16, dtype=dtype)
-    x = {k: (t.cuda() if isinstance(t, torch.Tensor) else t) for k, t in x.items()}
+    x = paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4, heads=2, rank=32, nope=16,
+                         rope=16, v=16, dtype=dtype, device="cuda")
     for policy in ("packed", "equal", "balanced"):
         clean_out, clean_lse, _ = _forward(x, 12, policy, backend=backend)
         out, lse, _ = _forward(_poison(x, where), 12, policy, backend=backend)

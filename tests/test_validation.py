@@ -10,19 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.staging import StagingRing
-from test_attention import check, make_inputs, run_forward
+from test_attention import check, run_forward
 
 QUERY_LENS, CONTEXT_LENS = [2, 3], [5, 9]
 
 
 @pytest.fixture
 def x():
-    return make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
+    return paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4)
 
 
 def _op(x, **kw):
@@ -161,9 +162,8 @@ def test_validate_true_on_cpu_gives_the_same_result(x):
 # -- GPU: device block tables are read only with validate=True ------------------------------
 @pytest.mark.gpu
 def test_gpu_validate_reads_device_block_table_and_default_gives_nan_rows():
-    x = make_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4, heads=2, rank=32, nope=16, rope=16,
-                    v=16, dtype=torch.bfloat16)
-    x = {k: (t.cuda() if isinstance(t, torch.Tensor) else t) for k, t in x.items()}
+    x = paged_mla_inputs(QUERY_LENS, CONTEXT_LENS, page_size=4, heads=2, rank=32, nope=16,
+                         rope=16, v=16, dtype=torch.bfloat16, device="cuda")
     dplan = StagingRing("cuda").upload(_plan(x))
     op = _op(x)
     clean = op.forward(*_args(x), dplan)
