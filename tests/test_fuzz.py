@@ -35,6 +35,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import INT32_MAX, PrefillBatch
@@ -297,26 +298,9 @@ def forward_cases(draw):
 
 
 def _inputs(case):
-    ql, cl, page = case["ql"], case["cl"], case["page"]
     heads, rank, nope, rope, v = case["dims"]
-    g = torch.Generator().manual_seed(case["seed"])
-    blocks = [max(1, -(-c // page)) for c in cl]
-    num_blocks = sum(blocks) + 1
-    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    table = torch.full((len(cl), max(blocks) + 1), num_blocks - 1, dtype=torch.int32)
-    off = 0
-    for r, nb in enumerate(blocks):
-        table[r, :nb] = perm[off:off + nb]
-        off += nb
-    t, dt = sum(ql), case["dtype"]
-    return dict(q=torch.randn(t, heads, nope + rope, generator=g).to(dt),
-                kv_c_new=torch.randn(t, rank, generator=g).to(dt),
-                k_pe_new=torch.randn(t, rope, generator=g).to(dt),
-                kv_cache=torch.randn(num_blocks, page, rank + rope, generator=g).to(dt),
-                block_table=table,
-                weight=(torch.randn(heads * (nope + v), rank, generator=g)
-                        * rank ** -0.5).to(dt),
-                nope=nope, v=v)
+    return paged_mla_inputs(case["ql"], case["cl"], heads=heads, rank=rank, nope=nope, rope=rope,
+                            v=v, page_size=case["page"], dtype=case["dtype"], seed=case["seed"])
 
 
 def _mutate(case, x):
