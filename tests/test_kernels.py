@@ -13,6 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from conftest import paged_cache
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import (
     gather_context_rows,
@@ -24,20 +25,6 @@ from mlaprefill.kernels.gather import rows_to_requests
 from mlaprefill.plan import ChunkPlanner
 
 NEG_INF = float("-inf")
-
-
-def _paged_cache(context_lens, page_size, latent_dim, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    blocks = [max(1, -(-c // page_size)) for c in context_lens]
-    num_blocks = sum(blocks) + 2
-    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    table = torch.full((len(blocks), max(blocks)), num_blocks - 1, dtype=torch.int32)
-    off = 0
-    for r, nb in enumerate(blocks):
-        table[r, :nb] = perm[off:off + nb]
-        off += nb
-    cache = torch.randn(num_blocks, page_size, latent_dim, generator=g)
-    return cache, table
 
 
 @settings(max_examples=25, deadline=None)
@@ -57,7 +44,7 @@ def test_gather_matches_plain_indexing(context_lens, page_size, workspace, polic
     """Every iteration's workspace rows are exactly the cache rows the plan names."""
     n_with_ctx = sum(c > 0 for c in context_lens)
     workspace = max(workspace, page_size * max(n_with_ctx, 1))
-    cache, table = _paged_cache(context_lens, page_size, latent_dim=24)
+    cache, table = paged_cache(context_lens, page_size=page_size, latent_dim=24)
     plan = ChunkPlanner(workspace, page_size, policy=policy).plan(
         PrefillBatch([1] * len(context_lens), context_lens, page_size=page_size))
     covered = [[] for _ in context_lens]
@@ -80,7 +67,7 @@ def test_gather_matches_plain_indexing(context_lens, page_size, workspace, polic
 
 
 def test_gather_validates_inputs():
-    cache, table = _paged_cache([8], 4, latent_dim=8)
+    cache, table = paged_cache([8], page_size=4, latent_dim=8)
     cu, cs = torch.tensor([0, 4], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="workspace has 2 rows"):
         gather_context_rows_torch(cache, table, cu, cs, torch.empty(2, 8), 4)
@@ -115,7 +102,7 @@ def test_rows_to_requests_is_vllm_token_to_seq(context_lens, page_size, workspac
 def test_gather_rejects_block_ids_outside_the_cache(bad_id):
     """A block id outside [0, num_blocks) never reads another page: a clear error on CPU,
     raised before the workspace is touched."""
-    cache, table = _paged_cache([8, 8], 4, latent_dim=8)
+    cache, table = paged_cache([8, 8], page_size=4, latent_dim=8, spare_blocks=2)
     assert cache.shape[0] == 6
     bad_table = table.clone()
     bad_table[1, 1] = bad_id if bad_id != 10 else cache.shape[0]  # == num_blocks: one past
