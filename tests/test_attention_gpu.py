@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import BACKENDS, get_backend
@@ -25,27 +26,10 @@ RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
 GPU_BACKENDS = ["cudnn", "flex", "varlen", "math"]
 
 
-def _inputs(query_lens, context_lens, heads, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    blocks = [max(1, -(-c // PAGE)) for c in context_lens]
-    num_blocks = sum(blocks) + 2
-    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
-    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
-    off = 0
-    for r, nb in enumerate(blocks):
-        table[r, :nb] = perm[off:off + nb]
-        off += nb
-    t = sum(query_lens)
-    return dict(
-        q=torch.randn(t, heads, NOPE + ROPE, device="cuda", dtype=dtype, generator=g),
-        kv_c_new=torch.randn(t, RANK, device="cuda", dtype=dtype, generator=g),
-        k_pe_new=torch.randn(t, ROPE, device="cuda", dtype=dtype, generator=g),
-        kv_cache=torch.randn(num_blocks, PAGE, RANK + ROPE, device="cuda", dtype=dtype,
-                             generator=g),
-        block_table=table,
-        weight=torch.randn(heads * (NOPE + V), RANK, device="cuda", dtype=dtype,
-                           generator=g) * RANK ** -0.5,
-    )
+def _inputs(query_lens, context_lens, heads, seed=0):
+    """DeepSeek-sized bf16 inputs, built on the GPU."""
+    return paged_mla_inputs(query_lens, context_lens, heads=heads, rank=RANK, nope=NOPE, rope=ROPE,
+                            v=V, page_size=PAGE, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
