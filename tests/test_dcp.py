@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import paged_cache, paged_mla_inputs
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
     DCPChunkPlanner,
@@ -66,25 +67,12 @@ def test_forward_bad_interleave_raises_before_collective() -> None:
                                 dcp_interleave=0)
 
 
-def _random_cache(context_lens: list[int], page_size: int, latent: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    nblocks = [-(-n // page_size) for n in context_lens]
-    total = sum(nblocks) + 3
-    cache = torch.randn(total, page_size, latent, generator=gen)
-    perm = torch.randperm(total, generator=gen)
-    table = torch.zeros(len(context_lens), max(max(nblocks), 1), dtype=torch.int32)
-    k = 0
-    for r, nb in enumerate(nblocks):
-        table[r, :nb] = perm[k:k + nb].to(torch.int32)
-        k += nb
-    return cache, table
-
-
 @pytest.mark.parametrize("world,interleave,page_size", [
     (2, 1, 16), (3, 16, 16), (4, 5, 8), (2, 64, 16), (4, 1, 4)])
 def test_shard_roundtrip(world: int, interleave: int, page_size: int) -> None:
     lens = [0, 1, 15, 16, 17, world * interleave - 1, 200]
-    cache, table = _random_cache(lens, page_size, 6, seed=world * 100 + interleave)
+    cache, table = paged_cache(lens, page_size=page_size, latent_dim=6,
+                               seed=world * 100 + interleave)
     shards = shard_paged_cache(cache, table, np.array(lens), world=world,
                                interleave=interleave, seed=7)
     assert len(shards) == world
@@ -223,13 +211,11 @@ def test_workspace_too_small_for_gathered_rows() -> None:
 def test_single_rank_path_is_the_plain_forward() -> None:
     from mlaprefill.api import mla_chunked_prefill
 
-    gen = torch.Generator().manual_seed(3)
     query_lens, context_lens = [2, 1], [20, 0]
-    cache, table = _random_cache(context_lens, 16, 24, seed=3)
-    q = torch.randn(3, 2, 16, generator=gen)
-    kv_c_new, k_pe_new = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
-    weight = torch.randn(2 * 16, 16, generator=gen)
-    args = (q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, weight)
+    x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=8, rope=8, v=8,
+                         page_size=16, seed=3)
+    args = (*(x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")),
+            query_lens, context_lens, x["weight"])
     got = mla_chunked_prefill_dcp(*args, process_group=None, dcp_interleave=16,
                                   workspace_tokens=16, return_lse=True)
     want = mla_chunked_prefill(*args, workspace_tokens=16, return_lse=True)
@@ -273,7 +259,7 @@ def test_context_source_rejects_wrong_plan_or_group() -> None:
     from mlaprefill.staging import StagingRing
 
     batch = PrefillBatch([1, 1], [40, 9], page_size=16)
-    cache, table = _random_cache([40, 9], 16, 24, seed=1)
+    cache, table = paged_cache([40, 9], page_size=16, latent_dim=24, seed=1)
     ring = StagingRing("cpu")
     with pytest.raises(TypeError, match="DCPChunkPlan"):
         DCPContextSource(cache, table, ring.upload(ChunkPlanner(64, 16).plan(batch)), None)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import paged_mla_inputs
 from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
@@ -54,24 +55,13 @@ CASES: dict[int, list[tuple]] = {
 }
 
 
-def _inputs(query_lens, context_lens, page_size, seed):
-    gen = torch.Generator().manual_seed(seed)
-    t = sum(query_lens)
-    latent = KV_LORA_RANK + QK_ROPE
-    nblocks = [-(-n // page_size) for n in context_lens]
-    total_blocks = sum(nblocks) + 2
-    cache = torch.randn(total_blocks, page_size, latent, generator=gen)
-    perm = torch.randperm(total_blocks, generator=gen)
-    table = torch.zeros(len(context_lens), max(max(nblocks), 1), dtype=torch.int32)
-    k = 0
-    for r, nb in enumerate(nblocks):  # test setup: a handful of requests
-        table[r, :nb] = perm[k:k + nb].to(torch.int32)
-        k += nb
-    q = torch.randn(t, NUM_HEADS, QK_NOPE + QK_ROPE, generator=gen)
-    kv_c_new = torch.randn(t, KV_LORA_RANK, generator=gen)
-    k_pe_new = torch.randn(t, QK_ROPE, generator=gen)
-    weight = torch.randn(NUM_HEADS * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=gen) * 0.3
-    return q, kv_c_new, k_pe_new, cache, table, weight
+def _inputs(query_lens, context_lens, page_size, seed, device):
+    """(q, kv_c_new, k_pe_new, kv_cache, block_table, weight) on ``device``: built on the CPU so
+    that every rank holds the same values."""
+    x = paged_mla_inputs(query_lens, context_lens, heads=NUM_HEADS, rank=KV_LORA_RANK,
+                         nope=QK_NOPE, rope=QK_ROPE, v=V_HEAD, page_size=page_size, seed=seed)
+    return tuple(x[k].to(device) for k in ("q", "kv_c_new", "k_pe_new", "kv_cache",
+                                           "block_table", "weight"))
 
 
 def _run_case(rank, world, case, seed, device, check_delegation):
@@ -80,8 +70,8 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     query_lens, context_lens, page_size, interleave, workspace, policy = case
     # GPU: the math backend (fp32, any head dims, no compile); the benchmark times the fast ones.
     backend = "auto" if device == "cpu" else "math"
-    inputs = _inputs(query_lens, context_lens, page_size, seed)
-    q, kv_c_new, k_pe_new, cache, table, weight = (t.to(device) for t in inputs)
+    q, kv_c_new, k_pe_new, cache, table, weight = _inputs(query_lens, context_lens, page_size,
+                                                          seed, device)
     shards = shard_paged_cache(cache, table, np.array(context_lens), world=world,
                                interleave=interleave, seed=seed + 1)
     local_cache, local_table = shards[rank]
@@ -140,8 +130,7 @@ def _run_case(rank, world, case, seed, device, check_delegation):
 
 
 def _run_errors(rank, world, device):
-    inputs = _inputs([2, 1], [40, 9], 16, seed=5)
-    q, kv_c_new, k_pe_new, cache, table, weight = (t.to(device) for t in inputs)
+    q, kv_c_new, k_pe_new, cache, table, weight = _inputs([2, 1], [40, 9], 16, 5, device)
     local_cache, local_table = shard_paged_cache(cache, table, np.array([40, 9]), world=world,
                                                  interleave=16)[rank]
     group = dist.group.WORLD
