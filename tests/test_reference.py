@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from conftest import paged_mla_inputs
 from mlaprefill.reference import mla_prefill_reference
 
 
@@ -42,16 +43,13 @@ def _per_query(q, kv_c_new, k_pe_new, cache, table, query_lens, context_lens, we
 
 
 def test_reference_matches_scalar_loop():
-    g = torch.Generator().manual_seed(0)
-    h, rank, nope, rope, v, page = 2, 8, 4, 2, 3, 4
+    h, nope, v = 2, 4, 3
     query_lens, context_lens = [2, 1, 3], [0, 5, 8]  # zero context, one token, page boundary
     t = sum(query_lens)
-    q = torch.randn(t, h, nope + rope, generator=g)
-    kv_c_new = torch.randn(t, rank, generator=g)
-    k_pe_new = torch.randn(t, rope, generator=g)
-    cache = torch.randn(9, page, rank + rope, generator=g)
-    table = torch.tensor([[8, 8], [3, 1], [0, 6]], dtype=torch.int32)
-    weight = torch.randn(h * (nope + v), rank, generator=g)
+    x = paged_mla_inputs(query_lens, context_lens, heads=h, rank=8, nope=nope, rope=2, v=v,
+                         page_size=4)
+    q, kv_c_new, k_pe_new, cache, table, weight = (
+        x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table", "weight"))
     out, lse = mla_prefill_reference(q, kv_c_new, k_pe_new, cache, table, query_lens,
                                      context_lens, weight, qk_nope_head_dim=nope, v_head_dim=v)
     ref_out, ref_lse = _per_query(q, kv_c_new, k_pe_new, cache, table, query_lens,
