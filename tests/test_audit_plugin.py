@@ -66,6 +66,7 @@ def _line(text: str, nth: int = 0) -> int:
     return hits[nth]
 
 
+@pytest.mark.slow  # a nested pytest in a fresh interpreter: ~6 s
 def test_fixture_and_marker_fail_syncing_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_sample=TESTS)
     # A subprocess, not in-process: pytester's in-process run restores sys.modules afterwards,

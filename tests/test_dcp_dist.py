@@ -30,6 +30,8 @@ from mlaprefill.kernels import gather_context_rows
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
 
+pytestmark = pytest.mark.slow  # spawns gloo process groups: ~20 s for the three
+
 # Tiny MLA head dims: latent rows are kv_lora_rank + qk_rope_head_dim = 24 wide.
 NUM_HEADS, KV_LORA_RANK, QK_NOPE, QK_ROPE, V_HEAD = 2, 16, 8, 8, 8
 

@@ -9,6 +9,7 @@ from test_dcp_dist import spawn_dcp
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # spawns an NCCL process group
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
 def test_dcp_nccl_matches_single_rank(tmp_path) -> None:
     spawn_dcp(2, tmp_path, "cuda")

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a torchrun launch of two ranks: ~7 s
 def test_torchrun_check_writes_json_and_table(tmp_path) -> None:
     out = tmp_path / "dcp.json"
     # --standalone: torchrun's local rendezvous picks a free port itself (no hard-coded port).
