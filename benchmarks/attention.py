@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mlaprefill._env import machine_info, utc_now
+from mlaprefill.backends import VarlenSeqs
 
 H = 128
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
@@ -150,10 +151,11 @@ def bench_attention(device: str, backends: list[str], quick: bool) -> dict:
                                    v_dim=QK if be.needs_v_padded else VDIM)
 
                 def run(be: Any = be, x: dict = x) -> Any:
-                    return be.attend(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], x["max_q"],
-                                     x["max_k"], causal=False, softmax_scale=QK ** -0.5,
-                                     cu_seqlens_q_host=x["cu_q_host"],
-                                     cu_seqlens_k_host=x["cu_k_host"])
+                    seqs = VarlenSeqs(x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
+                                      cu_seqlens_q_host=x["cu_q_host"],
+                                      cu_seqlens_k_host=x["cu_k_host"])
+                    return be.attend(x["q"], x["k"], x["v"], seqs, causal=False,
+                                     softmax_scale=QK ** -0.5)
 
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -305,10 +307,11 @@ def bench_forward(device: str, backends: list[str]) -> dict:
                 cu_q = dplan.tensors["cu_query_lens"]
                 parts = {"up_new": _bench(lambda: x["kv_c_new"] @ w_hf.t())["median_ms"]}
                 hq = plan.cu_query_lens
+                new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
+                                      cu_seqlens_q_host=hq, cu_seqlens_k_host=hq)
                 parts["attn_new"] = _bench(lambda: be.attend(
-                    x["q"], k_new, v_new, cu_q, cu_q, plan.max_query_len, plan.max_query_len,
-                    causal=True, softmax_scale=QK ** -0.5, cu_seqlens_q_host=hq,
-                    cu_seqlens_k_host=hq))["median_ms"]
+                    x["q"], k_new, v_new, new_seqs, causal=True,
+                    softmax_scale=QK ** -0.5))["median_ms"]
                 wsp = torch.empty(plan.max_iteration_tokens, RANK + ROPE, device=device,
                                   dtype=torch.bfloat16)
                 out = torch.zeros(t, H, VDIM, device=device, dtype=torch.bfloat16)
@@ -330,13 +333,14 @@ def bench_forward(device: str, backends: list[str]) -> dict:
                     op._up_project(wsp[:n, :RANK], wsp[:n, RANK:], k_i, v_i, w_k, w_v)
                     hk = plan.cu_seq_lens[i]
                     parts["attn_ctx"] += _bench(lambda k_i=k_i, v_i=v_i, cu=cu, i=i, hk=hk: (
-                        be.attend(x["q"], k_i, v_i, cu_q, cu, plan.max_query_len,
-                                  plan.max_chunk_lens[i], causal=False, softmax_scale=QK ** -0.5,
-                                  cu_seqlens_q_host=hq, cu_seqlens_k_host=hk)))["median_ms"]
-                    o_i, l_i = be.attend(x["q"], k_i, v_i, cu_q, cu, plan.max_query_len,
-                                         plan.max_chunk_lens[i], causal=False,
-                                         softmax_scale=QK ** -0.5, cu_seqlens_q_host=hq,
-                                         cu_seqlens_k_host=hk)
+                        be.attend(x["q"], k_i, v_i, VarlenSeqs(
+                            cu_q, cu, plan.max_query_len, plan.max_chunk_lens[i],
+                            cu_seqlens_q_host=hq, cu_seqlens_k_host=hk), causal=False,
+                            softmax_scale=QK ** -0.5)))["median_ms"]
+                    o_i, l_i = be.attend(x["q"], k_i, v_i, VarlenSeqs(
+                        cu_q, cu, plan.max_query_len, plan.max_chunk_lens[i],
+                        cu_seqlens_q_host=hq, cu_seqlens_k_host=hk), causal=False,
+                        softmax_scale=QK ** -0.5)
                     parts["merge"] += _bench(lambda o_i=o_i, l_i=l_i: merge_attention_states(
                         out, lse, o_i[..., :VDIM], l_i))["median_ms"]
                     del k_i, v_i, o_i, l_i

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.attention import MLAChunkedPrefill
-from mlaprefill.backends import get_backend
+from mlaprefill.backends import VarlenSeqs, get_backend
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels.gather import gather_context_rows
 from mlaprefill.kernels.merge import merge_attention_states
@@ -229,10 +229,11 @@ def main() -> int:
         backend = get_backend(name, device=dev, dtype=dt, qk_head_dim=nope + rope,
                               v_head_dim=v_dim)
         cu_q = t["cu_query_lens"]
+        seqs = VarlenSeqs(cu_q, t["cu_seq_lens"][1], plan.max_query_len, plan.max_chunk_lens[1],
+                          cu_seqlens_q_host=plan.cu_query_lens,
+                          cu_seqlens_k_host=plan.cu_seq_lens[1])
         att = [tuple(x.clone() for x in backend.attend(
-            q, k, v, cu_q, t["cu_seq_lens"][1], plan.max_query_len, plan.max_chunk_lens[1],
-            causal=False, softmax_scale=(nope + rope) ** -0.5,
-            cu_seqlens_q_host=plan.cu_query_lens, cu_seqlens_k_host=plan.cu_seq_lens[1]))
+            q, k, v, seqs, causal=False, softmax_scale=(nope + rope) ** -0.5))
             for _ in range(RUNS)]
         eq, worst = _same(att)
         rows_out.append({"stage": "attention", "backend": name, "bitwise": eq,

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaprefill.backends import AUTO_ORDER, BACKENDS, fix_empty_rows, get_backend, seq_ids_from_cu
+from mlaprefill.backends import (
+    AUTO_ORDER,
+    BACKENDS,
+    VarlenSeqs,
+    fix_empty_rows,
+    get_backend,
+    seq_ids_from_cu,
+)
 from mlaprefill.backends.base import lse_to_tokens_heads, pad_v
 
 
@@ -28,8 +35,8 @@ def test_math_backend_per_sequence_and_empty_keys(causal):
     q = torch.randn(sum(q_lens), 2, 6, generator=g, dtype=torch.float64)
     k = torch.randn(sum(k_lens), 2, 6, generator=g, dtype=torch.float64)
     v = torch.randn(sum(k_lens), 2, 3, generator=g, dtype=torch.float64)
-    out, lse = BACKENDS["math"]().attend(q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens),
-                                         max(k_lens), causal=causal, softmax_scale=0.4)
+    seqs = VarlenSeqs(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
+    out, lse = BACKENDS["math"]().attend(q, k, v, seqs, causal=causal, softmax_scale=0.4)
     assert out.shape == (8, 2, 3) and lse.shape == (8, 2) and lse.dtype == torch.float64
     qs, ks = 0, 0
     for nq, nk in zip(q_lens, k_lens, strict=True):

@@ -8,7 +8,7 @@ import torch
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
-from mlaprefill.backends import BACKENDS, get_backend
+from mlaprefill.backends import BACKENDS, VarlenSeqs, get_backend
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import (
     gather_context_rows,
@@ -71,13 +71,15 @@ def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets
     q = torch.randn(sum(q_lens), heads, qk, device="cuda", generator=g).bfloat16()
     k = torch.randn(sum(k_lens), heads, qk, device="cuda", generator=g).bfloat16()
     v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
-    args = (cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
-    ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), *args,
+    seqs = VarlenSeqs(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), seqs,
                                             causal=causal, softmax_scale=qk ** -0.5)
     be = get_backend(backend, device="cuda", dtype=torch.bfloat16, qk_head_dim=qk, v_head_dim=V)
-    host = {"cu_seqlens_q_host": args[0].cpu().numpy(),
-            "cu_seqlens_k_host": args[1].cpu().numpy()} if host_offsets else {}
-    o, lse = be.attend(q, k, v, *args, causal=causal, softmax_scale=qk ** -0.5, **host)
+    if host_offsets:
+        seqs = VarlenSeqs(seqs.cu_seqlens_q, seqs.cu_seqlens_k, max(q_lens), max(k_lens),
+                          cu_seqlens_q_host=seqs.cu_seqlens_q.cpu().numpy(),
+                          cu_seqlens_k_host=seqs.cu_seqlens_k.cpu().numpy())
+    o, lse = be.attend(q, k, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
     assert o.shape == (sum(q_lens), heads, V) and lse.shape == (sum(q_lens), heads)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     finite = torch.isfinite(ref_l)

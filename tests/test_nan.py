@@ -18,7 +18,7 @@ import torch
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
-from mlaprefill.backends import get_backend, isolate_nonfinite_values
+from mlaprefill.backends import VarlenSeqs, get_backend, isolate_nonfinite_values
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import merge_attention_states, merge_attention_states_torch
 from mlaprefill.plan import ChunkPlanner
@@ -108,9 +108,10 @@ def _cu(lens, device="cpu"):
 def _attend(name, q, k, v, q_lens, k_lens, *, causal, device="cpu"):
     be = get_backend(name, device=device, dtype=q.dtype, qk_head_dim=q.shape[-1],
                      v_head_dim=v.shape[-1])
-    return be.attend(q, k, v, _cu(q_lens, device), _cu(k_lens, device), max(q_lens),
-                     max(k_lens), causal=causal, softmax_scale=q.shape[-1] ** -0.5,
-                     cu_seqlens_q_host=_cu(q_lens).tolist(), cu_seqlens_k_host=_cu(k_lens).tolist())
+    seqs = VarlenSeqs(_cu(q_lens, device), _cu(k_lens, device), max(q_lens), max(k_lens),
+                      cu_seqlens_q_host=_cu(q_lens).tolist(),
+                      cu_seqlens_k_host=_cu(k_lens).tolist())
+    return be.attend(q, k, v, seqs, causal=causal, softmax_scale=q.shape[-1] ** -0.5)
 
 
 def _backend_isolation(name, device, dtype):

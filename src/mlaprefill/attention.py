@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlaprefill.backends import AttentionBackend, get_backend, seq_ids_from_cu
+from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
 from mlaprefill.kernels.gather import gather_context_rows
 from mlaprefill.kernels.merge import merge_attention_states
 from mlaprefill.plan import ChunkPlan
@@ -340,11 +340,12 @@ class MLAChunkedPrefill:
         v_new = torch.empty(num_tokens, h, v_out, dtype=dtype, device=device)
         self._up_project(kv_c_new, k_pe_new, k_new, v_new, w_k, w_v)
         cu_q_host = plan.cu_query_lens
-        cu_k_host = getattr(plan, "cu_seq_lens", None)  # host ints for per-sequence backends
-        out_a, lse_a = backend.attend(q, k_new, v_new, cu_q, cu_q, plan.max_query_len,
-                                      plan.max_query_len, causal=True, softmax_scale=scale,
-                                      seq_ids_q=seq_ids_q, cu_seqlens_q_host=cu_q_host,
-                                      cu_seqlens_k_host=cu_q_host)
+        cu_k_host = plan.cu_seq_lens  # host ints for per-sequence backends
+        new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
+                              seq_ids_q=seq_ids_q, cu_seqlens_q_host=cu_q_host,
+                              cu_seqlens_k_host=cu_q_host)
+        out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
+                                      softmax_scale=scale)
         out = out_a[..., :self.v_head_dim]
         if not out.is_contiguous():
             out = out.contiguous()  # merged in place below; must be our own dense buffer
@@ -373,12 +374,11 @@ class MLAChunkedPrefill:
                                      f"expected ({num_rows}, {rank + rope})")
             k_i, v_i = k_ctx[:num_rows], v_ctx[:num_rows]
             self._up_project(rows[:, :rank], rows[:, rank:], k_i, v_i, w_k, w_v)
-            out_i, lse_i = backend.attend(q, k_i, v_i, cu_q, cu_seq_lens[i], plan.max_query_len,
-                                          plan.max_chunk_lens[i], causal=False,
-                                          softmax_scale=scale, seq_ids_q=seq_ids_q,
-                                          cu_seqlens_q_host=cu_q_host,
-                                          cu_seqlens_k_host=(None if cu_k_host is None
-                                                             else cu_k_host[i]))
+            seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
+                                plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
+                                cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+            out_i, lse_i = backend.attend(q, k_i, v_i, seqs_i, causal=False,
+                                          softmax_scale=scale)
             merge_attention_states(out, lse, out_i[..., :self.v_head_dim], lse_i)
         return (out, lse) if return_lse else out
 

@@ -12,6 +12,7 @@ import torch
 
 from mlaprefill.backends.base import (
     AttentionBackend,
+    VarlenSeqs,
     fix_empty_rows,
     isolate_nonfinite_values,
     seq_ids_from_cu,
@@ -25,6 +26,7 @@ __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
     "AttentionBackend",
+    "VarlenSeqs",
     "fix_empty_rows",
     "get_backend",
     "isolate_nonfinite_values",

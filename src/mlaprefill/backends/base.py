@@ -22,6 +22,7 @@ memory to decide a shape, so ``attend`` never synchronizes.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,6 +104,36 @@ def isolate_nonfinite_values(v: torch.Tensor, seq_ids_k: torch.Tensor, seq_ids_q
     return v_clean, (per_seq > 0)[seq_ids_q]       # [Tq, H]
 
 
+@dataclass(frozen=True, slots=True)
+class VarlenSeqs:
+    """How one attention call's packed queries and keys split into sequences.
+
+    Attributes
+    ----------
+    cu_seqlens_q, cu_seqlens_k : int32 [num_seqs + 1], on the tensors' device
+    max_seqlen_q, max_seqlen_k : int
+        Host ints, upper bounds of the per-sequence lengths (never read from the device).
+    seq_ids_q : int64 [Tq], optional
+        Sequence of each query (saves recomputing it).
+    cu_seqlens_q_host, cu_seqlens_k_host : host int arrays [num_seqs + 1], optional
+        The same offsets as host ints (the plan has them). Backends that launch one kernel per
+        sequence (``cudnn``) use them; without them they fall back to a ragged kernel.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seq_ids_q: torch.Tensor | None = None
+    cu_seqlens_q_host: Any = None
+    cu_seqlens_k_host: Any = None
+
+    def unpack(self) -> tuple[Any, ...]:
+        """The fields in declaration order (no copies)."""
+        return (self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k,
+                self.seq_ids_q, self.cu_seqlens_q_host, self.cu_seqlens_k_host)
+
+
 class AttentionBackend(abc.ABC):
     """Varlen attention with LSE. Subclasses set ``name`` and implement ``attend``."""
 
@@ -123,24 +154,17 @@ class AttentionBackend(abc.ABC):
         """None if the backend runs these inputs, else a short reason (for errors and ``auto``)."""
 
     @abc.abstractmethod
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
-               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of a packed varlen batch.
 
         Parameters
         ----------
         q : [Tq, H, Dqk]; k : [Tk, H, Dqk]; v : [Tk, H, Dv] — contiguous, one device and dtype
-        cu_seqlens_q, cu_seqlens_k : int32 [num_seqs + 1] on the same device
-        max_seqlen_q, max_seqlen_k : host ints (upper bounds of the per-sequence lengths)
+        seqs : :class:`VarlenSeqs`
+            The packing of queries and keys into sequences.
         causal : query i of a sequence attends keys 0..i (equal q/k lengths per sequence)
         softmax_scale : float
-        seq_ids_q : int64 [Tq], optional — sequence of each query (saves recomputing it)
-        cu_seqlens_q_host, cu_seqlens_k_host : host int arrays [num_seqs + 1], optional
-            The same offsets as host ints (the plan has them). Backends that launch one kernel
-            per sequence (``cudnn``) use them; without them they fall back to a varlen kernel.
 
         Returns
         -------

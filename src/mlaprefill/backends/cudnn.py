@@ -16,12 +16,11 @@ step with never-seen lengths pays that build on the host (see the benchmark's ``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mlaprefill.backends.base import (
     AttentionBackend,
+    VarlenSeqs,
     fix_empty_rows,
     flag_inf_lse_as_nan,
     lse_to_tokens_heads,
@@ -52,11 +51,10 @@ class CudnnBackend(AttentionBackend):
             return "torch has no aten._scaled_dot_product_cudnn_attention"
         return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
-               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seq_ids_q, cu_seqlens_q_host,
+         cu_seqlens_k_host) = seqs.unpack()
         if cu_seqlens_q_host is None or cu_seqlens_k_host is None:
             return self._ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal=causal, softmax_scale=softmax_scale, seq_ids_q=seq_ids_q)

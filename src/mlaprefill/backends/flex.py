@@ -17,6 +17,7 @@ import torch
 
 from mlaprefill.backends.base import (
     AttentionBackend,
+    VarlenSeqs,
     fix_empty_rows,
     isolate_nonfinite_values,
     seq_ids_from_cu,
@@ -54,11 +55,10 @@ class FlexBackend(AttentionBackend):
             self._compiled = torch.compile(flex_attention)
         return self._compiled
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
-               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cu_seqlens_q, cu_seqlens_k, seq_ids_q = (seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                                                   seqs.seq_ids_q)
         from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
         num_q, num_k = q.shape[0], k.shape[0]

@@ -9,12 +9,11 @@ by the mask, so a NaN of one sequence never reaches another (see
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mlaprefill.backends.base import (
     AttentionBackend,
+    VarlenSeqs,
     isolate_nonfinite_values,
     seq_ids_from_cu,
 )
@@ -33,11 +32,10 @@ class MathBackend(AttentionBackend):
             return f"dtype {dtype} not supported"
         return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
-               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cu_seqlens_q, cu_seqlens_k, seq_ids_q = (seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                                                   seqs.seq_ids_q)
         num_q, num_k = q.shape[0], k.shape[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         if seq_ids_q is None:

@@ -8,12 +8,11 @@ weight; standalone calls pad with a copy. FA2 reports a query without keys as ``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mlaprefill.backends.base import (
     AttentionBackend,
+    VarlenSeqs,
     fix_empty_rows,
     lse_to_tokens_heads,
     pad_v,
@@ -42,11 +41,11 @@ class VarlenFlashBackend(AttentionBackend):
             return "this torch build has no FlashAttention"
         return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, *, causal: bool, softmax_scale: float,
-               seq_ids_q: torch.Tensor | None = None, cu_seqlens_q_host: Any = None,
-               cu_seqlens_k_host: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cu_seqlens_q, cu_seqlens_k, seq_ids_q = (seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                                                   seqs.seq_ids_q)
+        max_seqlen_q, max_seqlen_k = seqs.max_seqlen_q, seqs.max_seqlen_k
         num_q, num_heads, qk_dim = q.shape
         v_dim = v.shape[-1]
         v_in = pad_v(v, qk_dim)
