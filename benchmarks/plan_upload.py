@@ -387,7 +387,7 @@ def section_d() -> list[dict]:
                                max_gathered_tokens=2 * sum(lens)).plan(batch, rank=0)
         dp = StagingRing("cuda").upload(plan, token_tables=True)
         t = dp.tensors
-        n = plan.iteration_tokens[0]
+        n = plan.base.iteration_tokens[0]
         gathered = torch.randn(plan.world * plan.rank_capacity[0], RANK + ROPE, device="cuda",
                                dtype=torch.bfloat16)
         out = torch.empty(n, RANK + ROPE, device="cuda", dtype=torch.bfloat16)

@@ -81,6 +81,9 @@ class FlexBackend(AttentionBackend):
         # the masked ones: 0 * NaN would carry one sequence's NaN value into the other.
         v, poisoned = isolate_nonfinite_values(v, seq_ids_k, seq_ids_q,
                                                cu_seqlens_k.shape[0] - 1)
+        # FlexAttention reports a query row whose scores are all NaN as LSE -inf ("no keys",
+        # measured on the H200): a NaN in q would then merge as no contribution. Poison it.
+        poisoned |= ~torch.isfinite(q).all(dim=-1)
         q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, Dqk]
         k4 = k.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dqk]
         v4 = v.transpose(0, 1).unsqueeze(0)  # [1, H, Tk, Dv]
