@@ -20,6 +20,9 @@ not here.
 * ``merge`` — GB/s, bytes = 3 * T * H * 128 * 2 + 3 * T * H * 4.
 * ``forward`` — the whole chunked-context forward vs the sum of its parts each timed alone.
 * ``policies`` — the whole forward per planner policy.
+* ``vs_ideal`` — the whole forward per backend against the lower bound of issue #11 (one GEMM
+  + one cuDNN SDPA over the whole context + one causal SDPA), 1-16 requests, 16 and 128 heads,
+  4k-128k contexts; also the forward's host enqueue time and kernel builds after its first call.
 
 Times: ``triton.testing.do_bench`` (CUDA events, warm-up excluded), median over its repetitions.
 """
@@ -369,6 +372,114 @@ def bench_forward(device: str, backends: list[str]) -> dict:
                      "+ attention + merge", "rows": rows}
 
 
+# (heads, num_reqs, queries per request, context tokens per request)
+IDEAL_SHAPES = [
+    (128, 1, 4096, 4096), (128, 1, 4096, 32768), (128, 1, 4096, 131072),
+    (128, 4, 1024, 32768), (128, 16, 256, 8192),
+    (16, 1, 4096, 4096), (16, 1, 4096, 131072), (16, 4, 1024, 32768),
+    (16, 16, 256, 8192), (16, 16, 256, 131072),
+]
+IDEAL_WORKSPACE = 65536  # vLLM's default chunked-context workspace
+
+
+def _ideal_ms(heads: int, nr: int, q: int, c: int, device: str) -> dict[str, float]:
+    """The lower bound of issue #11: one up-projection GEMM of every row (HF weight, no zero
+    rows) + one batched cuDNN SDPA of every request over its whole unchunked context + one
+    batched causal cuDNN SDPA over the new tokens (kernel times, each alone)."""
+    dt = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(1)
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    w = torch.randn(heads * (NOPE + VDIM), RANK, device=device, dtype=dt, generator=g)
+    lat = torch.randn(nr * (c + q), RANK, device=device, dtype=dt, generator=g)
+    gemm = _bench(lambda: lat @ w.t())["median_ms"]
+    lat = None  # free before the attention inputs
+    qq = torch.randn(nr, heads, q, QK, device=device, dtype=dt, generator=g)
+    kk = torch.randn(nr, heads, c, QK, device=device, dtype=dt, generator=g)
+    vv = torch.randn(nr, heads, c, VDIM, device=device, dtype=dt, generator=g)
+    ctx = _bench(lambda: op(qq, kk, vv, None, True, 0.0, False, False, scale=QK ** -0.5))
+    kk = vv = None
+    kn = torch.randn(nr, heads, q, QK, device=device, dtype=dt, generator=g)
+    vn = torch.randn(nr, heads, q, VDIM, device=device, dtype=dt, generator=g)
+    new = _bench(lambda: op(qq, kn, vn, None, True, 0.0, True, False, scale=QK ** -0.5))
+    return {"gemm_ms": gemm, "context_sdpa_ms": ctx["median_ms"], "causal_sdpa_ms":
+            new["median_ms"], "ideal_ms": gemm + ctx["median_ms"] + new["median_ms"]}
+
+
+def bench_vs_ideal(device: str, backends: list[str]) -> dict:
+    """The whole forward per backend against the issue-#11 ideal on the same shape, one run."""
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    rows = []
+    for heads, nr, q, c in IDEAL_SHAPES:
+        shape = {"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
+                 "workspace_tokens": IDEAL_WORKSPACE}
+        try:
+            ideal = _ideal_ms(heads, nr, q, c, device)
+        except Exception as exc:
+            rows.append({**shape, "error": f"ideal: {type(exc).__name__}: {exc}"[:400]})
+            continue
+        torch.cuda.empty_cache()
+        x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, device)
+        for name in backends:
+            try:
+                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                       backend=name)
+                policy = op.resolve_policy("auto")
+                plan = ChunkPlanner(IDEAL_WORKSPACE, PAGE, policy=policy).plan(
+                    PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
+                dplan = StagingRing(device).upload(plan)
+
+                def fwd(op: Any = op, dplan: Any = dplan, x: dict = x) -> Any:
+                    return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                      x["block_table"], dplan, return_lse=True)
+
+                b0 = op.backend.builds()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fwd()
+                first_host_ms = (time.perf_counter() - t0) * 1e3
+                torch.cuda.synchronize()
+                b1 = op.backend.builds()
+                host = []
+                for _ in range(20):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fwd()
+                    host.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+                t = _bench(fwd, rep=100)
+                b2 = op.backend.builds()
+                host.sort()
+                rows.append({**shape, "backend": op.backend_name, "policy": policy,
+                             "iterations": plan.num_iterations, "forward_ms": t["median_ms"],
+                             "forward_p20_ms": t["p20_ms"], "forward_p80_ms": t["p80_ms"],
+                             **ideal, "ratio_to_ideal": t["median_ms"] / ideal["ideal_ms"],
+                             "first_call_host_ms": first_host_ms,
+                             "host_enqueue_ms_p50": host[10], "host_enqueue_ms_max": host[-1],
+                             "builds_first_call": None if b0 is None else b1 - b0,
+                             "builds_after_first_call": None if b0 is None else b2 - b1})
+                print(f"  H={heads:>3} {nr:>2}x{q:<5} ctx {c:>6} {op.backend_name:<7} "
+                      f"{t['median_ms']:8.3f} ms ideal {ideal['ideal_ms']:8.3f} ms "
+                      f"ratio {rows[-1]['ratio_to_ideal']:.3f} host p50 {host[10]:.3f} ms",
+                      flush=True)
+                del op
+            except Exception as exc:
+                rows.append({**shape, "backend": name,
+                             "error": f"{type(exc).__name__}: {exc}"[:600],
+                             "traceback": traceback.format_exc()[-1500:]})
+                print(f"  {shape} {name}: {rows[-1]['error']}", flush=True)
+            torch.cuda.empty_cache()
+        x = None
+        torch.cuda.empty_cache()
+    return {"ideal": "one up-projection GEMM of every context and new row (HF weight) + one "
+                     "batched cuDNN SDPA over each request's whole context + one batched causal "
+                     "cuDNN SDPA over the new tokens (kernel medians, each alone)",
+            "target": "forward_ms / ideal_ms <= 1.15", "rows": rows}
+
+
 # (name, query_lens, context_lens, workspace_tokens): steps that mix long and short contexts
 POLICY_SHAPES = [
     ("uneven-8", [512] * 8, [155648, 98304, 61440, 32768, 16384, 8192, 8192, 4096], 65536),
@@ -505,6 +616,8 @@ def main() -> int:
                  dump)
     if "forward" not in skip:
         _section(results, "forward", lambda: bench_forward(device, backends), dump)
+    if "vs_ideal" not in skip:
+        _section(results, "vs_ideal", lambda: bench_vs_ideal(device, backends), dump)
     if "policies" not in skip:
         _section(results, "policies", lambda: bench_policies(device, backends), dump)
     print(_table(results))

@@ -83,6 +83,12 @@ def test_variant_parse_and_errors():
         Variant.parse("ring")
     with pytest.raises(ValueError, match="transfer"):
         Variant.parse("dma+packed")
+    assert Variant.parse("ring+balanced@varlen") == Variant("ring", "balanced", backend="varlen")
+    assert Variant.parse("pin+equal+vllm@math").name == "pin+equal+vllm@math"
+    with pytest.raises(ValueError, match="backend"):
+        Variant.parse("ring+equal@fastest")
+    with pytest.raises(ValueError, match="BACKEND"):
+        Variant.parse("ring+equal@")
     with pytest.raises(ValueError, match="prompt_len"):
         EngineConfig(prompt_len=0)
     with pytest.raises(ValueError, match="request_rate"):
@@ -117,6 +123,20 @@ def test_engine_keeps_one_ring_per_mode_and_counts_per_run():
     assert second.staging["uploads"] == len(second.steps)
     assert ring.stats.uploads == len(first.steps) + len(second.steps)
     assert first.staging["bytes"] + second.staging["bytes"] == ring.stats.bytes
+
+
+def test_variant_backend_runs_its_own_layers_and_counts_builds():
+    """A variant's @BACKEND gets its own attention layers (weights shared, same first tokens);
+    every step records the forward's host time per layer, every run its kernel builds."""
+    engine = PrefillEngine(EngineConfig(**BASE, prompt_len=32, num_requests=2, max_concurrent=2,
+                                        token_budget=8, workspace_tokens=16, page_size=4))
+    default = engine.run(Variant.parse("ring+packed"))
+    math_run = engine.run(Variant.parse("ring+packed@math"))
+    assert engine.attention_layers("math") is not engine.attention_layers()
+    assert engine.backend_name("math") == "math"
+    assert math_run.first_tokens == default.first_tokens
+    assert math_run.kernel_builds == 0  # plain torch ops build nothing
+    assert all(s.host_forward_ms_per_layer > 0 for s in math_run.steps)
 
 
 @pytest.mark.gpu

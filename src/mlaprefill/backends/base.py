@@ -172,6 +172,15 @@ class AttentionBackend(abc.ABC):
         a strided view). Never synchronizes.
         """
 
+    def builds(self) -> int | None:
+        """Kernel builds this backend has caused in this process so far: cuDNN graphs built for
+        new shapes, Triton kernels compiled; 0 for precompiled kernels; None when unknown.
+
+        An engine reads it before and after a run: after a warm-up run, a serving engine wants
+        0 new builds (each costs tens of milliseconds of host time in the middle of a step).
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

@@ -16,6 +16,8 @@ step with never-seen lengths pays that build on the host (see the benchmark's ``
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mlaprefill.backends.base import (
@@ -34,6 +36,10 @@ class CudnnBackend(AttentionBackend):
     """cuDNN SDPA (CUDA, fp16/bf16, head dims <= 256 and multiples of 8)."""
 
     name = "cudnn"
+    # torch's cuDNN graph cache is process-wide, so the record of the shapes it has seen is too:
+    # the count of builds (see builds()) must not restart with a new backend object.
+    _graph_keys: ClassVar[set[tuple]] = set()
+    _ragged_calls: ClassVar[list[int]] = [0]
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -50,6 +56,12 @@ class CudnnBackend(AttentionBackend):
         if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
             return "torch has no aten._scaled_dot_product_cudnn_attention"
         return None
+
+    def builds(self) -> int:
+        """Distinct dense shapes launched in this process (torch builds one cuDNN graph per
+        shape, ~40-90 ms of host time each on the H200) plus every ragged call (that path
+        rebuilds its graph on each call in torch 2.11)."""
+        return len(self._graph_keys) + self._ragged_calls[0]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
                causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +80,8 @@ class CudnnBackend(AttentionBackend):
             q0, q1, k0, k1 = cq[r], cq[r + 1], ck[r], ck[r + 1]
             if q1 == q0 or k1 == k0:
                 continue
+            self._graph_keys.add((num_heads, q1 - q0, k1 - k0, q.shape[-1], v.shape[-1], causal,
+                                  q.dtype, q.stride(0), k.stride(0), v.stride(0)))
             q4 = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, nq, Dqk] view
             k4 = k[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dqk] view
             v4 = v[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dv] view
@@ -84,6 +98,7 @@ class CudnnBackend(AttentionBackend):
                 seq_ids_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # Ragged offsets are computed as cum_seq * H * D: q, k, v must be contiguous.
         num_q, num_heads, _ = q.shape
+        self._ragged_calls[0] += 1
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         res = torch.ops.aten._cudnn_attention_forward(
             q, k, v, None, cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 1),

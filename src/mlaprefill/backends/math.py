@@ -32,6 +32,9 @@ class MathBackend(AttentionBackend):
             return f"dtype {dtype} not supported"
         return None
 
+    def builds(self) -> int:
+        return 0  # plain torch ops
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
                causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         cu_seqlens_q, cu_seqlens_k, seq_ids_q = (seqs.cu_seqlens_q, seqs.cu_seqlens_k,

@@ -41,6 +41,9 @@ class VarlenFlashBackend(AttentionBackend):
             return "this torch build has no FlashAttention"
         return None
 
+    def builds(self) -> int:
+        return 0  # precompiled FlashAttention-2 kernels: nothing is built per shape
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
                causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         cu_seqlens_q, cu_seqlens_k, seq_ids_q = (seqs.cu_seqlens_q, seqs.cu_seqlens_k,

@@ -51,11 +51,13 @@ TABLES = ("compact", "vllm")
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One measured configuration: staging transfer mode, planner policy, metadata layout."""
+    """One measured configuration: staging transfer mode, planner policy, metadata layout and
+    (optionally) the attention backend, which otherwise is the engine's ``EngineConfig.backend``."""
 
     transfer: str
     policy: str
     tables: str = "compact"
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.transfer not in MODES:
@@ -64,23 +66,31 @@ class Variant:
             raise ValueError(f"Variant.policy = {self.policy!r}; choose one of {POLICIES}.")
         if self.tables not in TABLES:
             raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
+        if self.backend is not None:
+            from mlaprefill.backends import BACKENDS
+            if self.backend not in ("auto", *BACKENDS):
+                raise ValueError(f"Variant.backend = {self.backend!r}; choose one of "
+                                 f"{['auto', *BACKENDS]}.")
 
     @property
     def name(self) -> str:
         base = f"{self.transfer}+{self.policy}"
-        return base if self.tables == "compact" else f"{base}+{self.tables}"
+        base = base if self.tables == "compact" else f"{base}+{self.tables}"
+        return base if self.backend is None else f"{base}@{self.backend}"
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
-        vLLM-shaped per-token tables too."""
-        parts = text.strip().split("+")
-        if len(parts) not in (2, 3):
-            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm], e.g. "
-                             f"'ring+packed' or 'pageable+equal+vllm' (transfer in {MODES}, "
-                             f"policy in {POLICIES}; '+vllm' also ships vLLM's per-token "
-                             f"token_to_seq).")
-        return cls(*parts)
+        vLLM-shaped per-token tables too; ``"ring+balanced@varlen"`` runs that attention backend."""
+        body, at, backend = text.strip().partition("@")
+        parts = body.split("+")
+        if len(parts) not in (2, 3) or (at and not backend):
+            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][@BACKEND], "
+                             f"e.g. 'ring+packed', 'pageable+equal+vllm' or "
+                             f"'ring+balanced@varlen' (transfer in {MODES}, policy in "
+                             f"{POLICIES}; '+vllm' also ships vLLM's per-token token_to_seq; "
+                             f"@BACKEND picks the attention backend for this variant).")
+        return cls(*parts, backend=backend or None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,12 +231,11 @@ class PrefillEngine:
         if attention_factory is None:
             from mlaprefill.attention import MLAChunkedPrefill
             attention_factory = MLAChunkedPrefill
+        self._attention_factory = attention_factory
+        # One set of attention layers per backend a variant asks for (weights shared).
+        self._attention: dict[str, list[Any]] = {}
+        self.attention = self.attention_layers(cfg.backend)
         m = self.dims.mla
-        self.attention = [
-            attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim,
-                              backend=cfg.backend)
-            for w in self.model.kv_b_proj
-        ]
         self.prompt_lens, self.arrivals_s = workload(cfg)
         self.num_blocks = default_num_blocks(cfg, self.prompt_lens)
         self.cache = PagedLatentCache(num_layers=cfg.num_layers, num_blocks=self.num_blocks,
@@ -269,9 +278,28 @@ class PrefillEngine:
             self._rings[transfer] = StagingRing(self.device, mode=transfer)
         return self._rings[transfer]
 
-    @property
-    def backend_name(self) -> str:
-        return str(getattr(self.attention[0], "backend_name", "unknown"))
+    def attention_layers(self, backend: str | None = None) -> list[Any]:
+        """The attention module of every layer for ``backend`` (default: the config's), built on
+        first use and kept."""
+        backend = self.config.backend if backend is None else backend
+        if backend not in self._attention:
+            m = self.dims.mla
+            self._attention[backend] = [
+                self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
+                                        v_head_dim=m.v_head_dim, backend=backend)
+                for w in self.model.kv_b_proj]
+        return self._attention[backend]
+
+    def backend_name(self, backend: str | None = None) -> str:
+        """The resolved attention backend a variant with ``backend`` runs (``auto`` resolved)."""
+        layers = self.attention_layers(backend)
+        return str(getattr(layers[0], "backend_name", "unknown"))
+
+    def kernel_builds(self, backend: str | None = None) -> int | None:
+        """Attention kernel builds so far in this process (graphs or compiles; see
+        :meth:`mlaprefill.backends.AttentionBackend.builds`), None when the backend cannot tell."""
+        be = getattr(self.attention_layers(backend)[0], "backend", None)
+        return None if be is None else be.builds()
 
     def prompt(self, req_id: int) -> np.ndarray:
         """Token ids of request ``req_id``'s prompt, int32 [prompt_len]."""
@@ -314,6 +342,8 @@ class PrefillEngine:
         planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy)
         ring = self.ring(variant.transfer)
         base = _staging_counters(ring)
+        layers = self.attention_layers(variant.backend)
+        builds_before = self.kernel_builds(variant.backend)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -358,7 +388,8 @@ class PrefillEngine:
             start, end = self._event(), self._event()
             start.record()
             slot = step_idx % state.pinned_tokens.shape[0]
-            self._launch(dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot])
+            forward_ms = self._launch(dplan, int(arrays["sample_index"].shape[0]),
+                                      state.pinned_tokens[slot], layers)
             end.record()
             td = time.perf_counter()
             events.append((start, end))
@@ -374,7 +405,8 @@ class PrefillEngine:
                 token_to_seq_bytes=int(arrays["token_to_seq"].nbytes)
                 if "token_to_seq" in arrays else 0,
                 host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
-                host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark))
+                host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark,
+                host_forward_ms_per_layer=forward_ms / cfg.num_layers))
             wait_mark = state.wait_ms
             step_idx += 1
             if progress is not None:
@@ -397,28 +429,37 @@ class PrefillEngine:
             prompt_tokens=int(sum(rec.num_tokens for rec in records)),
             duration_ms=records[-1].device_end_ms if records else math.nan, wall_ms=wall_ms,
             truncated=truncated,
+            kernel_builds=None if builds_before is None
+            else self.kernel_builds(variant.backend) - builds_before,
             # this run's share of the engine ring's counters; pinned_bytes is the ring's total
             staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
                      "pinned_bytes": ring.stats.pinned_bytes})
 
-    def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor) -> None:
-        """Enqueue one step's device work; never synchronizes."""
+    def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
+                attention: list[Any]) -> float:
+        """Enqueue one step's device work; never synchronizes. Returns the host time (ms) spent
+        enqueuing the attention forwards of all layers."""
         slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
         block_table = dplan["block_table"]
         caches = self.cache.layers
-        attention = self.attention
+        forward_ms = 0.0
 
         def attend(i: int, q: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor) -> torch.Tensor:
+            nonlocal forward_ms
             # New latent rows go to the cache first; the forward reads only context rows
             # (positions < context_lens), so this write never races its own step's reads.
             PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
-            return attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
+            t = time.perf_counter()
+            out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
+            forward_ms += (time.perf_counter() - t) * 1e3
+            return out
 
         tokens = self.model.forward(dplan["token_ids"], dplan["positions"],
                                     dplan["sample_index"] if num_sampled else None, attend)
         if tokens is not None:
             token_slot[:num_sampled].copy_(tokens, non_blocking=True)
+        return forward_ms
 
     def _observe(self, state: _RunState, *, block: bool) -> None:
         """Retire completed steps (``event.query()``); with ``block`` wait for the oldest one."""

@@ -55,6 +55,7 @@ class StepRecord:
     host_upload_ms: float
     host_launch_ms: float
     host_wait_ms: float = 0.0
+    host_forward_ms_per_layer: float = float("nan")  # attention forward enqueue, mean per layer
     device_start_ms: float = float("nan")  # on the run's device timeline
     device_end_ms: float = float("nan")
 
@@ -72,6 +73,7 @@ class RunResult:
     duration_ms: float  # start of run -> end of the last step (device timeline)
     wall_ms: float  # host wall time of the whole run loop
     truncated: bool = False  # stopped at a deadline before every request finished
+    kernel_builds: int | None = None  # attention graphs built / kernels compiled during the run
     staging: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -98,6 +100,7 @@ METRIC_KEYS = (
     "host_blocked_ms_p50", "host_blocked_ms_p99", "host_blocked_ms_max", "host_blocked_ms_mean",
     "host_blocked_ms_total_per_run", "host_blocked_steps_over_1ms_fraction",
     "host_launch_ms_p50", "host_launch_ms_p99", "host_wait_ms_total_per_run",
+    "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99", "kernel_builds_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
@@ -153,6 +156,10 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "host_launch_ms_p50": percentile(launch, 50),
         "host_launch_ms_p99": percentile(launch, 99),
         "host_wait_ms_total_per_run": float(col("host_wait_ms").sum() / n),
+        "host_forward_ms_per_layer_p50": percentile(col("host_forward_ms_per_layer"), 50),
+        "host_forward_ms_per_layer_p99": percentile(col("host_forward_ms_per_layer"), 99),
+        # None where the backend cannot count its builds
+        "kernel_builds_per_run": [r.kernel_builds for r in runs],
         "gpu_busy_fraction": float(np.mean(busy)),
         "device_step_ms_p50": percentile(dev, 50),
         "step_time_ms_p50": percentile(periods, 50),

@@ -90,18 +90,26 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         raise ValueError(f"variants repeat: {names}; list each TRANSFER+POLICY once.")
     t_start = time.perf_counter()
     engine = engine if engine is not None else PrefillEngine(config)
+    # One unmeasured warm-up run per attention backend the variants use (each builds its own
+    # graphs / compiles), preferring a ring variant (see above).
+    warm_runs: dict[str, Variant] = {}
+    for v in sorted(variants, key=lambda v: v.transfer != "ring"):
+        warm_runs.setdefault(v.backend or config.backend, v)
     line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0))
-                        + (1 if warmup_run else 0))
+                        + (len(warm_runs) if warmup_run else 0))
     cb: ProgressFn | None = line if progress else None
-    warm = next((v for v in variants if v.transfer == "ring"), variants[0])
+    warmup_builds: dict[str, int | None] = {}
     if warmup_run:
-        if progress:
-            line.start_run(f"warm-up run {warm.name} (all step shapes)")
-        # Capped at a quarter of the budget: a slow machine still gets measured runs.
-        cap = None if max_seconds is None else t_start + max_seconds / 4
-        res = engine.run(warm, deadline=cap, progress=cb)
-        if progress:
-            line.end_run(res)
+        for j, warm in enumerate(warm_runs.values()):
+            # Capped at a quarter of the budget in all: a slow machine still gets measured runs.
+            cap = (None if max_seconds is None
+                   else t_start + max_seconds / 4 * (j + 1) / len(warm_runs))
+            if progress:
+                line.start_run(f"warm-up run {warm.name} (all step shapes)")
+            res = engine.run(warm, deadline=cap, progress=cb)
+            warmup_builds[engine.backend_name(warm.backend)] = res.kernel_builds
+            if progress:
+                line.end_run(res)
     if warmup_steps:
         for v in variants:
             if progress:
@@ -142,6 +150,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
                  / max(1, len(reference)) for r in runs]
         out_variants.append({
             "name": v.name, "transfer": v.transfer, "policy": v.policy, "tables": v.tables,
+            "attention_backend": engine.backend_name(v.backend),
             "metrics": metrics,
             "first_tokens_agreement_with_first_variant": min(agree),
             "per_repeat": [{"repeat": r.repeat, "throughput_tok_s": r.throughput_tok_s,
@@ -161,7 +170,8 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "machine": machine_info(engine.device),
         "ran_on": engine.device.type,
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "attention_backend": engine.backend_name,
+        "attention_backend": engine.backend_name(),
+        "warmup_kernel_builds": warmup_builds,
         "config": cfg,
         "model": {"num_heads": dims.mla.num_heads, "kv_lora_rank": dims.mla.kv_lora_rank,
                   "qk_nope_head_dim": dims.mla.qk_nope_head_dim,
