@@ -23,7 +23,7 @@ from mlaprefill.staging import StagingRing
 pytestmark = pytest.mark.gpu
 
 RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
-GPU_BACKENDS = ["cudnn", "flex", "varlen", "math"]
+GPU_BACKENDS = ["triton", "cudnn", "flex", "varlen", "math"]
 
 
 def _inputs(query_lens, context_lens, heads, seed=0):
@@ -53,7 +53,7 @@ def test_forward_matches_reference(backend, policy, workspace):
     assert lse_err <= 1e-2, f"{backend}: LSE max abs error {lse_err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "flex", "varlen"])
+@pytest.mark.parametrize("backend", ["triton", "cudnn", "flex", "varlen"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("host_offsets", [False, True])
 def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets):
@@ -191,7 +191,7 @@ def test_triton_merge_is_bitwise_repeatable_at_scale():
             assert torch.equal(o1, first[0]) and torch.equal(l1, first[1])
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "varlen"])
+@pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])
 def test_long_context_forward_is_bitwise_repeatable(backend):
     """The whole forward at a long-context shape (128k context, 4 iterations) gives the same
     bits run after run; before the merge-kernel barrier it did not (determinism_h200.json)."""
@@ -205,7 +205,7 @@ def test_long_context_forward_is_bitwise_repeatable(backend):
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
-@pytest.mark.parametrize("backend", ["auto", "cudnn", "varlen"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "cudnn", "varlen"])
 def test_plan_upload_forward_never_syncs(backend):
     from mlaprefill.audit.cuda_check import check_step_async
 
@@ -225,6 +225,36 @@ def test_plan_upload_forward_never_syncs(backend):
     assert check.sync_debug_error is None
     assert check.pageable_htod == 0 and check.dtoh == 0, check.memcpy_events
     assert check.htod >= 3 and check.passed
+
+
+def test_triton_compiles_once_per_config_not_per_length():
+    """Changing step shapes (lengths, request counts) compile nothing new after the first call
+    of each (causal, dtype, head dims) kernel: the point of the triton backend in an engine."""
+    from mlaprefill.kernels.attention import num_compiled_kernels
+
+    be = get_backend("triton", device="cuda", dtype=torch.bfloat16, qk_head_dim=NOPE + ROPE,
+                     v_head_dim=V)
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def call(q_lens, k_lens, causal):
+        cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                           device="cuda") for x in (q_lens, k_lens)]
+        q = torch.randn(sum(q_lens), 16, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+        k = torch.randn(sum(k_lens), 16, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+        v = torch.randn(sum(k_lens), 16, V, device="cuda", generator=g).bfloat16()
+        be.attend(q, k, v, VarlenSeqs(cu[0], cu[1], max(q_lens), max(k_lens)), causal=causal,
+                  softmax_scale=0.1)
+
+    call([5], [5], True)
+    call([7], [300], False)
+    before = num_compiled_kernels()
+    assert before is not None and before >= 2
+    for q_lens, k_lens in [([1], [1]), ([33, 1, 400], [33, 1, 400]), ([129] * 9, [129] * 9)]:
+        call(q_lens, k_lens, True)
+    for q_lens, k_lens in [([1], [4097]), ([3, 300], [0, 65]), ([64] * 16, [1000] * 16)]:
+        call(q_lens, k_lens, False)
+    torch.cuda.synchronize()
+    assert num_compiled_kernels() == before
 
 
 def test_step_check_sees_a_pageable_upload():

@@ -1,9 +1,10 @@
 """Attention backends returning ``(out, lse)`` for a packed varlen batch.
 
-``cudnn`` (cuDNN fused attention, ragged), ``flex`` (FlexAttention, document block mask),
-``varlen`` (FlashAttention-2 varlen, V padded to the QK width) and ``math`` (masked dense torch,
-CPU/float64). ``get_backend("auto", ...)`` picks the first of :data:`AUTO_ORDER` that supports the
-device, dtype and head dims; the choice is visible as ``backend.name``.
+``triton`` (our Triton flash attention, varlen), ``cudnn`` (cuDNN fused attention), ``flex``
+(FlexAttention, document block mask), ``varlen`` (FlashAttention-2 varlen, V padded to the QK
+width) and ``math`` (masked dense torch, CPU/float64). ``get_backend("auto", ...)`` picks the
+first of :data:`AUTO_ORDER` that supports the device, dtype and head dims; the choice is visible
+as ``backend.name``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlaprefill.backends.base import (
 from mlaprefill.backends.cudnn import CudnnBackend
 from mlaprefill.backends.flex import FlexBackend
 from mlaprefill.backends.math import MathBackend
+from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.backends.varlen import VarlenFlashBackend
 
 __all__ = [
@@ -35,16 +37,19 @@ __all__ = [
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "cudnn": CudnnBackend,
+    "triton": TritonBackend,
     "flex": FlexBackend,
     "varlen": VarlenFlashBackend,
     "math": MathBackend,
 }
 
-#: ``auto`` preference, fastest first (H200, benchmarks/results/attention_h200.json: cuDNN 520-620
-#: TFLOP/s on 4k x 16k-64k chunks, FA2 varlen ~250-270, flex ~160-290). cuDNN builds one graph per
-#: new (q_len, k_len) shape (~50-90 ms of host time, cached after); pass ``backend="varlen"`` where
-#: lengths never repeat. flex is last of the GPU backends: it compiles per new shape.
-AUTO_ORDER: tuple[str, ...] = ("cudnn", "varlen", "flex", "math")
+#: ``auto`` preference (H200, bf16, qk 192 / v 128; benchmarks/results/triton_attention_h200.json):
+#: ``triton`` (ours: 410-440 TFLOP/s on long non-causal chunks, one launch per call, compiled once
+#: per causal/dtype/head dims and never per length) before ``cudnn`` (~600 TFLOP/s on one long
+#: sequence, but one graph build of 40-90 ms of host time per new (q_len, k_len) and one launch
+#: per sequence: pass ``backend="cudnn"`` where shapes repeat and sequences are few), then FA2
+#: ``varlen`` (~270), ``flex`` (compiles per new shape) and ``math`` (CPU / float64).
+AUTO_ORDER: tuple[str, ...] = ("triton", "cudnn", "varlen", "flex", "math")
 
 
 def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk_head_dim: int,

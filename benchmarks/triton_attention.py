@@ -1,0 +1,154 @@
+# ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
+"""Our Triton varlen attention against cuDNN and FlashAttention-2 on the same inputs, per config.
+
+    PYTHONPATH=src python benchmarks/triton_attention.py \
+        --out benchmarks/results/triton_attention_h200.json
+
+For each shape (heads, requests, queries and keys per request, causal) and each of
+:func:`mlaprefill.kernels.attention.attention_configs`: kernel time (``triton.testing.do_bench``
+median), TFLOP/s with ``FLOPs = 2 * sum_r(q_r * k_r) * H * (192 + 128)`` (causal: ``q(q+1)/2``
+keys per request), and the same inputs through cuDNN (one dense call per request, graphs built
+before timing: its best case) and FA2 varlen (V padded to 192), measured in the same run.
+Correctness against a float32 reference on two heads: output relative error and LSE max-abs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+QK, VD = 192, 128
+SCALE = QK ** -0.5
+# (heads, num_reqs, q per request, k per request, causal)
+SHAPES = [
+    (128, 1, 4096, 65536, False), (16, 1, 4096, 131072, False), (128, 1, 2048, 16384, False),
+    (128, 4, 1024, 16384, False), (16, 16, 256, 8192, False), (128, 16, 256, 4096, False),
+    (128, 1, 4096, 4096, True), (16, 1, 4096, 4096, True), (16, 16, 256, 256, True),
+]
+
+
+def _bench(fn: Any) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from mlaprefill.backends import VarlenSeqs, get_backend
+    from mlaprefill.kernels.attention import attention_configs, varlen_attention
+
+    dev = "cuda"
+    rows = []
+    configs = attention_configs()
+    if quick:
+        configs = dict(list(configs.items())[:3])
+    for h, nr, sq, sk, causal in SHAPES:
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(nr * sq, h, QK, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(nr * sk, h, QK, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(nr * sk, h, VD, device=dev, dtype=torch.bfloat16, generator=g)
+        cu_q = torch.arange(nr + 1, device=dev, dtype=torch.int32) * sq
+        cu_k = torch.arange(nr + 1, device=dev, dtype=torch.int32) * sk
+        keys = sq * (sq + 1) / 2 if causal else sq * sk
+        flops = 2 * nr * keys * h * (QK + VD)
+        entry: dict[str, Any] = {"heads": h, "num_reqs": nr, "q_len": sq, "k_len": sk,
+                                 "causal": causal, "triton": {}, "baselines": {}}
+        # float32 reference on request 0, heads 0-1
+        qf, kf, vf = q[:sq, :2].float(), k[:sk, :2].float(), v[:sk, :2].float()
+        s = torch.einsum("qhd,khd->hqk", qf, kf) * SCALE
+        if causal:
+            s.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=dev).triu(1), -torch.inf)
+        lse_ref = torch.logsumexp(s, -1).t()  # [sq, 2]
+        out_ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vf)
+        del s
+
+        def err(out: torch.Tensor, lse: torch.Tensor) -> dict[str, float]:
+            o = out[:sq, :2].float()
+            return {"out_rel_err": ((o - out_ref).norm() / out_ref.norm()).item(),
+                    "lse_max_abs_err": (lse[:sq, :2].float() - lse_ref).abs().max().item()}
+
+        for name, cfg in configs.items():
+            def fn(cfg: Any = cfg) -> Any:
+                return varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=sq, causal=causal,
+                                        softmax_scale=SCALE, config=cfg)
+            rec: dict[str, Any] = {}
+            try:
+                t0 = time.perf_counter()
+                out, lse = fn()
+                torch.cuda.synchronize()
+                rec["first_call_s"] = time.perf_counter() - t0
+                rec.update(err(out, lse))
+                rec["ms"] = _bench(fn)
+                rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+            except Exception as exc:  # a config that does not fit (shared memory, registers)
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            entry["triton"][name] = rec
+            print(f"H={h:>3} {nr:>2}x q={sq:<5} k={sk:<6} causal={causal!s:<5} triton {name:<16}"
+                  + (f" {rec['ms']:8.3f} ms {rec['tflops']:5.0f} TFLOP/s "
+                     f"rel {rec['out_rel_err']:.1e} lse {rec['lse_max_abs_err']:.1e}"
+                     if "ms" in rec else f" {rec.get('error')}"), flush=True)
+        host_q = cu_q.cpu().numpy()
+        host_k = cu_k.cpu().numpy()
+        for bname in ("cudnn", "varlen"):
+            rec = {}
+            try:
+                be = get_backend(bname, device=dev, dtype=torch.bfloat16, qk_head_dim=QK,
+                                 v_head_dim=VD)
+                vv = torch.nn.functional.pad(v, (0, QK - VD)) if be.needs_v_padded else v
+                kc = k
+                if causal:
+                    seqs = VarlenSeqs(cu_q, cu_q, sq, sq, cu_seqlens_q_host=host_q,
+                                      cu_seqlens_k_host=host_q)
+                else:
+                    seqs = VarlenSeqs(cu_q, cu_k, sq, sk, cu_seqlens_q_host=host_q,
+                                      cu_seqlens_k_host=host_k)
+
+                def bfn(be: Any = be, vv: Any = vv, kc: Any = kc, seqs: Any = seqs) -> Any:
+                    return be.attend(q, kc, vv, seqs, causal=causal, softmax_scale=SCALE)
+                out, lse = bfn()
+                torch.cuda.synchronize()
+                rec.update(err(out[..., :VD], lse))
+                rec["ms"] = _bench(bfn)
+                rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            entry["baselines"][bname] = rec
+            print(f"H={h:>3} {nr:>2}x q={sq:<5} k={sk:<6} causal={causal!s:<5} {bname:<23}"
+                  + (f" {rec['ms']:8.3f} ms {rec['tflops']:5.0f} TFLOP/s"
+                     if "ms" in rec else f" {rec.get('error')}"), flush=True)
+        ok = {n: r["ms"] for n, r in entry["triton"].items() if "ms" in r}
+        if ok:
+            best = min(ok, key=ok.get)
+            entry["best_config"] = best
+            for bname, rec in entry["baselines"].items():
+                if "ms" in rec:
+                    entry[f"best_triton_over_{bname}"] = ok[best] / rec["ms"]
+        rows.append(entry)
+        q = k = v = None
+        torch.cuda.empty_cache()
+    return {"rows": rows, "flops_formula": "2 * sum_r(q_r * keys_r) * H * (192 + 128)"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="first three configs only")
+    args = ap.parse_args()
+    from mlaprefill._env import machine_info, utc_now
+
+    result = {"benchmark": "triton_attention", "argv": sys.argv,
+              "date_utc": utc_now(offset=True), "machine": machine_info(torch.device("cuda")),
+              **run(args.quick)}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""``triton`` backend: our own Triton flash-attention forward (:mod:`mlaprefill.kernels.attention`).
+
+One launch per call, no padding of V (the kernel handles ``v_head_dim != qk_head_dim``), LSE
+natural log, empty sequences ``out = 0, lse = -inf`` and the NaN rules of :mod:`.base` inside the
+kernel, so no fix-up pass after it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mlaprefill.backends.base import AttentionBackend, VarlenSeqs
+from mlaprefill.kernels._triton import HAS_TRITON
+from mlaprefill.kernels.attention import (
+    MAX_HEAD_DIM,
+    MIN_QK_HEAD_DIM,
+    AttentionConfig,
+    num_compiled_kernels,
+    varlen_attention,
+)
+
+__all__ = ["TritonBackend"]
+
+
+class TritonBackend(AttentionBackend):
+    """Triton varlen flash attention (CUDA fp16/bf16; CPU under ``TRITON_INTERPRET=1``).
+
+    Parameters
+    ----------
+    config : AttentionConfig, optional
+        Tiles and launch options (default: the kernel's Hopper default); for config sweeps.
+    """
+
+    name = "triton"
+    # One program per (query block, sequence, head) over all of the sequence's keys, no split-KV:
+    # the same shape of work as FlashAttention-2 varlen, so the same policy. ``packed`` can leave
+    # one long request alone in an iteration; with few heads (tensor parallelism) and a short
+    # query count that is fewer programs than the 132 SMs (e.g. 8 heads x 1k queries / 128 = 64).
+    preferred_policy = "balanced"
+
+    def __init__(self, config: AttentionConfig | None = None) -> None:
+        self.config = config
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
+                           v_head_dim: int) -> str | None:
+        if not HAS_TRITON:
+            return "Triton is not installed"
+        # The rule of kernels._triton.use_triton, decided from the device alone.
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "CUDA is not available"
+            if dtype not in (torch.float16, torch.bfloat16):
+                return f"needs float16/bfloat16 on CUDA, got {dtype}"
+        elif device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
+            if dtype not in (torch.float16, torch.float32):
+                # bfloat16 tl.dot is wrong in Triton's interpreter (it multiplies the raw bits).
+                return f"the Triton interpreter runs float16/float32, got {dtype}"
+        else:
+            return f"needs a CUDA device, got {device.type}"
+        if not (MIN_QK_HEAD_DIM <= qk_head_dim <= MAX_HEAD_DIM
+                and 1 <= v_head_dim <= MAX_HEAD_DIM):
+            return (f"head dims qk={qk_head_dim}, v={v_head_dim} unsupported (need "
+                    f"{MIN_QK_HEAD_DIM} <= qk <= {MAX_HEAD_DIM}, v <= {MAX_HEAD_DIM})")
+        return None
+
+    def builds(self) -> int | None:
+        """Kernels compiled in this process (one per dtype, head dims, causal and config; never
+        per sequence length)."""
+        return num_compiled_kernels()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                                max_seqlen_q=seqs.max_seqlen_q, causal=causal,
+                                softmax_scale=softmax_scale, config=self.config)

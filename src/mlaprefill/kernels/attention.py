@@ -1,0 +1,431 @@
+"""Flash-attention forward for packed variable-length sequences, with LSE (Triton).
+
+For each sequence ``s`` (``cu_seqlens_q`` / ``cu_seqlens_k``) and head ``h``::
+
+    out[t, h] = softmax(q[t, h] . k[j, h]^T * softmax_scale) . v[j, h]   over the keys j of s
+    lse[t, h] = log(sum_j exp(q[t, h] . k[j, h]^T * softmax_scale))      natural log
+
+``causal=True``: query ``i`` of a sequence attends keys ``0..i`` (top-left aligned; meant for
+equal query/key lengths). A query whose sequence has no keys gets ``out = 0, lse = -inf``.
+
+Design, for Hopper (H200, sm_90) and DeepSeek's MLA shapes (``qk_head_dim = 192 = 128 + 64``,
+``v_head_dim = 128``):
+
+* One program per (query block, sequence, head), no split over keys; ``BLOCK_M = 128`` query rows
+  over 8 warps (two warpgroups), fp32 accumulators, the standard online softmax in the exp2
+  domain. The query tile is loaded once and stays on chip for the whole key loop.
+* ``qk_head_dim`` is not a power of two: the QK dot is two dots, over the largest power of two
+  ``D1 <= qk_head_dim`` and over the rest, padded to a power of two (>= 16, the MMA minimum) with
+  masked loads. For 192 that is 128 + 64 and nothing is masked. ``v_head_dim`` is padded the same
+  way.
+* The key loop runs in two parts: full key blocks without any mask (all of them for non-causal;
+  the blocks entirely below the diagonal for causal), then the masked blocks (the partial tail
+  block; for causal the diagonal blocks).
+* The softmax scale is applied to the fp32 scores, not folded into ``q``: ``qk * qk_scale - m``
+  is one FMA per score (the same instruction count as ``qk - m``), while scaling ``q`` would
+  round the scaled queries back to bf16 (up to 2^-9 relative error on every score).
+* Causal query blocks are launched heaviest (last) first, so the short ones fill the tail.
+
+NaN isolation: keys outside the sequence are masked at *load* time (``other=0``) for K and V and
+their scores are set to ``-inf`` with ``where`` (never a multiply by a mask), so a NaN/inf in one
+sequence's ``q``, ``k`` or ``v`` can only reach that sequence's rows. A row with keys whose
+softmax sum is 0 or whose LSE would be ``+inf`` is reported as NaN (the rule of
+:func:`mlaprefill.backends.base.flag_inf_lse_as_nan`).
+
+Costs: ``4 * sum_s(Lq_s * Lk_s) * H * (qk_head_dim + v_head_dim) / 2`` FLOP (non-causal; about
+half for causal); K and V are read once per query block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mlaprefill.kernels._triton import HAS_TRITON, tl, triton
+
+__all__ = [
+    "DEFAULT_ATTENTION_CONFIG",
+    "MAX_HEAD_DIM",
+    "MIN_QK_HEAD_DIM",
+    "AttentionConfig",
+    "attention_configs",
+    "num_compiled_kernels",
+    "varlen_attention",
+]
+
+#: Largest ``qk_head_dim`` / ``v_head_dim`` (register budget of the on-chip query and output tiles).
+MAX_HEAD_DIM = 256
+#: Smallest ``qk_head_dim``: the first QK dot spans a power of two >= 16 (the MMA K minimum).
+MIN_QK_HEAD_DIM = 16
+_LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535  # CUDA grid limit of axes 1 and 2
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Tile sizes and launch options of :func:`varlen_attention`.
+
+    Attributes
+    ----------
+    block_m : int
+        Query rows per program (power of two >= 16).
+    block_n : int
+        Keys per loop step (power of two >= 16).
+    num_warps : int
+        Warps per program (1, 2, 4, 8 or 16).
+    num_stages : int
+        Software-pipelining depth of the K/V loads (>= 1).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16 "
+                                 f"(tl.dot's minimum tile), got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"AttentionConfig.num_warps must be 1, 2, 4, 8 or 16, "
+                             f"got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"AttentionConfig.num_stages must be an int >= 1, "
+                             f"got {self.num_stages!r}")
+
+
+#: Hopper default for qk 192 / v 128: at 8 warps a 128 x 64 score tile is 32 fp32 registers per
+#: thread, P 16 and the 128 x 128 output accumulator 64, well clear of spills (128 x 128 scores
+#: double the first two), and three stages of K/V (24 + 16 KiB each) fit the 227 KiB of shared
+#: memory. Unmeasured: sweep :func:`attention_configs` on the GPU.
+DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+# Named presets for a sweep on the GPU (a tuple, so no module-level mutable state).
+_PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
+    ("m128_n64_w8_s3", DEFAULT_ATTENTION_CONFIG),
+    ("m128_n64_w8_s2", AttentionConfig(128, 64, 8, 2)),
+    ("m128_n128_w8_s2", AttentionConfig(128, 128, 8, 2)),
+    ("m128_n128_w8_s3", AttentionConfig(128, 128, 8, 3)),
+    ("m128_n64_w8_s4", AttentionConfig(128, 64, 8, 4)),
+    ("m256_n64_w8_s2", AttentionConfig(256, 64, 8, 2)),
+    ("m256_n64_w16_s2", AttentionConfig(256, 64, 16, 2)),
+    ("m128_n32_w8_s4", AttentionConfig(128, 32, 8, 4)),
+    ("m128_n64_w4_s3", AttentionConfig(128, 64, 4, 3)),
+    ("m64_n64_w4_s3", AttentionConfig(64, 64, 4, 3)),
+    ("m64_n128_w4_s2", AttentionConfig(64, 128, 4, 2)),
+)
+
+
+def attention_configs() -> dict[str, AttentionConfig]:
+    """The named presets to sweep on the GPU (a new dict each call; the default is first).
+
+    Some may not compile for every head dim (shared memory or registers); a sweep should skip
+    those that raise ``triton.runtime.errors.OutOfResources``.
+    """
+    return dict(_PRESETS)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_tile(ptrs, row_ok, col_ok, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr):
+        # Masks only where needed (constexpr): unmasked loads vectorize best. Masked-off entries
+        # load 0, never memory of another sequence (whose NaN must not reach this one).
+        if ROW_MASK:
+            if COL_MASK:
+                x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        elif COL_MASK:
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def _attn_loop(
+        acc, l_i, m_i,          # running state: fp32 [BLOCK_M, BLOCK_DV], [BLOCK_M], [BLOCK_M]
+        q1, q2,                 # queries [BLOCK_M, D1], [BLOCK_M, BLOCK_D2] (input dtype)
+        k_base, v_base,         # pointers to key 0 / value 0 of this (sequence, head)
+        stride_kt, stride_vt,
+        offs_m,                 # int32 [BLOCK_M]: query positions within the sequence
+        seqlen_k,
+        qk_scale,               # softmax_scale * log2(e)
+        lo, hi,                 # key range [lo, hi); lo a multiple of BLOCK_N
+        MASKED: tl.constexpr,   # False: every block in [lo, hi) is full and fully visible
+        CAUSAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
+        DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d1 = tl.arange(0, D1)
+        offs_d2 = D1 + tl.arange(0, BLOCK_D2)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d2_ok = offs_d2 < D1 + D2
+        dv_ok = offs_dv < DV
+        # Tile offsets relative to the block's first key: small, int32; the block base is int64.
+        k1_offs = offs_n[:, None] * stride_kt + offs_d1[None, :]
+        k2_offs = offs_n[:, None] * stride_kt + offs_d2[None, :]
+        v_offs = offs_n[:, None] * stride_vt + offs_dv[None, :]
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            kb = k_base + start_n.to(tl.int64) * stride_kt
+            vb = v_base + start_n.to(tl.int64) * stride_vt
+            n_ok = (start_n + offs_n) < seqlen_k
+            k1 = _load_tile(kb + k1_offs, n_ok, offs_d1, MASKED, False)
+            qk = tl.dot(q1, tl.trans(k1))  # fp32 [BLOCK_M, BLOCK_N]
+            if D2 > 0:
+                k2 = _load_tile(kb + k2_offs, n_ok, d2_ok, MASKED, BLOCK_D2 != D2)
+                qk = tl.dot(q2, tl.trans(k2), acc=qk)
+            if MASKED:
+                visible = n_ok[None, :]
+                if CAUSAL:
+                    visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None])
+                qk = tl.where(visible, qk, float("-inf"))  # where, not a multiply (0 * NaN)
+            # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale).
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            # Safe max: a row that has seen only -inf scores keeps m = -inf; subtracting it would
+            # give exp2(-inf - -inf) = NaN. With 0 instead, p = exp2(-inf) = 0 and alpha = 0.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk * qk_scale - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _load_tile(vb + v_offs, n_ok, dv_ok, MASKED, BLOCK_DV != DV)
+            acc = tl.dot(p.to(v.dtype), v, acc=acc)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _varlen_attention_kernel(
+        q_ptr,                  # [Tq, H, D1 + D2], last dim contiguous
+        k_ptr,                  # [Tk, H, D1 + D2], last dim contiguous
+        v_ptr,                  # [Tk, H, DV], last dim contiguous
+        out_ptr,                # [Tq, H, DV], q's dtype
+        lse_ptr,                # float32 [Tq, H], natural log
+        cu_seqlens_q_ptr,       # int32 [num_seqs + 1]
+        cu_seqlens_k_ptr,       # int32 [num_seqs + 1]
+        qk_scale,               # softmax_scale * log2(e), > 0
+        stride_qt, stride_qh,
+        stride_kt, stride_kh,
+        stride_vt, stride_vh,
+        stride_ot, stride_oh,
+        stride_lt, stride_lh,
+        CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        D1: tl.constexpr,       # first QK part: largest power of two <= qk_head_dim
+        D2: tl.constexpr,       # second QK part: qk_head_dim - D1 (0: no second dot)
+        BLOCK_D2: tl.constexpr,  # D2 padded to a power of two >= 16
+        DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr,  # DV padded to a power of two >= 16
+    ):
+        # Heaviest causal query blocks (the last ones) first; grid axis 0 is
+        # cdiv(max_seqlen_q, BLOCK_M), so program 0 gets the last block any sequence can have.
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        m0 = m_block * BLOCK_M
+        if m0 >= seqlen_q:
+            return
+        k_start = tl.load(cu_seqlens_k_ptr + seq)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < seqlen_q
+        rows = tl.arange(0, BLOCK_M)
+        offs_d1 = tl.arange(0, D1)
+        offs_d2 = D1 + tl.arange(0, BLOCK_D2)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d2_ok = offs_d2 < D1 + D2
+        dv_ok = offs_dv < DV
+
+        # int64 bases: Tk * H * D can exceed 2^31; offsets inside a tile stay int32.
+        head64 = head.to(tl.int64)
+        q_base = q_ptr + (q_start + m0).to(tl.int64) * stride_qt + head64 * stride_qh
+        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + head64 * stride_kh
+        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + head64 * stride_vh
+
+        # The query tile, loaded once (rows past the sequence read 0 and are never stored).
+        q1 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d1[None, :], m_ok, offs_d1,
+                        True, False)
+        if D2 > 0:
+            q2 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d2[None, :], m_ok, d2_ok,
+                            True, BLOCK_D2 != D2)
+        else:
+            q2 = q1  # unused
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+        if CAUSAL:
+            # Key block [n0, n0 + BLOCK_N) is fully visible to every row of the query block iff
+            # n0 + BLOCK_N - 1 <= m0 (its first row) and it lies inside the sequence.
+            kv_end = tl.minimum(seqlen_k, m0 + BLOCK_M)
+            free_end = (tl.minimum(seqlen_k, m0 + 1) // BLOCK_N) * BLOCK_N
+        else:
+            kv_end = seqlen_k
+            free_end = (seqlen_k // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
+                                   offs_m, seqlen_k, qk_scale, 0, free_end,
+                                   False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
+                                   offs_m, seqlen_k, qk_scale, free_end, kv_end,
+                                   True, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
+
+        # Finish. A row with keys always has l >= 1 for finite inputs (its max term is 1); l == 0
+        # (all scores -inf) or an LSE of +inf only come from non-finite inputs: report NaN, like
+        # flag_inf_lse_as_nan. A NaN l already gives NaN in both.
+        lse2 = m_i + tl.log2(l_i)
+        bad = (l_i == 0.0) | (lse2 == float("inf"))
+        o = acc * (1.0 / l_i)[:, None]
+        o = tl.where(bad[:, None], float("nan"), o)
+        lse = tl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # log2 -> natural log
+        no_keys = seqlen_k == 0
+        o = tl.where(no_keys, 0.0, o)
+        lse = tl.where(no_keys, float("-inf"), lse)
+
+        o_base = out_ptr + (q_start + m0).to(tl.int64) * stride_ot + head64 * stride_oh
+        tl.store(o_base + rows[:, None] * stride_ot + offs_dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+        l_base = lse_ptr + (q_start + m0).to(tl.int64) * stride_lt + head64 * stride_lh
+        tl.store(l_base + rows * stride_lt, lse, mask=m_ok)
+
+
+def num_compiled_kernels() -> int | None:
+    """Binaries of the attention kernel compiled in this process so far (all devices), or None
+    where this Triton does not expose its JIT cache.
+
+    The kernel is compiled once per (dtype, head dims, causal, config) and never per sequence
+    length: lengths are read from ``cu_seqlens`` on the device, and every host int it takes
+    (strides) is fixed by the tensor layout.
+    """
+    if not HAS_TRITON:
+        return None
+    kernel = _varlen_attention_kernel
+    caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (cache, ...)
+    if isinstance(caches, dict):
+        return sum(len(entry[0]) for entry in caches.values())
+    cache = getattr(kernel, "cache", None)  # older Triton: device -> {key: binary}
+    if isinstance(cache, dict):
+        return sum(len(c) for c in cache.values())
+    return None
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, H, D], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"need q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16,
+                                                              torch.float32):
+        raise TypeError(f"q, k, v must share one dtype of float16/bfloat16 (float32: tf32 dots "
+                        f"on GPU), got {q.dtype}, {k.dtype}, {v.dtype}")
+    qk_dim, v_dim = q.shape[2], v.shape[2]
+    if not MIN_QK_HEAD_DIM <= qk_dim <= MAX_HEAD_DIM or not 1 <= v_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"need {MIN_QK_HEAD_DIM} <= qk_head_dim <= {MAX_HEAD_DIM} and "
+                         f"1 <= v_head_dim <= {MAX_HEAD_DIM}, got {qk_dim}, {v_dim}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("q, k and v need a contiguous last dim (stride 1); call .contiguous()")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be int32 [num_seqs + 1], got {cu.dtype} "
+                             f"{tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                         f"{tuple(cu_seqlens_k.shape)} must both be [num_seqs + 1]")
+    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must share one device, "
+                         f"got {devices}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be a host int >= 0, got {max_seqlen_q!r:.40}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
+    if num_seqs > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
+        raise ValueError(f"num_seqs={num_seqs} and num_heads={num_heads} must be <= "
+                         f"{_MAX_GRID_YZ} (CUDA grid axes 1 and 2); split the batch")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
+                     max_seqlen_q: int, causal: bool, softmax_scale: float,
+                     config: AttentionConfig | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a packed varlen batch, with LSE (one Triton launch).
+
+    Parameters
+    ----------
+    q : [Tq, H, qk_head_dim]; k : [Tk, H, qk_head_dim]; v : [Tk, H, v_head_dim]
+        float16/bfloat16 (float32 is accepted: tf32 dots on GPU, exact in the interpreter), one
+        device; last dim contiguous, other strides arbitrary. ``16 <= qk_head_dim <= 256``,
+        ``v_head_dim <= 256``.
+    cu_seqlens_q, cu_seqlens_k : int32 [num_seqs + 1], same device
+        Sequence ``s`` owns queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys
+        ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; ``cu_seqlens_q[-1] == Tq``, ``cu_seqlens_k[-1] <=
+        Tk``. Not validated on the device (that would need a sync).
+    max_seqlen_q : int
+        Host int, an upper bound of every sequence's query count; sizes the grid only. A
+        sequence longer than it has its later query rows left unwritten.
+    causal : bool
+        Query ``i`` of a sequence attends keys ``0..i`` (top-left; equal lengths per sequence).
+    softmax_scale : float, > 0
+    config : AttentionConfig, optional
+        Tiles and launch options; default :data:`DEFAULT_ATTENTION_CONFIG` (Hopper).
+
+    Returns
+    -------
+    out : [Tq, H, v_head_dim], q's dtype, contiguous
+    lse : float32 [Tq, H], natural log, contiguous
+
+    A sequence without keys gives ``out = 0, lse = -inf``; a non-finite input gives NaN only in
+    its own sequence's rows. Never synchronizes (the grid comes from host ints only); CUDA-graph
+    safe. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("varlen_attention needs Triton: pip install triton")
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale)
+    cfg = DEFAULT_ATTENTION_CONFIG if config is None else config
+    num_tokens_q, num_heads, qk_dim = q.shape
+    v_dim = v.shape[2]
+    out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens_q, num_heads, dtype=torch.float32, device=q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens_q == 0 or num_heads == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out, lse
+    if k.shape[0] == 0:
+        # No keys at all: every sequence is empty. Filled here rather than launched, because an
+        # empty tensor may have a null data pointer that Triton's launcher rejects.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    d1 = 1 << (qk_dim.bit_length() - 1)  # largest power of two <= qk_dim
+    d2 = qk_dim - d1
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
+    _varlen_attention_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+        softmax_scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
+        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

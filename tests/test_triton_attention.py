@@ -1,0 +1,224 @@
+"""CPU tests of the Triton varlen attention kernel (Triton's interpreter) and its backend.
+
+The kernel runs on CPU tensors under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be
+set before triton is imported), against a float64 einsum reference written here, per sequence,
+independently of the kernel and of the ``math`` backend. Small tiles (16/32) make the awkward
+lengths (0, 1, 17, 63, 64, 65, 130) hit partial, full, diagonal and empty key blocks.
+
+bfloat16 is not covered: the interpreter's ``tl.dot`` multiplies bfloat16's raw bits (Triton
+3.9), so float16 stands in for the half-precision path (``p`` cast before the PV dot).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from mlaprefill.kernels.attention import AttentionConfig, varlen_attention
+
+    INF = float("inf")
+    g = torch.Generator().manual_seed(0)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()],
+                            dtype=torch.int32)
+
+    def reference(q, k, v, q_lens, k_lens, causal, scale):
+        # float64, one sequence at a time: plain softmax(q k^T * scale) v.
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+        lse = torch.full(q.shape[:2], -INF, dtype=torch.float64)
+        cq, ck = cu(q_lens).tolist(), cu(k_lens).tolist()
+        for s in range(len(q_lens)):
+            if q_lens[s] == 0 or k_lens[s] == 0:
+                continue
+            qs = q[cq[s]:cq[s + 1]].double()
+            ks, vs = k[ck[s]:ck[s + 1]].double(), v[ck[s]:ck[s + 1]].double()
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            if causal:
+                keep = torch.ones(q_lens[s], k_lens[s], dtype=torch.bool).tril()
+                scores = scores.masked_fill(~keep, -INF)
+            lse[cq[s]:cq[s + 1]] = torch.logsumexp(scores, -1).t()
+            out[cq[s]:cq[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+        return out, lse
+
+    def inputs(q_lens, k_lens, heads, dqk, dv, dtype, strided=False):
+        tq, tk = sum(q_lens), sum(k_lens)
+        if strided:  # q a slice of a wider buffer, k head-major, v a slice of a padded v
+            q = torch.randn(tq, heads, dqk + 8, generator=g)[..., 3:3 + dqk]
+            k = torch.randn(heads, tk, dqk, generator=g).transpose(0, 1)
+            v = torch.randn(tk, heads, dv + 5, generator=g)[..., :dv]
+        else:
+            q = torch.randn(tq, heads, dqk, generator=g)
+            k = torch.randn(tk, heads, dqk, generator=g)
+            v = torch.randn(tk, heads, dv, generator=g)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+
+    def check(q_lens, k_lens=None, *, dqk, dv, causal, cfg, heads=2, dtype=torch.float32,
+              strided=False):
+        k_lens = q_lens if k_lens is None else k_lens
+        q, k, v = inputs(q_lens, k_lens, heads, dqk, dv, dtype, strided)
+        scale = dqk ** -0.5
+        out, lse = varlen_attention(q, k, v, cu(q_lens), cu(k_lens),
+                                    max_seqlen_q=max(q_lens, default=0), causal=causal,
+                                    softmax_scale=scale, config=cfg)
+        ref_out, ref_lse = reference(q, k, v, q_lens, k_lens, causal, scale)
+        what = f"q_lens={q_lens} k_lens={k_lens} dqk={dqk} dv={dv} causal={causal} {cfg}"
+        assert out.shape == ref_out.shape and out.dtype == q.dtype, what
+        assert lse.shape == ref_lse.shape and lse.dtype == torch.float32, what
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), what
+        # Empty sequences: exactly -inf and 0; everything else finite.
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), what
+        assert torch.equal(out[torch.isneginf(ref_lse)], torch.zeros_like(out[torch.isneginf(
+            ref_lse)])), what
+        fin = torch.isfinite(ref_lse)
+        assert torch.isfinite(lse[fin]).all(), what
+        tol = 1e-5 if dtype == torch.float32 else 3e-3
+        err_o = (out.double() - ref_out).abs().max().item() if out.numel() else 0.0
+        err_l = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+        assert err_o < tol, f"{what}: max |out - ref| = {err_o}"
+        assert err_l < 1e-5, f"{what}: max |lse - ref| = {err_l}"
+
+    C16, C32_16, C16_32 = AttentionConfig(16, 16, 4, 1), AttentionConfig(32, 16, 4, 2), \\
+        AttentionConfig(16, 32, 4, 1)
+    LENS = [0, 1, 17, 63, 64, 65, 130]
+    Q_LENS = [0, 1, 17, 63, 64, 65, 130, 3, 2]   # non-causal: a sequence without queries,
+    K_LENS = [5, 0, 1, 65, 64, 130, 17, 63, 0]   # one without keys, one key, block edges
+
+    def group_small_dims():
+        for cfg in (C16, C32_16):
+            check(Q_LENS, K_LENS, dqk=24, dv=16, causal=False, cfg=cfg)
+        for cfg in (C16, C32_16, C16_32):  # diagonal blocks: M == N, M > N, M < N
+            check(LENS, dqk=24, dv=16, causal=True, cfg=cfg)
+        # Padded second QK part (40 = 32 + 8 -> 16) and V (24 -> 32), arbitrary strides, H=3.
+        check([17, 40], [33, 5], dqk=40, dv=24, causal=False, cfg=C16, heads=3, strided=True)
+        check([17, 40], dqk=40, dv=24, causal=True, cfg=C16, heads=3, strided=True)
+        # Powers of two: no second QK dot.
+        check([9, 33], [33, 16], dqk=16, dv=16, causal=False, cfg=C16)
+        # No keys at all (k is empty): no launch, out 0 and lse -inf everywhere.
+        check([3, 4], [0, 0], dqk=24, dv=16, causal=False, cfg=C16)
+        check([], [], dqk=24, dv=16, causal=False, cfg=C16)
+
+    def group_deepseek_dims():
+        check(Q_LENS, K_LENS, dqk=192, dv=128, causal=False, cfg=C16)
+        check(LENS, dqk=192, dv=128, causal=True, cfg=C16)
+        check([1, 65, 130], [130, 0, 64], dqk=192, dv=128, causal=False, cfg=C16,
+              dtype=torch.float16)
+        check([65, 130], dqk=192, dv=128, causal=True, cfg=C16, dtype=torch.float16)
+        # The Hopper default tiles (128 x 64), a tail in both loops.
+        check([130, 7], [200, 64], dqk=192, dv=128, causal=False, cfg=None, heads=1)
+        check([200, 7], dqk=192, dv=128, causal=True, cfg=None, heads=1)
+
+    def group_nonfinite():
+        from mlaprefill.backends.base import VarlenSeqs
+        from mlaprefill.backends.math import MathBackend
+        from mlaprefill.backends.triton import TritonBackend
+
+        for causal in (False, True):
+            q_lens = [17, 40, 33, 5]
+            k_lens = q_lens if causal else [20, 33, 40, 16]
+            q, k, v = inputs(q_lens, k_lens, 2, 24, 16, torch.float32)
+            cq, ck = cu(q_lens), cu(k_lens)
+            qb, kb = cq.tolist(), ck.tolist()
+            # Sequence 2, head 0: key dim 0 is negative for every key, so a query with +inf in
+            # dim 0 scores -inf against all keys (softmax sum 0): reported NaN, not "no keys".
+            k[kb[2]:kb[3], 0, 0] = -1.0
+            run = lambda q, k, v: varlen_attention(q, k, v, cq, ck, max_seqlen_q=40,
+                                                   causal=causal, softmax_scale=0.3,
+                                                   config=AttentionConfig(16, 16, 4, 1))
+            out0, lse0 = run(q, k, v)
+            assert torch.isfinite(out0).all() and torch.isfinite(lse0).all()
+            q1, k1, v1 = q.clone(), k.clone(), v.clone()
+            k1[kb[1], 1, 3] = float("nan")   # sequence 1: NaN in its first key (head 1)
+            v1[kb[1], 0] = float("nan")      # and first value (head 0)
+            q1[qb[2] + 4, 0, 0] = INF        # sequence 2: one query row, head 0
+            out1, lse1 = run(q1, k1, v1)
+            nan_out = torch.zeros(q.shape[:2], dtype=torch.bool)
+            nan_out[qb[1]:qb[2]] = True      # key 0 is visible to every row, causal or not
+            nan_out[qb[2] + 4, 0] = True
+            nan_lse = torch.zeros(q.shape[:2], dtype=torch.bool)
+            nan_lse[qb[1]:qb[2], 1] = True   # a NaN value leaves the LSE alone
+            nan_lse[qb[2] + 4, 0] = True
+            assert torch.equal(torch.isnan(out1).all(dim=-1), nan_out), f"causal={causal}"
+            assert not torch.isnan(out1[~nan_out]).any()
+            assert torch.equal(torch.isnan(lse1), nan_lse), f"causal={causal}"
+            # Every other row and LSE, bitwise as without the non-finite values.
+            assert torch.equal(out1[~nan_out], out0[~nan_out]), f"NaN leaked (causal={causal})"
+            assert torch.equal(lse1[~nan_lse], lse0[~nan_lse]), f"NaN leaked (causal={causal})"
+
+            # The backend, on the clean inputs, agrees with the math backend.
+            seqs = VarlenSeqs(cq, ck, max(q_lens), max(k_lens))
+            t_out, t_lse = TritonBackend().attend(q, k, v, seqs, causal=causal,
+                                                  softmax_scale=0.3)
+            m_out, m_lse = MathBackend().attend(q, k, v, seqs, causal=causal,
+                                                softmax_scale=0.3)
+            assert torch.allclose(t_out, m_out, atol=1e-5), (t_out - m_out).abs().max()
+            assert torch.allclose(t_lse, m_lse, atol=1e-5), (t_lse - m_lse).abs().max()
+
+    {"small_dims": group_small_dims, "deepseek_dims": group_deepseek_dims,
+     "nonfinite": group_nonfinite}[sys.argv[1]]()
+    print("INTERPRET_OK")
+""")
+
+
+@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite"])
+def test_varlen_attention_in_interpreter(group):
+    """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
+    pytest.importorskip("triton")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([src, *sys.path]))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, group], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INTERPRET_OK" in proc.stdout
+
+
+def test_backend_unsupported_reason(monkeypatch):
+    pytest.importorskip("triton")
+    from mlaprefill.backends.triton import TritonBackend
+
+    be = TritonBackend()
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    why = be.unsupported_reason(cpu, torch.bfloat16, 192, 128)
+    assert isinstance(why, str) and "CUDA" in why
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert be.unsupported_reason(cpu, torch.float32, 192, 128) is None
+    assert "bfloat16" in be.unsupported_reason(cpu, torch.bfloat16, 192, 128)
+    assert "head dims" in be.unsupported_reason(cpu, torch.float32, 320, 128)
+    assert "head dims" in be.unsupported_reason(cpu, torch.float32, 8, 8)
+    assert be.preferred_policy == "balanced" and be.name == "triton"
+
+
+def test_launcher_validates_inputs():
+    pytest.importorskip("triton")
+    from mlaprefill.kernels.attention import AttentionConfig, attention_configs, varlen_attention
+
+    q = torch.zeros(4, 2, 24)
+    k = torch.zeros(4, 2, 24)
+    v = torch.zeros(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    kw = dict(max_seqlen_q=4, causal=False, softmax_scale=0.2)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        varlen_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu, cu, **kw)
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(q, k, v, cu.long(), cu, **kw)
+    with pytest.raises(TypeError, match="one dtype"):
+        varlen_attention(q.double(), k.double(), v.double(), cu, cu, **kw)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        varlen_attention(q, k, v, cu, cu, max_seqlen_q=4, causal=False, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="qk_head_dim"):
+        varlen_attention(q[..., :8], k[..., :8], v, cu, cu, **kw)
+    with pytest.raises(ValueError, match="power of two"):
+        AttentionConfig(block_m=48)
+    configs = attention_configs()
+    assert next(iter(configs.values())) == AttentionConfig()
+    assert all(c.block_m >= 16 and c.block_n >= 16 for c in configs.values())
