@@ -589,7 +589,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
     parser.add_argument("--skip", default="", help="comma list of sections to skip")
-    parser.add_argument("--backends", default="cudnn,flex,varlen")
+    parser.add_argument("--backends", default="hybrid,triton,cudnn,flex,varlen")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)

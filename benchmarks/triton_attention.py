@@ -38,14 +38,17 @@ def _bench(fn: Any) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, names: list[str] | None = None,
+        baselines: tuple[str, ...] = ("cudnn", "varlen")) -> dict[str, Any]:
     from mlaprefill.backends import VarlenSeqs, get_backend
     from mlaprefill.kernels.attention import attention_configs, varlen_attention
 
     dev = "cuda"
     rows = []
     configs = attention_configs()
-    if quick:
+    if names:
+        configs = {n: configs[n] for n in names}
+    elif quick:
         configs = dict(list(configs.items())[:3])
     for h, nr, sq, sk, causal in SHAPES:
         g = torch.Generator(device=dev).manual_seed(0)
@@ -94,7 +97,7 @@ def run(quick: bool) -> dict[str, Any]:
                      if "ms" in rec else f" {rec.get('error')}"), flush=True)
         host_q = cu_q.cpu().numpy()
         host_k = cu_k.cpu().numpy()
-        for bname in ("cudnn", "varlen"):
+        for bname in baselines:
             rec = {}
             try:
                 be = get_backend(bname, device=dev, dtype=torch.bfloat16, qk_head_dim=QK,
@@ -138,12 +141,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="first three configs only")
+    ap.add_argument("--configs", default="", help="comma list of preset names (default: all)")
+    ap.add_argument("--baselines", default="cudnn,varlen", help="comma list of backends")
     args = ap.parse_args()
     from mlaprefill._env import machine_info, utc_now
 
     result = {"benchmark": "triton_attention", "argv": sys.argv,
               "date_utc": utc_now(offset=True), "machine": machine_info(torch.device("cuda")),
-              **run(args.quick)}
+              **run(args.quick, [c for c in args.configs.split(",") if c],
+                    tuple(b for b in args.baselines.split(",") if b))}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -23,7 +23,7 @@ from mlaprefill.staging import StagingRing
 pytestmark = pytest.mark.gpu
 
 RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
-GPU_BACKENDS = ["triton", "cudnn", "flex", "varlen", "math"]
+GPU_BACKENDS = ["hybrid", "triton", "cudnn", "flex", "varlen", "math"]
 
 
 def _inputs(query_lens, context_lens, heads, seed=0):
@@ -53,7 +53,7 @@ def test_forward_matches_reference(backend, policy, workspace):
     assert lse_err <= 1e-2, f"{backend}: LSE max abs error {lse_err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["triton", "cudnn", "flex", "varlen"])
+@pytest.mark.parametrize("backend", ["hybrid", "triton", "cudnn", "flex", "varlen"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("host_offsets", [False, True])
 def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets):
@@ -205,7 +205,7 @@ def test_long_context_forward_is_bitwise_repeatable(backend):
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton", "cudnn", "varlen"])
+@pytest.mark.parametrize("backend", ["auto", "hybrid", "triton", "cudnn", "varlen"])
 def test_plan_upload_forward_never_syncs(backend):
     from mlaprefill.audit.cuda_check import check_step_async
 
@@ -227,6 +227,52 @@ def test_plan_upload_forward_never_syncs(backend):
     assert check.htod >= 3 and check.passed
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hybrid_rectangles_on_cudnn_match_reference(causal):
+    """With a threshold of 1 every sequence of >= 256 queries gets a cuDNN rectangle: the
+    composition (Triton skips it, cuDNN computes it, LSE merge) against the float64 math
+    backend, a NaN in one rectangle staying in its sequence, and warm-up then no new builds."""
+    from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
+
+    q_lens = [300, 5, 520, 1000]
+    k_lens = q_lens if causal else [700, 0, 1100, 4100]
+    heads, qk = 8, NOPE + ROPE
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    assert len(dense_rectangles(cu_q.tolist(), cu_k.tolist(), num_heads=heads, causal=causal,
+                                big_work=1)) == 3
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(sum(q_lens), heads, qk, device="cuda", generator=g).bfloat16()
+    k = torch.randn(sum(k_lens), heads, qk, device="cuda", generator=g).bfloat16()
+    v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
+    seqs = VarlenSeqs(cu_q.cuda(), cu_k.cuda(), max(q_lens), max(k_lens),
+                      cu_seqlens_q_host=cu_q.numpy(), cu_seqlens_k_host=cu_k.numpy())
+    be = HybridBackend(big_work=1)
+    out, lse = be.attend(q, k, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
+    ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), seqs,
+                                            causal=causal, softmax_scale=qk ** -0.5)
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (out.double() - ref_o).norm() / ref_o.norm() <= 1e-2
+    assert (lse.double()[finite] - ref_l[finite]).abs().max() <= 1e-2
+    k1 = k.clone()
+    k1[int(cu_k[2]) + 7, 3, 5] = float("nan")  # inside sequence 2's rectangle
+    out1, lse1 = be.attend(q, k1, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
+    r2 = slice(int(cu_q[2]), int(cu_q[3]))
+    assert torch.isnan(lse1[r2, 3][7:]).all()
+    others = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    others[r2] = False
+    assert torch.equal(out1[others], out[others]) and torch.equal(lse1[others], lse[others])
+    # Warm-up of shapes not seen yet (4 heads) builds them; the real call then builds nothing.
+    q4, k4, v4 = (x[:, :4].contiguous() for x in (q, k, v))
+    lengths = [(n, m, causal) for n, m in zip(q_lens, k_lens, strict=True)]
+    assert be.warmup(lengths, num_heads=4, qk_head_dim=qk, v_head_dim=V) >= 3
+    before = be.builds()
+    be.attend(q4, k4, v4, seqs, causal=causal, softmax_scale=qk ** -0.5)
+    torch.cuda.synchronize()
+    assert be.builds() == before
+
+
 def test_triton_compiles_once_per_config_not_per_length():
     """Changing step shapes (lengths, request counts) compile nothing new after the first call
     of each (causal, dtype, head dims) kernel: the point of the triton backend in an engine."""
@@ -246,9 +292,10 @@ def test_triton_compiles_once_per_config_not_per_length():
                   softmax_scale=0.1)
 
     call([5], [5], True)
-    call([7], [300], False)
+    call([7], [300], False)    # <= 128 queries: the 128-row config
+    call([300], [300], False)  # more: the 256-row config
     before = num_compiled_kernels()
-    assert before is not None and before >= 2
+    assert before is not None and before >= 3
     for q_lens, k_lens in [([1], [1]), ([33, 1, 400], [33, 1, 400]), ([129] * 9, [129] * 9)]:
         call(q_lens, k_lens, True)
     for q_lens, k_lens in [([1], [4097]), ([3, 300], [0, 65]), ([64] * 16, [1000] * 16)]:

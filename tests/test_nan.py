@@ -249,7 +249,7 @@ def test_one_call_nan_stays_in_request():
 
 # -- GPU: every backend and the Triton merge -------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["triton", "cudnn", "flex", "varlen", "math"])
+@pytest.mark.parametrize("name", ["hybrid", "triton", "cudnn", "flex", "varlen", "math"])
 def test_gpu_backend_keeps_nan_inside_its_sequence(name):
     dtype = torch.float32 if name == "math" else torch.bfloat16
     _backend_isolation(name, "cuda", dtype)
@@ -264,7 +264,7 @@ def test_gpu_triton_merge_nan_rules():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cudnn", "flex", "varlen", "math"])
+@pytest.mark.parametrize("backend", ["hybrid", "triton", "cudnn", "flex", "varlen", "math"])
 @pytest.mark.parametrize("where", ["cache_kv_c", "q"])
 def test_gpu_forward_nan_stays_in_request(backend, where):
     """Triton gather + merge + each backend: B unchanged, A NaN (bf16; math in fp32)."""

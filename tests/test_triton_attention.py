@@ -162,13 +162,47 @@ _SCRIPT = textwrap.dedent("""
             assert torch.allclose(t_out, m_out, atol=1e-5), (t_out - m_out).abs().max()
             assert torch.allclose(t_lse, m_lse, atol=1e-5), (t_lse - m_lse).abs().max()
 
+    def group_hybrid():
+        # The hybrid backend's composition: the kernel skips each rectangle (dense=), the
+        # rectangle is computed apart (torch on CPU, cuDNN on CUDA) and merged by LSE.
+        from mlaprefill.backends.base import VarlenSeqs
+        from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
+
+        be = HybridBackend(big_work=1)
+        for causal in (False, True):
+            q_lens = [300, 5, 520]
+            k_lens = q_lens if causal else [700, 0, 1100]
+            cq, ck = cu(q_lens), cu(k_lens)
+            rects = dense_rectangles(cq.tolist(), ck.tolist(), num_heads=2, causal=causal,
+                                     big_work=1)
+            # 520 -> 512 queries, 1100 -> 1024 keys; 300 -> 256, 700 -> 640; 5 -> none
+            assert rects == ([(2, 512, 512), (0, 256, 256)] if causal
+                             else [(2, 512, 1024), (0, 256, 640)]), rects
+            q, k, v = inputs(q_lens, k_lens, 2, 24, 16, torch.float32)
+            seqs = VarlenSeqs(cq, ck, max(q_lens), max(k_lens), cu_seqlens_q_host=cq.tolist(),
+                              cu_seqlens_k_host=ck.tolist())
+            out, lse = be.attend(q, k, v, seqs, causal=causal, softmax_scale=0.3)
+            ref_out, ref_lse = reference(q, k, v, q_lens, k_lens, causal, 0.3)
+            fin = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+            assert (out.double() - ref_out).abs().max() < 1e-5, (out.double() - ref_out).abs().max()
+            assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-5
+            # A NaN key inside sequence 0's rectangle: sequence 0 NaN, the others bitwise equal.
+            k1 = k.clone()
+            k1[ck[0] + 3, 1, 2] = float("nan")
+            out1, lse1 = be.attend(q, k1, v, seqs, causal=causal, softmax_scale=0.3)
+            rows0 = slice(0, q_lens[0])
+            assert torch.isnan(lse1[rows0, 1][3 if causal else 0:]).all()
+            rest = slice(q_lens[0], None)
+            assert torch.equal(out1[rest], out[rest]) and torch.equal(lse1[rest], lse[rest])
+
     {"small_dims": group_small_dims, "deepseek_dims": group_deepseek_dims,
-     "nonfinite": group_nonfinite}[sys.argv[1]]()
+     "nonfinite": group_nonfinite, "hybrid": group_hybrid}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
-@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite"])
+@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite", "hybrid"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")
@@ -198,6 +232,22 @@ def test_backend_unsupported_reason(monkeypatch):
     assert be.preferred_policy == "balanced" and be.name == "triton"
 
 
+def test_bucket_floor_grid():
+    from mlaprefill.backends.hybrid import bucket_floor
+
+    assert bucket_floor(127, per_octave=16, align=128) == 0
+    assert bucket_floor(128, per_octave=16, align=128) == 128
+    assert bucket_floor(61000, per_octave=16, align=128) == 59392   # step 2048
+    assert bucket_floor(4000, per_octave=8, align=256) == 3840      # step 256
+    assert bucket_floor(4096, per_octave=8, align=256) == 4096
+    for n in range(1, 70000, 997):
+        for per_octave, align in ((8, 256), (16, 128)):
+            f = bucket_floor(n, per_octave=per_octave, align=align)
+            assert f <= n and f % align == 0
+            if n >= align:  # at most 1/per_octave of n is left over (or less than align)
+                assert n - f < max(align, n / per_octave)
+
+
 def test_launcher_validates_inputs():
     pytest.importorskip("triton")
     from mlaprefill.kernels.attention import AttentionConfig, attention_configs, varlen_attention
@@ -219,6 +269,12 @@ def test_launcher_validates_inputs():
         varlen_attention(q[..., :8], k[..., :8], v, cu, cu, **kw)
     with pytest.raises(ValueError, match="power of two"):
         AttentionConfig(block_m=48)
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 100, 64),))
+    with pytest.raises(ValueError, match="outside"):
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((1, 128, 64),))
+    with pytest.raises(ValueError, match="at most"):
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 128, 64),) * 5)
     configs = attention_configs()
     assert next(iter(configs.values())) == AttentionConfig()
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in configs.values())

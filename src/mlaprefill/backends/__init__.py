@@ -1,8 +1,9 @@
 """Attention backends returning ``(out, lse)`` for a packed varlen batch.
 
-``triton`` (our Triton flash attention, varlen), ``cudnn`` (cuDNN fused attention), ``flex``
-(FlexAttention, document block mask), ``varlen`` (FlashAttention-2 varlen, V padded to the QK
-width) and ``math`` (masked dense torch, CPU/float64). ``get_backend("auto", ...)`` picks the
+``hybrid`` (cuDNN on large rectangles + ``triton``), ``triton`` (our Triton flash attention,
+varlen), ``cudnn`` (cuDNN fused attention), ``flex`` (FlexAttention, document block mask),
+``varlen`` (FlashAttention-2 varlen, V padded to the QK width) and ``math`` (masked dense torch,
+CPU/float64). ``get_backend("auto", ...)`` picks the
 first of :data:`AUTO_ORDER` that supports the device, dtype and head dims; the choice is visible
 as ``backend.name``.
 """
@@ -20,6 +21,7 @@ from mlaprefill.backends.base import (
 )
 from mlaprefill.backends.cudnn import CudnnBackend
 from mlaprefill.backends.flex import FlexBackend
+from mlaprefill.backends.hybrid import HybridBackend
 from mlaprefill.backends.math import MathBackend
 from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.backends.varlen import VarlenFlashBackend
@@ -36,20 +38,22 @@ __all__ = [
 ]
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    "cudnn": CudnnBackend,
+    "hybrid": HybridBackend,
     "triton": TritonBackend,
+    "cudnn": CudnnBackend,
     "flex": FlexBackend,
     "varlen": VarlenFlashBackend,
     "math": MathBackend,
 }
 
-#: ``auto`` preference (H200, bf16, qk 192 / v 128; benchmarks/results/triton_attention_h200.json):
-#: ``triton`` (ours: 410-440 TFLOP/s on long non-causal chunks, one launch per call, compiled once
-#: per causal/dtype/head dims and never per length) before ``cudnn`` (~600 TFLOP/s on one long
-#: sequence, but one graph build of 40-90 ms of host time per new (q_len, k_len) and one launch
-#: per sequence: pass ``backend="cudnn"`` where shapes repeat and sequences are few), then FA2
-#: ``varlen`` (~270), ``flex`` (compiles per new shape) and ``math`` (CPU / float64).
-AUTO_ORDER: tuple[str, ...] = ("triton", "cudnn", "varlen", "flex", "math")
+#: ``auto`` preference (H200, bf16, qk 192 / v 128; benchmarks/results/triton_attention_h200.json,
+#: attention_h200.json "vs_ideal"): ``hybrid`` (cuDNN on the large rectangles of long sequences,
+#: from a fixed grid of shapes, our Triton kernel on everything else: one Triton launch per call,
+#: compiled once, plus at most 4 cuDNN launches that each run >= ~1 ms), ``triton`` (ours alone:
+#: 430-460 TFLOP/s on long non-causal chunks), ``cudnn`` (~600 TFLOP/s but one graph build of
+#: 40-90 ms per new (q_len, k_len) and one launch per sequence), FA2 ``varlen`` (~270), ``flex``
+#: (compiles per new shape) and ``math`` (CPU / float64).
+AUTO_ORDER: tuple[str, ...] = ("hybrid", "triton", "cudnn", "varlen", "flex", "math")
 
 
 def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk_head_dim: int,

@@ -33,7 +33,8 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
     a plain copy, so the variants differ only in planner policy and host overhead.
 
-GPU scenarios: bf16, our Triton ``triton`` attention backend (see ``_V3_TP8``; ``stall`` and
+GPU scenarios: bf16, the ``hybrid`` attention backend (our Triton kernel; at these shapes no
+piece is large enough for its cuDNN part; see ``_V3_TP8``; ``stall`` and
 ``uneven`` also run one variant on the FlashAttention-2 ``varlen`` backend, the previous
 default, for the side-by-side ratio), 2 interleaved
 repeats after one unmeasured full warm-up run, capped at 165 s of measuring. ``fair`` sharing is
@@ -72,15 +73,16 @@ class Scenario:
     max_seconds: float | None = 165.0
 
 
-# GPU scenarios use our Triton varlen attention: one kernel per call for the whole ragged batch,
-# compiled once per (causal, dtype, head dims), never per shape, and 1.4-1.6x faster than
-# FlashAttention-2 varlen on the H200 (benchmarks/results/triton_attention_h200.json). cuDNN
-# builds a graph per new (q_len, k_len) and contexts grow every step. Falls back to `auto`
+# GPU scenarios use the hybrid backend, i.e. here our Triton varlen attention (16 heads and
+# short per-request pieces never reach its cuDNN threshold): one kernel per call for the whole
+# ragged batch, compiled once per (causal, dtype, head dims), never per shape, and 1.4-1.6x
+# faster than FlashAttention-2 varlen on the H200 (benchmarks/results/triton_attention_h200.json).
+# cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. Falls back to `auto`
 # without Triton on CUDA.
 _V3_TP8: Mapping[str, Any] = MappingProxyType({
     "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
     "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
-    "backend": "triton"})
+    "backend": "hybrid"})
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
@@ -376,11 +378,11 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
         v = getattr(args, opt, None)
         if v is not None:
             values[fld] = v
-    if args.backend is None and values.get("backend") == "triton" and has_cuda:
+    if args.backend is None and values.get("backend") == "hybrid" and has_cuda:
         from mlaprefill.kernels._triton import HAS_TRITON
         if not HAS_TRITON:
             print("mlaprefill bench: Triton is not installed; using the attention backend 'auto' "
-                  "instead of the scenario's 'triton'.", file=sys.stderr)
+                  "instead of the scenario's 'hybrid'.", file=sys.stderr)
             values["backend"] = "auto"
     if values.get("request_rate") is None:
         values["request_rate"] = math.inf

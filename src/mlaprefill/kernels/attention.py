@@ -47,10 +47,13 @@ from mlaprefill.kernels._triton import HAS_TRITON, tl, triton
 
 __all__ = [
     "DEFAULT_ATTENTION_CONFIG",
+    "MAX_DENSE_BLOCKS",
     "MAX_HEAD_DIM",
     "MIN_QK_HEAD_DIM",
+    "WIDE_ATTENTION_CONFIG",
     "AttentionConfig",
     "attention_configs",
+    "default_config",
     "num_compiled_kernels",
     "varlen_attention",
 ]
@@ -60,6 +63,8 @@ MAX_HEAD_DIM = 256
 #: Smallest ``qk_head_dim``: the first QK dot spans a power of two >= 16 (the MMA K minimum).
 MIN_QK_HEAD_DIM = 16
 _LOG2E = 1.4426950408889634
+#: Most rectangles a call can leave to another kernel (``dense=``): scalar kernel arguments.
+MAX_DENSE_BLOCKS = 4
 _MAX_GRID_YZ = 65535  # CUDA grid limit of axes 1 and 2
 
 
@@ -82,7 +87,7 @@ class AttentionConfig:
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -98,25 +103,37 @@ class AttentionConfig:
                              f"got {self.num_stages!r}")
 
 
-#: Hopper default for qk 192 / v 128: at 8 warps a 128 x 64 score tile is 32 fp32 registers per
-#: thread, P 16 and the 128 x 128 output accumulator 64, well clear of spills (128 x 128 scores
-#: double the first two), and three stages of K/V (24 + 16 KiB each) fit the 227 KiB of shared
-#: memory. Unmeasured: sweep :func:`attention_configs` on the GPU.
-DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+#: Hopper default for qk 192 / v 128 (causal calls, and calls with <= 128 queries per sequence):
+#: at 8 warps a 128 x 64 score tile is 32 fp32 registers per thread, P 16 and the 128 x 128
+#: output accumulator 64, clear of spills, and four stages of K/V (24 + 16 KiB each) fit the 227
+#: KiB of shared memory. Measured on the H200 (benchmarks/results/triton_attention_h200.json):
+#: 375 TFLOP/s causal 4k x 4k at 128 heads; 128 x 128 tiles with 3 stages do not fit.
+DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=4)
+#: Non-causal calls with more than 128 queries per sequence (long context chunks): 256 query
+#: rows over 16 warps read each K/V tile for twice the rows; 455-464 TFLOP/s against 430-440
+#: for the 128-row default in the same H200 run (4k queries x 16k-64k keys, 128 heads).
+WIDE_ATTENTION_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=2)
+
+
+def default_config(*, causal: bool, max_seqlen_q: int) -> AttentionConfig:
+    """The config :func:`varlen_attention` uses when given none (a pure function of the two
+    host values, so one call shape always gets the same compiled kernel)."""
+    if not causal and max_seqlen_q > 128:
+        return WIDE_ATTENTION_CONFIG
+    return DEFAULT_ATTENTION_CONFIG
+
 
 # Named presets for a sweep on the GPU (a tuple, so no module-level mutable state).
 _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
-    ("m128_n64_w8_s3", DEFAULT_ATTENTION_CONFIG),
+    ("m128_n64_w8_s4", DEFAULT_ATTENTION_CONFIG),
+    ("m256_n64_w16_s2", WIDE_ATTENTION_CONFIG),
+    ("m128_n64_w8_s3", AttentionConfig(128, 64, 8, 3)),
     ("m128_n64_w8_s2", AttentionConfig(128, 64, 8, 2)),
     ("m128_n128_w8_s2", AttentionConfig(128, 128, 8, 2)),
-    ("m128_n128_w8_s3", AttentionConfig(128, 128, 8, 3)),
-    ("m128_n64_w8_s4", AttentionConfig(128, 64, 8, 4)),
-    ("m256_n64_w8_s2", AttentionConfig(256, 64, 8, 2)),
-    ("m256_n64_w16_s2", AttentionConfig(256, 64, 16, 2)),
     ("m128_n32_w8_s4", AttentionConfig(128, 32, 8, 4)),
+    ("m256_n64_w8_s2", AttentionConfig(256, 64, 8, 2)),
     ("m128_n64_w4_s3", AttentionConfig(128, 64, 4, 3)),
     ("m64_n64_w4_s3", AttentionConfig(64, 64, 4, 3)),
-    ("m64_n128_w4_s2", AttentionConfig(64, 128, 4, 2)),
 )
 
 
@@ -201,7 +218,8 @@ if HAS_TRITON:
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["dseq0", "dq0", "dk0", "dseq1", "dq1", "dk1",
+                                   "dseq2", "dq2", "dk2", "dseq3", "dq3", "dk3"])
     def _varlen_attention_kernel(
         q_ptr,                  # [Tq, H, D1 + D2], last dim contiguous
         k_ptr,                  # [Tk, H, D1 + D2], last dim contiguous
@@ -211,6 +229,10 @@ if HAS_TRITON:
         cu_seqlens_q_ptr,       # int32 [num_seqs + 1]
         cu_seqlens_k_ptr,       # int32 [num_seqs + 1]
         qk_scale,               # softmax_scale * log2(e), > 0
+        # Up to 4 rectangles left to another kernel: sequence dseqJ's query rows [0, dqJ) skip
+        # keys [0, dkJ) (dqJ a multiple of BLOCK_M, dkJ of BLOCK_N; dseqJ = -1: unused). Scalars,
+        # not specialized on their values, so changing rectangles never recompiles.
+        dseq0, dq0, dk0, dseq1, dq1, dk1, dseq2, dq2, dk2, dseq3, dq3, dk3,
         stride_qt, stride_qh,
         stride_kt, stride_kh,
         stride_vt, stride_vh,
@@ -274,12 +296,18 @@ if HAS_TRITON:
         else:
             kv_end = seqlen_k
             free_end = (seqlen_k // BLOCK_N) * BLOCK_N
+        # Keys [0, k_lo) of this block were left to another kernel (a dense rectangle).
+        m_end = m0 + BLOCK_M
+        k_lo = tl.where((seq == dseq0) & (m_end <= dq0), dk0, 0)
+        k_lo = tl.where((seq == dseq1) & (m_end <= dq1), dk1, k_lo)
+        k_lo = tl.where((seq == dseq2) & (m_end <= dq2), dk2, k_lo)
+        k_lo = tl.where((seq == dseq3) & (m_end <= dq3), dk3, k_lo)
         acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
-                                   offs_m, seqlen_k, qk_scale, 0, free_end,
+                                   offs_m, seqlen_k, qk_scale, k_lo, free_end,
                                    False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
         acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
-                                   offs_m, seqlen_k, qk_scale, free_end, kv_end,
-                                   True, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
+                                   offs_m, seqlen_k, qk_scale, tl.maximum(free_end, k_lo),
+                                   kv_end, True, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
 
         # Finish. A row with keys always has l >= 1 for finite inputs (its max term is 1); l == 0
         # (all scores -inf) or an LSE of +inf only come from non-finite inputs: report NaN, like
@@ -289,7 +317,7 @@ if HAS_TRITON:
         o = acc * (1.0 / l_i)[:, None]
         o = tl.where(bad[:, None], float("nan"), o)
         lse = tl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # log2 -> natural log
-        no_keys = seqlen_k == 0
+        no_keys = k_lo >= kv_end  # no key of this block was left to this kernel
         o = tl.where(no_keys, 0.0, o)
         lse = tl.where(no_keys, float("-inf"), lse)
 
@@ -318,6 +346,23 @@ def num_compiled_kernels() -> int | None:
     if isinstance(cache, dict):
         return sum(len(c) for c in cache.values())
     return None
+
+
+def _dense_args(dense: tuple[tuple[int, int, int], ...], cfg: AttentionConfig,
+                num_seqs: int) -> list[int]:
+    """The kernel's 12 rectangle scalars (unused slots: sequence -1), after host checks."""
+    if len(dense) > MAX_DENSE_BLOCKS:
+        raise ValueError(f"dense holds {len(dense)} rectangles; at most {MAX_DENSE_BLOCKS}")
+    args: list[int] = []
+    for seq, q_rows, k_rows in dense:
+        if not 0 <= seq < num_seqs:
+            raise ValueError(f"dense rectangle sequence {seq} is outside [0, {num_seqs})")
+        if q_rows <= 0 or q_rows % cfg.block_m or k_rows <= 0 or k_rows % cfg.block_n:
+            raise ValueError(f"dense rectangle ({seq}, {q_rows}, {k_rows}): q_rows must be a "
+                             f"positive multiple of block_m={cfg.block_m} and k_rows of "
+                             f"block_n={cfg.block_n}")
+        args += [int(seq), int(q_rows), int(k_rows)]
+    return args + [-1, 0, 0] * (MAX_DENSE_BLOCKS - len(dense))
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -367,6 +412,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                      max_seqlen_q: int, causal: bool, softmax_scale: float,
                      config: AttentionConfig | None = None,
+                     dense: tuple[tuple[int, int, int], ...] = (),
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed varlen batch, with LSE (one Triton launch).
 
@@ -387,7 +433,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         Query ``i`` of a sequence attends keys ``0..i`` (top-left; equal lengths per sequence).
     softmax_scale : float, > 0
     config : AttentionConfig, optional
-        Tiles and launch options; default :data:`DEFAULT_ATTENTION_CONFIG` (Hopper).
+        Tiles and launch options; default :func:`default_config` (Hopper).
+    dense : tuple of ``(seq, q_rows, k_rows)``, at most :data:`MAX_DENSE_BLOCKS`
+        Rectangles computed by another kernel: query rows ``[0, q_rows)`` of sequence ``seq``
+        skip keys ``[0, k_rows)`` here (``q_rows`` a multiple of the config's ``block_m``,
+        ``k_rows`` of its ``block_n``, both within the sequence: host ints, checked against
+        nothing on the device). Those rows' results cover the other keys only (``lse = -inf``,
+        ``out = 0`` when there are none) and are merged with the rectangle's by the caller.
 
     Returns
     -------
@@ -401,7 +453,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not HAS_TRITON:
         raise RuntimeError("varlen_attention needs Triton: pip install triton")
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale)
-    cfg = DEFAULT_ATTENTION_CONFIG if config is None else config
+    cfg = default_config(causal=causal, max_seqlen_q=max_seqlen_q) if config is None else config
+    dense_args = _dense_args(dense, cfg, cu_seqlens_q.shape[0] - 1)
     num_tokens_q, num_heads, qk_dim = q.shape
     v_dim = v.shape[2]
     out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
@@ -420,7 +473,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-        softmax_scale * _LOG2E,
+        softmax_scale * _LOG2E, *dense_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
