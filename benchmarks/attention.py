@@ -378,6 +378,8 @@ IDEAL_SHAPES = [
     (128, 4, 1024, 32768), (128, 16, 256, 8192),
     (16, 1, 4096, 4096), (16, 1, 4096, 131072), (16, 4, 1024, 32768),
     (16, 16, 256, 8192), (16, 16, 256, 131072),
+    # lengths off the hybrid backend's grid (no batched cuDNN call): the Triton fallback
+    (128, 4, 1000, 30000), (16, 16, 250, 8000),
 ]
 IDEAL_WORKSPACE = 65536  # vLLM's default chunked-context workspace
 

@@ -228,19 +228,24 @@ def test_plan_upload_forward_never_syncs(backend):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_hybrid_rectangles_on_cudnn_match_reference(causal):
+@pytest.mark.parametrize("lens", ["mixed", "batched"])
+def test_hybrid_rectangles_on_cudnn_match_reference(causal, lens):
     """With a threshold of 1 every sequence of >= 256 queries gets a cuDNN rectangle: the
     composition (Triton skips it, cuDNN computes it, LSE merge) against the float64 math
     backend, a NaN in one rectangle staying in its sequence, and warm-up then no new builds."""
     from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
 
-    q_lens = [300, 5, 520, 1000]
-    k_lens = q_lens if causal else [700, 0, 1100, 4100]
+    if lens == "mixed":  # one rectangle per long sequence (off the grid)
+        q_lens, k_lens, num_rects, nan_seq = [300, 5, 520, 1000], [700, 0, 1100, 4100], 3, 2
+    else:  # on-grid equal neighbours: one batched cuDNN call of 3, then one of 1
+        q_lens, k_lens, num_rects, nan_seq = [256, 256, 256, 1, 512], [4096] * 3 + [7, 4096], 2, 1
+    k_lens = q_lens if causal else k_lens
     heads, qk = 8, NOPE + ROPE
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
-    assert len(dense_rectangles(cu_q.tolist(), cu_k.tolist(), num_heads=heads, causal=causal,
-                                big_work=1)) == 3
+    rects = dense_rectangles(cu_q.tolist(), cu_k.tolist(), num_heads=heads, causal=causal,
+                             big_work=1)
+    assert len(rects) == num_rects, rects
     g = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(sum(q_lens), heads, qk, device="cuda", generator=g).bfloat16()
     k = torch.randn(sum(k_lens), heads, qk, device="cuda", generator=g).bfloat16()
@@ -256,21 +261,43 @@ def test_hybrid_rectangles_on_cudnn_match_reference(causal):
     assert (out.double() - ref_o).norm() / ref_o.norm() <= 1e-2
     assert (lse.double()[finite] - ref_l[finite]).abs().max() <= 1e-2
     k1 = k.clone()
-    k1[int(cu_k[2]) + 7, 3, 5] = float("nan")  # inside sequence 2's rectangle
+    k1[int(cu_k[nan_seq]) + 7, 3, 5] = float("nan")  # inside that sequence's rectangle
     out1, lse1 = be.attend(q, k1, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
-    r2 = slice(int(cu_q[2]), int(cu_q[3]))
+    r2 = slice(int(cu_q[nan_seq]), int(cu_q[nan_seq + 1]))
     assert torch.isnan(lse1[r2, 3][7:]).all()
     others = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
     others[r2] = False
     assert torch.equal(out1[others], out[others]) and torch.equal(lse1[others], lse[others])
     # Warm-up of shapes not seen yet (4 heads) builds them; the real call then builds nothing.
     q4, k4, v4 = (x[:, :4].contiguous() for x in (q, k, v))
-    lengths = [(n, m, causal) for n, m in zip(q_lens, k_lens, strict=True)]
-    assert be.warmup(lengths, num_heads=4, qk_head_dim=qk, v_head_dim=V) >= 3
+    assert be.warmup([(q_lens, k_lens, causal)], num_heads=4, qk_head_dim=qk,
+                     v_head_dim=V) >= 1
     before = be.builds()
     be.attend(q4, k4, v4, seqs, causal=causal, softmax_scale=qk ** -0.5)
     torch.cuda.synchronize()
     assert be.builds() == before
+
+
+@pytest.mark.parametrize("policy", ["equal", "balanced"])
+def test_hybrid_forward_with_rectangles_matches_reference(policy):
+    """The whole chunked forward with the hybrid backend where every piece of >= 256 queries
+    takes the cuDNN path (threshold 1): gather + up-projection + rectangles + merges against
+    the float64 reference (output and LSE)."""
+    from mlaprefill.backends.hybrid import HybridBackend
+
+    query_lens, context_lens = [256, 300, 256, 1], [1024, 700, 1024, 64]
+    x = _inputs(query_lens, context_lens, heads=16)
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V, backend="hybrid")
+    op._backend = HybridBackend(big_work=1)  # the default threshold skips shapes this small
+    plan = ChunkPlanner(2048, PAGE, policy=policy).plan(
+        PrefillBatch(query_lens, context_lens, page_size=PAGE))
+    out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                          StagingRing("cuda").upload(plan), return_lse=True)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+        context_lens, x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V)
+    assert (out.double().cpu() - ref_out).norm() / ref_out.norm() <= 1e-2
+    assert (lse.double().cpu() - ref_lse).abs().max() <= 1e-2
 
 
 def test_triton_compiles_once_per_config_not_per_length():

@@ -30,12 +30,12 @@ NAN, NEG_INF = float("nan"), float("-inf")
 
 # -- merge rules -----------------------------------------------------------------------------
 def _merge_case(dtype=torch.float32):
-    """Rows of [T=8, H=2, V=4]: each row t is one rule (head 0 the case, head 1 finite)."""
+    """Rows of [T=9, H=2, V=4]: each row t is one rule (head 0 the case, head 1 finite)."""
     g = torch.Generator().manual_seed(0)
-    o1 = torch.randn(8, 2, 4, generator=g).to(dtype)
-    o2 = torch.randn(8, 2, 4, generator=g).to(dtype)
-    l1 = torch.randn(8, 2, generator=g)
-    l2 = torch.randn(8, 2, generator=g)
+    o1 = torch.randn(9, 2, 4, generator=g).to(dtype)
+    o2 = torch.randn(9, 2, 4, generator=g).to(dtype)
+    l1 = torch.randn(9, 2, generator=g)
+    l2 = torch.randn(9, 2, generator=g)
     l2[0, 0] = NAN                            # 0: NaN partial LSE
     l1[1, 0] = NAN                            # 1: NaN running LSE
     o2[2, 0, 1] = NAN                         # 2: NaN in a contributing partial output
@@ -47,6 +47,7 @@ def _merge_case(dtype=torch.float32):
     o1[6, 0], o2[6, 0] = NAN, NAN
     q_nan = torch.full((2,), NAN)             # 7: NaN in both LSEs
     l1[7], l2[7] = q_nan, q_nan
+    l2[8, 0] = float("inf")                   # 8: a kernel's "+inf" LSE (sum 0 or NaN): NaN
     return o1, l1, o2, l2
 
 
@@ -59,6 +60,8 @@ def _check_merge_rules(out, lse, o1, l1):
     assert torch.equal(out[5, 0], o1[5, 0]) and lse[5, 0] == l1[5, 0]
     assert (out[6, 0] == 0).all() and lse[6, 0] == NEG_INF
     assert torch.isnan(out[7]).all() and torch.isnan(lse[7]).all()
+    assert torch.isnan(out[8, 0]).all() and torch.isnan(lse[8, 0])  # the hybrid backend relies
+    assert torch.isfinite(out[8, 1]).all() and torch.isfinite(lse[8, 1])  # on this rule
     assert torch.isfinite(out[:, 1][:7]).all() and torch.isfinite(lse[:7, 1]).all()
     assert not torch.isnan(out[5:7]).any()  # "no keys" never becomes NaN
 

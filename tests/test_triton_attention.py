@@ -169,15 +169,22 @@ _SCRIPT = textwrap.dedent("""
         from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
 
         be = HybridBackend(big_work=1)
-        for causal in (False, True):
-            q_lens = [300, 5, 520]
-            k_lens = q_lens if causal else [700, 0, 1100]
+        cases = [
+            # off-grid lengths: one rectangle per sequence (520 -> 512 queries, 1100 -> 1024
+            # keys; 300 -> 256, 700 -> 640; 5 -> none)
+            ([300, 5, 520], [700, 0, 1100], [(2, 3, 512, 1024), (0, 1, 256, 640)]),
+            ([300, 5, 520], None, [(2, 3, 512, 512), (0, 1, 256, 256)]),
+            # on-grid equal neighbours batch into one call; the odd one out is alone
+            ([256, 256, 256, 300], [384, 384, 384, 384], [(0, 3, 256, 384), (3, 4, 256, 384)]),
+            ([256, 256, 1], None, [(0, 2, 256, 256)]),
+        ]
+        for q_lens, k_lens, expect in cases:
+            causal = k_lens is None
+            k_lens = q_lens if causal else k_lens
             cq, ck = cu(q_lens), cu(k_lens)
             rects = dense_rectangles(cq.tolist(), ck.tolist(), num_heads=2, causal=causal,
                                      big_work=1)
-            # 520 -> 512 queries, 1100 -> 1024 keys; 300 -> 256, 700 -> 640; 5 -> none
-            assert rects == ([(2, 512, 512), (0, 256, 256)] if causal
-                             else [(2, 512, 1024), (0, 256, 640)]), rects
+            assert [r.kernel_args for r in rects] == expect, (rects, expect)
             q, k, v = inputs(q_lens, k_lens, 2, 24, 16, torch.float32)
             seqs = VarlenSeqs(cq, ck, max(q_lens), max(k_lens), cu_seqlens_q_host=cq.tolist(),
                               cu_seqlens_k_host=ck.tolist())
@@ -185,14 +192,14 @@ _SCRIPT = textwrap.dedent("""
             ref_out, ref_lse = reference(q, k, v, q_lens, k_lens, causal, 0.3)
             fin = torch.isfinite(ref_lse)
             assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-            assert (out.double() - ref_out).abs().max() < 1e-5, (out.double() - ref_out).abs().max()
+            err = (out.double() - ref_out).abs().max()
+            assert err < 1e-5, (q_lens, k_lens, err)
             assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-5
             # A NaN key inside sequence 0's rectangle: sequence 0 NaN, the others bitwise equal.
             k1 = k.clone()
-            k1[ck[0] + 3, 1, 2] = float("nan")
+            k1[3, 1, 2] = float("nan")
             out1, lse1 = be.attend(q, k1, v, seqs, causal=causal, softmax_scale=0.3)
-            rows0 = slice(0, q_lens[0])
-            assert torch.isnan(lse1[rows0, 1][3 if causal else 0:]).all()
+            assert torch.isnan(lse1[:q_lens[0], 1][3 if causal else 0:]).all()
             rest = slice(q_lens[0], None)
             assert torch.equal(out1[rest], out[rest]) and torch.equal(lse1[rest], lse[rest])
 
@@ -270,11 +277,13 @@ def test_launcher_validates_inputs():
     with pytest.raises(ValueError, match="power of two"):
         AttentionConfig(block_m=48)
     with pytest.raises(ValueError, match="multiple of block_m"):
-        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 100, 64),))
-    with pytest.raises(ValueError, match="outside"):
-        varlen_attention(q, k, v, cu, cu, **kw, dense=((1, 128, 64),))
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 1, 100, 64),))
+    with pytest.raises(ValueError, match="range inside"):
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((1, 2, 128, 64),))
+    with pytest.raises(ValueError, match="range inside"):
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 0, 128, 64),))
     with pytest.raises(ValueError, match="at most"):
-        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 128, 64),) * 5)
+        varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 1, 128, 64),) * 5)
     configs = attention_configs()
     assert next(iter(configs.values())) == AttentionConfig()
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in configs.values())

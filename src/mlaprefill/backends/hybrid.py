@@ -30,25 +30,27 @@ Never synchronizes: every decision is made from host ints.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from mlaprefill.backends.base import VarlenSeqs, flag_inf_lse_as_nan
+from mlaprefill.backends.base import VarlenSeqs
 from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
 
-__all__ = ["BIG_WORK", "HybridBackend", "bucket_floor", "dense_rectangles"]
+__all__ = ["BIG_WORK", "HybridBackend", "Rectangle", "bucket_floor", "dense_rectangles"]
 
-#: A rectangle goes to cuDNN when ``Qf * Kf * heads`` reaches this (2^30: about 1.1 ms of cuDNN
-#: at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per cuDNN launch).
-BIG_WORK = 1 << 30
+#: A rectangle goes to cuDNN when ``batch * Qf * Kf * heads`` reaches this (2^28: about 0.3 ms
+#: of cuDNN at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per launch).
+BIG_WORK = 1 << 28
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
 
-# (q, k, v, q0, k0, q_rows, k_rows, causal, scale) -> (out [q_rows, H, Dv], lse [q_rows, H])
+# (q, k, v, rect, causal, scale) -> (out [B*Qf, H, Dv], lse [B*Qf, H])
 DenseFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -65,62 +67,106 @@ def bucket_floor(n: int, *, per_octave: int, align: int) -> int:
     return n // step * step
 
 
+@dataclass(frozen=True, slots=True)
+class Rectangle:
+    """Queries ``[0, q_rows)`` x keys ``[0, k_rows)`` of each sequence in ``[seq_lo, seq_hi)``,
+    left to cuDNN (host ints).
+
+    A rectangle of several sequences (a batched cuDNN call) only groups consecutive sequences
+    whose lengths are equal and on the grid (``q_rows``, ``k_rows`` exactly), so its rows are
+    contiguous and every stride of the call is a function of the grid shape: the graph count
+    stays bounded.
+    """
+
+    seq_lo: int
+    seq_hi: int
+    q_rows: int
+    k_rows: int
+    q_start: int   # first query row of sequence seq_lo in the packed q
+    k_start: int   # its first key row in the packed k / v
+    work: int      # batch * q_rows * k_rows * heads (halved when causal)
+
+    @property
+    def batch(self) -> int:
+        return self.seq_hi - self.seq_lo
+
+    @property
+    def kernel_args(self) -> tuple[int, int, int, int]:
+        """``(seq_lo, seq_hi, q_rows, k_rows)``: the ``dense=`` entry of ``varlen_attention``."""
+        return (self.seq_lo, self.seq_hi, self.q_rows, self.k_rows)
+
+
 def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int, causal: bool,
-                     big_work: int = BIG_WORK) -> list[tuple[int, int, int]]:
-    """``(seq, Qf, Kf)`` of the rectangles worth a cuDNN call, largest first, at most
-    ``MAX_DENSE_BLOCKS`` (host ints in, host ints out; see the module docstring)."""
+                     big_work: int = BIG_WORK) -> list[Rectangle]:
+    """The rectangles worth a cuDNN call, largest first, at most ``MAX_DENSE_BLOCKS`` (host ints
+    in, host ints out; see the module docstring)."""
     cq, ck = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    num_seqs = len(cq) - 1
     found = []
-    for s in range(len(cq) - 1):
+    s = 0
+    while s < num_seqs:
         nq, nk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
         qf = bucket_floor(nq, per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
         kf = qf if causal else bucket_floor(nk, per_octave=K_PER_OCTAVE, align=K_ALIGN)
-        if causal and nk != nq:
-            continue  # causal is defined for equal lengths only; leave it to the kernel
-        work = qf * kf * num_heads // (2 if causal else 1)
-        if qf and kf and work >= big_work:
-            found.append((work, s, qf, kf))
-    found.sort(key=lambda t: -t[0])
-    return [(s, qf, kf) for _, s, qf, kf in found[:MAX_DENSE_BLOCKS]]
+        end = s + 1
+        if not qf or not kf or (causal and nk != nq):
+            s = end  # causal is defined for equal lengths only: left to the Triton kernel
+            continue
+        if (nq, nk) == (qf, kf):  # on the grid: batch the run of equal sequences after it
+            while end < num_seqs and (cq[end + 1] - cq[end], ck[end + 1] - ck[end]) == (nq, nk):
+                end += 1
+        work = (end - s) * qf * kf * num_heads // (2 if causal else 1)
+        if work >= big_work:
+            found.append(Rectangle(s, end, qf, kf, cq[s], ck[s], work))
+        s = end
+    found.sort(key=lambda r: -r.work)
+    return found[:MAX_DENSE_BLOCKS]
 
 
-def _rows_view(x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    """``[1, H, rows, D]`` view of rows ``start:start+rows`` of a ``[T, H, D]`` tensor, its
-    (size-1) batch stride fixed by the shape alone, so equal shapes give equal cuDNN graph keys."""
+def _batch_view(x: torch.Tensor, start: int, batch: int, rows: int) -> torch.Tensor:
+    """``[batch, H, rows, D]`` view of ``batch`` consecutive runs of ``rows`` rows of a
+    ``[T, H, D]`` tensor from row ``start``. Every stride is a function of the shape (the batch
+    stride of a single run too), so equal shapes give equal cuDNN graph keys."""
     _, h, d = x.shape
-    return x.as_strided((1, h, rows, d), (rows * x.stride(0), x.stride(1), x.stride(0), 1),
+    return x.as_strided((batch, h, rows, d), (rows * x.stride(0), x.stride(1), x.stride(0), 1),
                         x.storage_offset() + start * x.stride(0))
 
 
-def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int,
-                q_rows: int, k_rows: int, causal: bool, scale: float,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN SDPA of queries ``q0:q0+q_rows`` over keys ``k0:k0+k_rows`` (views, no copies).
+def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,
+                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (batched) cuDNN SDPA call for ``rect`` on views of q, k, v (no copies in).
 
-    Returns out ``[q_rows, H, Dv]`` and lse float32 ``[q_rows, H]`` (natural log), both views.
+    Returns out ``[batch * q_rows, H, Dv]`` and lse float32 ``[batch * q_rows, H]`` (natural
+    log), for the query rows ``q_start : q_start + batch * q_rows`` (views where the layouts
+    allow; torch allocates cuDNN's output in the query's layout).
     """
+    b, qr, kr = rect.batch, rect.q_rows, rect.k_rows
+    h = q.shape[1]
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _rows_view(q, q0, q_rows), _rows_view(k, k0, k_rows), _rows_view(v, k0, k_rows), None,
-        True, 0.0, causal, False, scale=scale)
-    out = res[0][0].transpose(0, 1)                        # [q_rows, H, Dv]
-    lse = res[1].reshape(q.shape[1], q_rows).t()           # [q_rows, H]
+        _batch_view(q, rect.q_start, b, qr), _batch_view(k, rect.k_start, b, kr),
+        _batch_view(v, rect.k_start, b, kr), None, True, 0.0, causal, False, scale=scale)
+    out = res[0].transpose(1, 2).reshape(b * qr, h, v.shape[2])        # [B*Qf, H, Dv]
+    lse = res[1].reshape(b, h, qr).transpose(1, 2).reshape(b * qr, h)   # [B*Qf, H]
     return out, lse
 
 
-def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int,
-                q_rows: int, k_rows: int, causal: bool, scale: float,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,
+                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rectangle in float32/float64 torch (CPU runs and tests of the composition)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qq, kk = q[q0:q0 + q_rows].to(acc), k[k0:k0 + k_rows].to(acc)
-    s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(q_rows, k_rows, dtype=torch.bool,
-                                     device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                       # [H, q_rows]
-    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]),
-                       v[k0:k0 + k_rows].to(acc))
-    return out.to(q.dtype), lse.t().to(torch.float32)
+    qr, kr = rect.q_rows, rect.k_rows
+    outs, lses = [], []
+    for i in range(rect.batch):
+        q0, k0 = rect.q_start + i * qr, rect.k_start + i * kr
+        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + qr].to(acc), k[k0:k0 + kr].to(acc)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(qr, kr, dtype=torch.bool, device=q.device).triu(1),
+                              float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                   # [H, Qf]
+        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]),
+                                 v[k0:k0 + kr].to(acc)))
+        lses.append(lse.t())
+    return torch.cat(outs).to(q.dtype), torch.cat(lses).to(torch.float32)
 
 
 class HybridBackend(TritonBackend):
@@ -169,36 +215,42 @@ class HybridBackend(TritonBackend):
                                  big_work=self.big_work)
         out, lse = varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                     max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                                    softmax_scale=softmax_scale, dense=tuple(rects))
+                                    softmax_scale=softmax_scale,
+                                    dense=tuple(r.kernel_args for r in rects))
         dense = self._dense_fn(q.device)
-        for s, qf, kf in rects:
-            q0, k0 = int(cq[s]), int(ck[s])
-            self._graph_keys.add((q.shape[1], qf, kf, q.shape[2], v.shape[2], causal, q.dtype))
-            d_out, d_lse = dense(q, k, v, q0, k0, qf, kf, causal, softmax_scale)
-            flag_inf_lse_as_nan(d_out, d_lse)  # a NaN row never reads as "all the mass"
-            merge_attention_states(out[q0:q0 + qf], lse[q0:q0 + qf], d_out, d_lse)
+        for r in rects:
+            self._graph_keys.add((r.batch, q.shape[1], r.q_rows, r.k_rows, q.shape[2],
+                                  v.shape[2], causal, q.dtype))
+            d_out, d_lse = dense(q, k, v, r, causal, softmax_scale)
+            # No flag_inf_lse_as_nan pass: the merge already turns a part's +inf LSE into NaN
+            # (exp(inf - inf)), so a NaN row never reads as "all the mass".
+            rows = slice(r.q_start, r.q_start + r.batch * r.q_rows)
+            merge_attention_states(out[rows], lse[rows], d_out, d_lse)
         return out, lse
 
-    def warmup(self, lengths: Iterable[tuple[int, int, bool]], *, num_heads: int,
-               qk_head_dim: int, v_head_dim: int, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cuda") -> int:
-        """Build the cuDNN graphs (and Triton kernels) that sequences of these ``(q_len, k_len,
-        causal)`` lengths will use, before serving. Returns the number of builds it caused.
+    def warmup(self, calls: Iterable[tuple[Sequence[int], Sequence[int], bool]], *,
+               num_heads: int, qk_head_dim: int, v_head_dim: int,
+               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda") -> int:
+        """Build the cuDNN graphs (and Triton kernels) of calls with these per-sequence lengths,
+        ``(q_lens, k_lens, causal)`` each, before serving. Returns the builds it caused.
 
-        Synchronizes (it runs each shape once on zero tensors); call it at start-up.
+        Rectangles depend on the lengths only (and on neighbours with equal on-grid lengths,
+        which batch), so a call with the same lengths later builds nothing. Synchronizes (it runs
+        each call once on zero tensors): call it at start-up.
         """
         device = torch.device(device)
         before = self.builds() or 0
-        for q_len, k_len, causal in lengths:
-            q = torch.zeros(q_len, num_heads, qk_head_dim, dtype=dtype, device=device)
-            k = torch.zeros(k_len, num_heads, qk_head_dim, dtype=dtype, device=device)
-            v = torch.zeros(k_len, num_heads, v_head_dim, dtype=dtype, device=device)
-            cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-            cu_k = torch.tensor([0, k_len], dtype=torch.int32, device=device)
-            self.attend(q, k, v, VarlenSeqs(cu_q, cu_k, q_len, k_len,
-                                            cu_seqlens_q_host=[0, q_len],
-                                            cu_seqlens_k_host=[0, k_len]),
-                        causal=causal, softmax_scale=1.0)
+        for q_lens, k_lens, causal in calls:
+            cq = [0, *itertools.accumulate(int(n) for n in q_lens)]
+            ck = [0, *itertools.accumulate(int(n) for n in k_lens)]
+            q = torch.zeros(cq[-1], num_heads, qk_head_dim, dtype=dtype, device=device)
+            k = torch.zeros(ck[-1], num_heads, qk_head_dim, dtype=dtype, device=device)
+            v = torch.zeros(ck[-1], num_heads, v_head_dim, dtype=dtype, device=device)
+            seqs = VarlenSeqs(torch.tensor(cq, dtype=torch.int32, device=device),
+                              torch.tensor(ck, dtype=torch.int32, device=device),
+                              max(q_lens, default=0), max(k_lens, default=0),
+                              cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
+            self.attend(q, k, v, seqs, causal=causal, softmax_scale=1.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (self.builds() or 0) - before

@@ -218,8 +218,8 @@ if HAS_TRITON:
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.jit(do_not_specialize=["dseq0", "dq0", "dk0", "dseq1", "dq1", "dk1",
-                                   "dseq2", "dq2", "dk2", "dseq3", "dq3", "dk3"])
+    @triton.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
+                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3"])
     def _varlen_attention_kernel(
         q_ptr,                  # [Tq, H, D1 + D2], last dim contiguous
         k_ptr,                  # [Tk, H, D1 + D2], last dim contiguous
@@ -229,10 +229,11 @@ if HAS_TRITON:
         cu_seqlens_q_ptr,       # int32 [num_seqs + 1]
         cu_seqlens_k_ptr,       # int32 [num_seqs + 1]
         qk_scale,               # softmax_scale * log2(e), > 0
-        # Up to 4 rectangles left to another kernel: sequence dseqJ's query rows [0, dqJ) skip
-        # keys [0, dkJ) (dqJ a multiple of BLOCK_M, dkJ of BLOCK_N; dseqJ = -1: unused). Scalars,
-        # not specialized on their values, so changing rectangles never recompiles.
-        dseq0, dq0, dk0, dseq1, dq1, dk1, dseq2, dq2, dk2, dseq3, dq3, dk3,
+        # Up to 4 rectangles left to another kernel: for every sequence in [dloJ, dhiJ), query
+        # rows [0, dqJ) skip keys [0, dkJ) (dqJ a multiple of BLOCK_M, dkJ of BLOCK_N; an empty
+        # range: unused). Scalars, not specialized on their values: new rectangles never
+        # recompile.
+        dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
         stride_qt, stride_qh,
         stride_kt, stride_kh,
         stride_vt, stride_vh,
@@ -298,10 +299,10 @@ if HAS_TRITON:
             free_end = (seqlen_k // BLOCK_N) * BLOCK_N
         # Keys [0, k_lo) of this block were left to another kernel (a dense rectangle).
         m_end = m0 + BLOCK_M
-        k_lo = tl.where((seq == dseq0) & (m_end <= dq0), dk0, 0)
-        k_lo = tl.where((seq == dseq1) & (m_end <= dq1), dk1, k_lo)
-        k_lo = tl.where((seq == dseq2) & (m_end <= dq2), dk2, k_lo)
-        k_lo = tl.where((seq == dseq3) & (m_end <= dq3), dk3, k_lo)
+        k_lo = tl.where((seq >= dlo0) & (seq < dhi0) & (m_end <= dq0), dk0, 0)
+        k_lo = tl.where((seq >= dlo1) & (seq < dhi1) & (m_end <= dq1), dk1, k_lo)
+        k_lo = tl.where((seq >= dlo2) & (seq < dhi2) & (m_end <= dq2), dk2, k_lo)
+        k_lo = tl.where((seq >= dlo3) & (seq < dhi3) & (m_end <= dq3), dk3, k_lo)
         acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
                                    offs_m, seqlen_k, qk_scale, k_lo, free_end,
                                    False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
@@ -348,21 +349,22 @@ def num_compiled_kernels() -> int | None:
     return None
 
 
-def _dense_args(dense: tuple[tuple[int, int, int], ...], cfg: AttentionConfig,
+def _dense_args(dense: tuple[tuple[int, int, int, int], ...], cfg: AttentionConfig,
                 num_seqs: int) -> list[int]:
-    """The kernel's 12 rectangle scalars (unused slots: sequence -1), after host checks."""
+    """The kernel's 16 rectangle scalars (unused slots: an empty range), after host checks."""
     if len(dense) > MAX_DENSE_BLOCKS:
         raise ValueError(f"dense holds {len(dense)} rectangles; at most {MAX_DENSE_BLOCKS}")
     args: list[int] = []
-    for seq, q_rows, k_rows in dense:
-        if not 0 <= seq < num_seqs:
-            raise ValueError(f"dense rectangle sequence {seq} is outside [0, {num_seqs})")
+    for rect in dense:
+        seq_lo, seq_hi, q_rows, k_rows = rect
+        if not 0 <= seq_lo < seq_hi <= num_seqs:
+            raise ValueError(f"dense rectangle {rect}: sequences [{seq_lo}, {seq_hi}) are not a "
+                             f"non-empty range inside [0, {num_seqs})")
         if q_rows <= 0 or q_rows % cfg.block_m or k_rows <= 0 or k_rows % cfg.block_n:
-            raise ValueError(f"dense rectangle ({seq}, {q_rows}, {k_rows}): q_rows must be a "
-                             f"positive multiple of block_m={cfg.block_m} and k_rows of "
-                             f"block_n={cfg.block_n}")
-        args += [int(seq), int(q_rows), int(k_rows)]
-    return args + [-1, 0, 0] * (MAX_DENSE_BLOCKS - len(dense))
+            raise ValueError(f"dense rectangle {rect}: q_rows must be a positive multiple of "
+                             f"block_m={cfg.block_m} and k_rows of block_n={cfg.block_n}")
+        args += [int(seq_lo), int(seq_hi), int(q_rows), int(k_rows)]
+    return args + [0, 0, 0, 0] * (MAX_DENSE_BLOCKS - len(dense))
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -412,7 +414,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                      max_seqlen_q: int, causal: bool, softmax_scale: float,
                      config: AttentionConfig | None = None,
-                     dense: tuple[tuple[int, int, int], ...] = (),
+                     dense: tuple[tuple[int, int, int, int], ...] = (),
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed varlen batch, with LSE (one Triton launch).
 
@@ -434,12 +436,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softmax_scale : float, > 0
     config : AttentionConfig, optional
         Tiles and launch options; default :func:`default_config` (Hopper).
-    dense : tuple of ``(seq, q_rows, k_rows)``, at most :data:`MAX_DENSE_BLOCKS`
-        Rectangles computed by another kernel: query rows ``[0, q_rows)`` of sequence ``seq``
-        skip keys ``[0, k_rows)`` here (``q_rows`` a multiple of the config's ``block_m``,
-        ``k_rows`` of its ``block_n``, both within the sequence: host ints, checked against
-        nothing on the device). Those rows' results cover the other keys only (``lse = -inf``,
-        ``out = 0`` when there are none) and are merged with the rectangle's by the caller.
+    dense : tuple of ``(seq_lo, seq_hi, q_rows, k_rows)``, at most :data:`MAX_DENSE_BLOCKS`
+        Rectangles computed by another kernel: for each sequence in ``[seq_lo, seq_hi)``, query
+        rows ``[0, q_rows)`` skip keys ``[0, k_rows)`` here (``q_rows`` a multiple of the
+        config's ``block_m``, ``k_rows`` of its ``block_n``, both within each sequence: host
+        ints, checked against nothing on the device). Those rows' results cover the other keys
+        only (``lse = -inf``, ``out = 0`` when there are none); the caller merges the
+        rectangle's in.
 
     Returns
     -------

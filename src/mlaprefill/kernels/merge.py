@@ -12,7 +12,9 @@ computed stably around ``m = max(l1, l2)``. Rules, per (token, head):
 - NaN propagates: a NaN LSE on a side that is not ``-inf`` makes the merged output row and LSE
   NaN, and a NaN in a contributing output stays NaN in the merged output (also where its weight
   underflows to 0: ``0 * NaN``). Emptiness is decided by ``lse == -inf`` only, never by
-  ``weight > 0`` (which is false for NaN and read NaN as "no keys" before).
+  ``weight > 0`` (which is false for NaN and read NaN as "no keys" before);
+- a ``+inf`` LSE (what kernels report for a softmax sum of 0 or NaN) merges to NaN
+  (``exp(inf - inf)``), never to "all the mass".
 
 Math in float32; the running output keeps its dtype.
 
