@@ -26,7 +26,10 @@ def test_cli_writes_json_with_every_metric_and_png(tmp_path, capsys):
     assert "running on the CPU" in out.err
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["ran_on"] == "cpu" and doc["scenario"] == "cpu-tiny"
-    assert doc["warmup_run"] is True and doc["warmup_run_variant"] == "ring+equal"
+    # one warm-up run per (backend, policy) pair, a ring variant where the pair has one
+    assert doc["warmup_run"] is True
+    assert doc["warmup_run_variants"] == ["ring+equal", "ring+packed"]
+    assert set(doc["warmup_kernel_builds"]) == set(doc["warmup_run_variants"])
     for key in ("machine", "command", "date", "config", "model", "attention_backend"):
         assert doc[key], key
     assert isinstance(doc["command"], list) and doc["options"]["prompt_len"] == 48

@@ -68,13 +68,14 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
 
     Repeat ``k`` runs the variants in the order rotated by ``k`` (A B C D, B C D A, ...), so
     slow drift of a shared machine spreads over all variants instead of deciding the ranking.
-    With ``warmup_run``, one variant first runs the whole workload unmeasured, so every step
-    shape has been seen once (attention backends that build a plan or compile per shape would
-    otherwise charge that host time to whichever variant meets the shape first). It is the first
-    ``ring`` variant when there is one: the engine keeps one staging ring per transfer mode, so
-    that run also grows the ring's arenas to the largest plan (the first ring variant of the
-    scenarios, ``ring+equal``, has the largest tables), and no arena is re-allocated in a
-    measured run. Then each variant runs ``warmup_steps`` unmeasured steps.
+    With ``warmup_run``, variants first run the whole workload unmeasured, so every step shape
+    has been seen once (attention backends that build a graph or compile per shape would
+    otherwise charge that host time to whichever variant meets the shape first): one run per
+    (attention backend, planner policy) pair, since each pair meets its own shapes, each
+    capped at half of ``max_seconds``. It is the first ``ring`` variant of the pair when there
+    is one: the engine keeps one staging ring per transfer mode, so that run also grows the
+    ring's arenas to the largest plan, and no arena is re-allocated in a measured run. Then
+    each variant runs ``warmup_steps`` unmeasured steps.
 
     With ``max_seconds``, no new round of repeats starts when it would likely end past that
     budget (every variant keeps the same number of repeats), and the first round gives each
@@ -90,24 +91,24 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         raise ValueError(f"variants repeat: {names}; list each TRANSFER+POLICY once.")
     t_start = time.perf_counter()
     engine = engine if engine is not None else PrefillEngine(config)
-    # One unmeasured warm-up run per attention backend the variants use (each builds its own
-    # graphs / compiles), preferring a ring variant (see above).
-    warm_runs: dict[str, Variant] = {}
+    # One unmeasured warm-up run per (attention backend, planner policy) pair of the variants:
+    # a policy gives its own piece shapes, a backend builds its own graphs / compiles (the
+    # hybrid backend's cuDNN graphs per rectangle shape); prefer a ring variant (see above).
+    warm_runs: dict[tuple[str, str], Variant] = {}
     for v in sorted(variants, key=lambda v: v.transfer != "ring"):
-        warm_runs.setdefault(v.backend or config.backend, v)
+        warm_runs.setdefault((v.backend or config.backend, v.policy), v)
     line = ProgressLine(len(variants) * (repeats + (1 if warmup_steps else 0))
                         + (len(warm_runs) if warmup_run else 0))
     cb: ProgressFn | None = line if progress else None
     warmup_builds: dict[str, int | None] = {}
     if warmup_run:
-        for j, warm in enumerate(warm_runs.values()):
-            # Capped at a quarter of the budget in all: a slow machine still gets measured runs.
-            cap = (None if max_seconds is None
-                   else t_start + max_seconds / 4 * (j + 1) / len(warm_runs))
+        for warm in warm_runs.values():
             if progress:
                 line.start_run(f"warm-up run {warm.name} (all step shapes)")
+            # Each capped at half the budget: a slow machine still gets measured runs.
+            cap = None if max_seconds is None else time.perf_counter() + max_seconds / 2
             res = engine.run(warm, deadline=cap, progress=cb)
-            warmup_builds[engine.backend_name(warm.backend)] = res.kernel_builds
+            warmup_builds[warm.name] = res.kernel_builds
             if progress:
                 line.end_run(res)
     if warmup_steps:
@@ -186,7 +187,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "max_seconds": max_seconds,
         "warmup_steps": warmup_steps,
         "warmup_run": warmup_run,
-        "warmup_run_variant": warm.name if warmup_run else None,
+        "warmup_run_variants": [w.name for w in warm_runs.values()] if warmup_run else [],
         "baseline": names[0],
         "variants": out_variants,
         "first_tokens": {str(k): v for k, v in sorted(reference.items())},
