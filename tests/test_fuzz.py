@@ -441,7 +441,8 @@ def test_fuzz_forward_and_one_call(case):
 
 
 # -- kernels (torch paths) --------------------------------------------------------------------
-LSE_ATOMS = st.one_of(st.floats(-30, 30), st.sampled_from([float("-inf"), float("nan")]))
+LSE_ATOMS = st.one_of(st.floats(-30, 30), st.sampled_from([float("-inf"), float("nan"),
+                                                           float("inf")]))
 
 
 @settings(max_examples=40 * SCALE, **SETTINGS)
@@ -463,7 +464,8 @@ def test_fuzz_merge(l1, l2, nan_out, dtype):
         for h in range(2):
             x1, x2 = float(a1[t, h]), float(a2[t, h])
             e1, e2 = x1 == -math.inf, x2 == -math.inf
-            if math.isnan(x1) or math.isnan(x2):
+            # NaN, or a kernel's +inf ("sum 0 or NaN"), on either side: NaN
+            if math.isnan(x1) or math.isnan(x2) or math.inf in (x1, x2):
                 assert torch.isnan(out[t, h]).all() and math.isnan(float(lse[t, h]))
                 continue
             if e1 and e2:
@@ -482,6 +484,103 @@ def test_fuzz_merge(l1, l2, nan_out, dtype):
             assert torch.allclose(out[t, h].double()[fin], want[fin], atol=1e-5, rtol=1e-5)
             assert abs(float(lse[t, h]) - want_lse) <= 1e-5
     correct("merge_attention_states")
+
+
+# -- attention: the hybrid backend's rectangles (pure host) and the Triton launcher's checks ---
+@settings(max_examples=150 * SCALE, **SETTINGS)
+@given(q_lens=st.lists(st.sampled_from([0, 1, 255, 256, 300, 512, 1000, 4096]), min_size=1,
+                       max_size=9),
+       k_lens=st.lists(st.sampled_from([0, 1, 127, 128, 384, 700, 4096, 65536, 100000]),
+                       min_size=9, max_size=9),
+       causal=st.booleans(), heads=st.sampled_from([1, 16, 128]),
+       big_work=st.sampled_from([1, 2**20, 2**28, 2**34]))
+def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
+    from mlaprefill.backends.hybrid import (
+        K_ALIGN,
+        K_PER_OCTAVE,
+        Q_ALIGN,
+        Q_PER_OCTAVE,
+        bucket_floor,
+        dense_rectangles,
+    )
+    from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS
+
+    k_lens = q_lens if causal else k_lens[:len(q_lens)]
+    cq = [0, *np.cumsum(q_lens).tolist()]
+    ck = [0, *np.cumsum(k_lens).tolist()]
+    rects = dense_rectangles(cq, ck, num_heads=heads, causal=causal, big_work=big_work)
+    assert len(rects) <= MAX_DENSE_BLOCKS
+    assert [r.work for r in rects] == sorted((r.work for r in rects), reverse=True)
+    covered = set()
+    for r in rects:
+        seqs = range(r.seq_lo, r.seq_hi)
+        assert 0 <= r.seq_lo < r.seq_hi <= len(q_lens) and not covered & set(seqs)
+        covered |= set(seqs)
+        assert r.q_rows % Q_ALIGN == 0 and r.k_rows % K_ALIGN == 0 and r.q_rows and r.k_rows
+        assert (r.q_start, r.k_start) == (cq[r.seq_lo], ck[r.seq_lo])
+        assert r.work == r.batch * r.q_rows * r.k_rows * heads // (2 if causal else 1)
+        assert r.work >= big_work
+        for s in seqs:  # inside each sequence; the largest grid values that fit
+            assert q_lens[s] >= r.q_rows and k_lens[s] >= r.k_rows
+            assert r.q_rows == bucket_floor(q_lens[s], per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
+            if causal:
+                assert r.k_rows == r.q_rows and k_lens[s] == q_lens[s]
+            else:
+                assert r.k_rows == bucket_floor(k_lens[s], per_octave=K_PER_OCTAVE,
+                                                align=K_ALIGN)
+        if r.batch > 1:  # a batch: equal, exactly on-grid lengths, so its rows are contiguous
+            assert all((q_lens[s], k_lens[s]) == (r.q_rows, r.k_rows) for s in seqs)
+    correct("dense_rectangles")
+
+
+@settings(max_examples=60 * SCALE, **SETTINGS)
+@given(defect=st.sampled_from(["none", "rank", "heads", "dtype", "mixed_dtype", "stride",
+                               "cu_dtype", "cu_len", "max_q", "scale", "dims", "dense"]),
+       causal=st.booleans())
+def test_fuzz_varlen_attention_inputs(defect, causal):
+    """Bad inputs are clear errors naming the field; valid CPU inputs (no interpreter) are a
+    clear error naming the device, never a Triton traceback."""
+    pytest.importorskip("triton")
+    from mlaprefill.kernels.attention import varlen_attention
+
+    q, k, v = torch.zeros(6, 2, 24), torch.zeros(9, 2, 24), torch.zeros(9, 2, 16)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+    kw = dict(max_seqlen_q=4, causal=causal, softmax_scale=0.2)
+    field = {"rank": "[T, H, D]", "heads": "q [Tq, H, Dqk]", "dtype": "dtype",
+             "mixed_dtype": "dtype", "stride": "contiguous", "cu_dtype": "cu_seqlens_q",
+             "cu_len": "num_seqs", "max_q": "max_seqlen_q", "scale": "softmax_scale",
+             "dims": "qk_head_dim", "dense": "dense", "none": "device"}[defect]
+    if defect == "rank":
+        q = q[0]
+    elif defect == "heads":
+        k, v = torch.zeros(9, 3, 24), torch.zeros(9, 3, 16)
+    elif defect == "dtype":
+        q, k, v = q.long(), k.long(), v.long()
+    elif defect == "mixed_dtype":
+        v = v.half()
+    elif defect == "stride":
+        q = torch.zeros(6, 24, 2).transpose(1, 2)
+    elif defect == "cu_dtype":
+        cu_q = cu_q.long()
+    elif defect == "cu_len":
+        cu_k = cu_k[:2]
+    elif defect == "max_q":
+        kw["max_seqlen_q"] = -1
+    elif defect == "scale":
+        kw["softmax_scale"] = float("nan")
+    elif defect == "dims":
+        q, k = q[..., :8], k[..., :8]
+    elif defect == "dense":
+        kw["dense"] = ((0, 3, 128, 64),)
+    env = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with pytest.raises((ValueError, TypeError)) as info:
+            varlen_attention(q, k, v, cu_q, cu_k, **kw)
+    finally:
+        if env is not None:
+            os.environ["TRITON_INTERPRET"] = env
+    clear_error("varlen_attention", info.value, field)
 
 
 @settings(max_examples=40 * SCALE, **SETTINGS)

@@ -247,6 +247,12 @@ def test_bucket_floor_grid():
     assert bucket_floor(61000, per_octave=16, align=128) == 59392   # step 2048
     assert bucket_floor(4000, per_octave=8, align=256) == 3840      # step 256
     assert bucket_floor(4096, per_octave=8, align=256) == 4096
+    with pytest.raises(ValueError, match="per_octave"):
+        bucket_floor(100, per_octave=12, align=128)
+    with pytest.raises(ValueError, match="align"):
+        bucket_floor(100, per_octave=8, align=0)
+    with pytest.raises(TypeError, match="n must be an int"):
+        bucket_floor(100.0, per_octave=8, align=128)
     for n in range(1, 70000, 997):
         for per_octave, align in ((8, 256), (16, 128)):
             f = bucket_floor(n, per_octave=per_octave, align=align)

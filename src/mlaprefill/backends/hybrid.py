@@ -61,6 +61,13 @@ def bucket_floor(n: int, *, per_octave: int, align: int) -> int:
     So at most ``1 / per_octave`` of ``n`` is left over, and an octave holds at most
     ``per_octave`` grid values.
     """
+    if isinstance(per_octave, bool) or not isinstance(per_octave, int) or per_octave < 1 \
+            or per_octave & (per_octave - 1):
+        raise ValueError(f"per_octave must be a power of two >= 1, got {per_octave!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
     if n < align:
         return 0
     step = max(align, (1 << (n.bit_length() - 1)) // per_octave)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, tl, triton
+from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 __all__ = [
     "DEFAULT_ATTENTION_CONFIG",
@@ -458,6 +458,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale)
     cfg = default_config(causal=causal, max_seqlen_q=max_seqlen_q) if config is None else config
     dense_args = _dense_args(dense, cfg, cu_seqlens_q.shape[0] - 1)
+    if not use_triton(q):
+        raise ValueError(f"varlen_attention runs on CUDA tensors (on CPU only under "
+                         f"TRITON_INTERPRET=1), got device {q.device}; on CPU use the 'math' "
+                         f"backend")
     num_tokens_q, num_heads, qk_dim = q.shape
     v_dim = v.shape[2]
     out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
