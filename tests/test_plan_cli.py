@@ -237,3 +237,11 @@ def test_batches_from_stdin(capsys, monkeypatch):
     rc, out, err = run_cli(capsys, "--batches", "-", "--workspace-tokens", "64",
                            "--page-size", "16")
     assert rc == 0 and err == "" and json.loads(out)["num_iterations"] == 2
+
+
+def test_plan_cli_knows_every_backend():
+    """The torch-free copy of the backend names in the plan CLI matches the registry."""
+    from mlaprefill.backends import BACKENDS
+    from mlaprefill.plan_cli import _BACKEND_NAMES
+
+    assert set(_BACKEND_NAMES) == set(BACKENDS)

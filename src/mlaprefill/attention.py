@@ -61,7 +61,7 @@ class MLAChunkedPrefill:
         Default ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (rope dim read from the inputs).
         A finite number > 0 (``TypeError`` for a non-number, ``ValueError`` for NaN, inf or
         <= 0: a NaN scale would make every output NaN).
-    backend : ``"auto" | "cudnn" | "flex" | "varlen" | "math"``
+    backend : ``"auto" | "hybrid" | "triton" | "cudnn" | "flex" | "varlen" | "math"``
         ``auto`` picks the fastest backend that runs the weight's device and dtype (see
         :data:`mlaprefill.backends.AUTO_ORDER`); :attr:`backend_name` tells which.
     qk_rope_head_dim : int, optional
@@ -85,8 +85,8 @@ class MLAChunkedPrefill:
                              f"{qk_rope_head_dim!r}")
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str ('auto', 'cudnn', 'flex', 'varlen' or "
-                            f"'math'), got {type(backend).__name__}")
+            raise TypeError(f"backend must be a str ('auto', 'hybrid', 'triton', 'cudnn', 'flex', "
+                            f"'varlen' or 'math'), got {type(backend).__name__}")
         if not isinstance(kv_b_proj_weight, torch.Tensor) or kv_b_proj_weight.dim() != 2:
             raise ValueError(
                 "kv_b_proj_weight must be a 2-D tensor [H * (qk_nope_head_dim + v_head_dim), "

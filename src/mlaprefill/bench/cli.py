@@ -170,8 +170,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="skip the unmeasured full run that shows every step shape to the "
                         "attention backend before measuring")
     p.add_argument("--backend",
-                   help="attention backend of MLAChunkedPrefill: auto, cudnn, varlen, flex, "
-                        "math (GPU scenarios: varlen; cpu-tiny: auto)")
+                   help="attention backend of MLAChunkedPrefill: auto, hybrid, triton, cudnn, "
+                        "varlen, flex, math (GPU scenarios: hybrid; cpu-tiny: auto); a variant "
+                        "may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
