@@ -203,19 +203,55 @@ _SCRIPT = textwrap.dedent("""
             rest = slice(q_lens[0], None)
             assert torch.equal(out1[rest], out[rest]) and torch.equal(lse1[rest], lse[rest])
 
+    def group_forward():
+        # The whole chunked forward on the triton and hybrid backends (Triton gather, attention
+        # and merge all in the interpreter; the hybrid's rectangles in torch on CPU) against the
+        # float64 reference: zero context, one token, page boundaries, a rectangle-sized request.
+        from conftest import paged_mla_inputs
+        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.backends.hybrid import HybridBackend
+        from mlaprefill.batch import PrefillBatch
+        from mlaprefill.plan import ChunkPlanner
+        from mlaprefill.reference import mla_prefill_reference
+        from mlaprefill.staging import StagingRing
+
+        query_lens, context_lens = [17, 1, 300, 5], [0, 64, 700, 128]
+        x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=16, rope=8, v=16,
+                             page_size=16)
+        ref_out, ref_lse = mla_prefill_reference(
+            x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+            context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
+        for name, policy in (("triton", "balanced"), ("hybrid", "equal")):
+            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                                   backend=name)
+            if name == "hybrid":
+                op._backend = HybridBackend(big_work=1)  # rectangles even at this size
+            plan = ChunkPlanner(512, 16, policy=policy).plan(
+                PrefillBatch(query_lens, context_lens, page_size=16))
+            out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], StagingRing("cpu").upload(plan),
+                                  return_lse=True)
+            assert op.backend_name == name
+            err_o = (out.double() - ref_out).abs().max().item()
+            err_l = (lse.double() - ref_lse).abs().max().item()
+            assert err_o < 1e-4 and err_l < 1e-4, (name, err_o, err_l)
+
     {"small_dims": group_small_dims, "deepseek_dims": group_deepseek_dims,
-     "nonfinite": group_nonfinite, "hybrid": group_hybrid}[sys.argv[1]]()
+     "nonfinite": group_nonfinite, "hybrid": group_hybrid,
+     "forward": group_forward}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
-@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite", "hybrid"])
+@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite", "hybrid",
+                                   "forward"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([src, *sys.path]))
+               PYTHONPATH=os.pathsep.join([src, tests, *sys.path]))
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, group], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
