@@ -11,18 +11,21 @@ cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
   and no padding: the cuDNN call reads views of the sequence's own rows, so its result is exact
   and a NaN of another sequence can never reach it. Causal: ``Kf = Qf`` (top-left causal over
   the first ``Qf`` rows is exact for them).
-* Only rectangles with ``Qf * Kf * H >= BIG_WORK`` (a cuDNN kernel of about a millisecond or
-  more, so its host launch hides behind the device), at most
+* Consecutive sequences whose exact lengths are equal and on the grid form one rectangle of
+  ``batch`` sequences: one batched cuDNN call (their rows are contiguous and every stride is a
+  function of the grid shape).
+* Only rectangles with ``batch * Qf * Kf * H >= BIG_WORK`` (about 0.3 ms of cuDNN or more, so
+  its host launch hides behind the device), at most
   :data:`~mlaprefill.kernels.attention.MAX_DENSE_BLOCKS` per call, the largest first.
 * One Triton launch does everything else: every other sequence whole, and for a rectangle's
   sequence the rows ``>= Qf`` over all keys and the rows ``< Qf`` over keys ``>= Kf`` only
   (``dense=`` of :func:`~mlaprefill.kernels.attention.varlen_attention`). Each rectangle's
   ``(out, lse)`` is then merged into those rows by LSE (:func:`merge_attention_states`).
 
-Graph cache: one cuDNN graph per (heads, Qf, Kf, causal, dtype, head dims); the grid bounds the
-count (about 30 ``Qf`` values up to 16k queries x about 110 ``Kf`` values up to 128k keys, and
-fewer pass ``BIG_WORK``). :meth:`HybridBackend.warmup` builds the graphs of given lengths ahead of
-time; :meth:`HybridBackend.builds` counts them with the Triton compiles.
+Graph cache: one cuDNN graph per (batch, heads, Qf, Kf, causal, dtype, head dims); the grid
+bounds the count (about 30 ``Qf`` values up to 16k queries x about 110 ``Kf`` values up to 128k
+keys per batch size, fewer above ``BIG_WORK``). :meth:`HybridBackend.warmup` builds the graphs of
+given lengths ahead of time; :meth:`HybridBackend.builds` counts them with the Triton compiles.
 
 Without host offsets in :class:`VarlenSeqs` (``cu_seqlens_*_host``) it is the ``triton`` backend.
 Never synchronizes: every decision is made from host ints.
