@@ -29,7 +29,38 @@ from mlaprefill.backends.base import (
     seq_ids_from_cu,
 )
 
-__all__ = ["CudnnBackend"]
+__all__ = ["CudnnBackend", "dense_cudnn_attention"]
+
+
+def _batch_view(x: torch.Tensor, start: int, batch: int, rows: int) -> torch.Tensor:
+    """``[batch, H, rows, D]`` view of ``batch`` consecutive runs of ``rows`` rows of a
+    ``[T, H, D]`` tensor from row ``start``. Every stride is a function of the shape (the batch
+    stride of a single run too), so equal shapes give equal cuDNN graph keys."""
+    _, h, d = x.shape
+    return x.as_strided((batch, h, rows, d), (rows * x.stride(0), x.stride(1), x.stride(0), 1),
+                        x.storage_offset() + start * x.stride(0))
+
+
+def dense_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                          k_start: int, batch: int, q_rows: int, k_rows: int, *, causal: bool,
+                          softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (batched) dense cuDNN SDPA call on views of packed q, k, v (no copies in).
+
+    Sequence ``b < batch`` owns query rows ``q_start + b * q_rows`` onwards (``q_rows`` of them)
+    and key rows ``k_start + b * k_rows`` onwards (``k_rows``): consecutive equal runs.
+
+    Returns out ``[batch * q_rows, H, Dv]`` and lse float32 ``[batch * q_rows, H]`` (natural
+    log) for query rows ``q_start : q_start + batch * q_rows``: views where the layouts allow
+    (torch allocates cuDNN's output in the query's layout). Never synchronizes.
+    """
+    h = q.shape[1]
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _batch_view(q, q_start, batch, q_rows), _batch_view(k, k_start, batch, k_rows),
+        _batch_view(v, k_start, batch, k_rows), None, True, 0.0, causal, False,
+        scale=softmax_scale)
+    out = res[0].transpose(1, 2).reshape(batch * q_rows, h, v.shape[2])       # [B*q, H, Dv]
+    lse = res[1].reshape(batch, h, q_rows).transpose(1, 2).reshape(batch * q_rows, h)
+    return out, lse
 
 
 class CudnnBackend(AttentionBackend):
@@ -82,13 +113,10 @@ class CudnnBackend(AttentionBackend):
                 continue
             self._graph_keys.add((num_heads, q1 - q0, k1 - k0, q.shape[-1], v.shape[-1], causal,
                                   q.dtype, q.stride(0), k.stride(0), v.stride(0)))
-            q4 = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, nq, Dqk] view
-            k4 = k[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dqk] view
-            v4 = v[k0:k1].transpose(0, 1).unsqueeze(0)  # [1, H, nk, Dv] view
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q4, k4, v4, None, True, 0.0, causal, False, scale=softmax_scale)
-            out[q0:q1].copy_(res[0][0].transpose(0, 1))  # [nq, H, Dv]
-            lse[q0:q1].copy_(res[1].reshape(num_heads, q1 - q0).t())  # [nq, H]
+            o_r, l_r = dense_cudnn_attention(q, k, v, q0, k0, 1, q1 - q0, k1 - k0,
+                                             causal=causal, softmax_scale=softmax_scale)
+            out[q0:q1].copy_(o_r)  # [nq, H, Dv]
+            lse[q0:q1].copy_(l_r)  # [nq, H]
         flag_inf_lse_as_nan(out, lse)  # a NaN row never reads as "all the mass"
         return out, lse
 

@@ -41,6 +41,7 @@ from typing import ClassVar
 import torch
 
 from mlaprefill.backends.base import VarlenSeqs
+from mlaprefill.backends.cudnn import dense_cudnn_attention
 from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
@@ -133,31 +134,12 @@ def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int
     return found[:MAX_DENSE_BLOCKS]
 
 
-def _batch_view(x: torch.Tensor, start: int, batch: int, rows: int) -> torch.Tensor:
-    """``[batch, H, rows, D]`` view of ``batch`` consecutive runs of ``rows`` rows of a
-    ``[T, H, D]`` tensor from row ``start``. Every stride is a function of the shape (the batch
-    stride of a single run too), so equal shapes give equal cuDNN graph keys."""
-    _, h, d = x.shape
-    return x.as_strided((batch, h, rows, d), (rows * x.stride(0), x.stride(1), x.stride(0), 1),
-                        x.storage_offset() + start * x.stride(0))
-
-
 def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,
                 causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One (batched) cuDNN SDPA call for ``rect`` on views of q, k, v (no copies in).
-
-    Returns out ``[batch * q_rows, H, Dv]`` and lse float32 ``[batch * q_rows, H]`` (natural
-    log), for the query rows ``q_start : q_start + batch * q_rows`` (views where the layouts
-    allow; torch allocates cuDNN's output in the query's layout).
-    """
-    b, qr, kr = rect.batch, rect.q_rows, rect.k_rows
-    h = q.shape[1]
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _batch_view(q, rect.q_start, b, qr), _batch_view(k, rect.k_start, b, kr),
-        _batch_view(v, rect.k_start, b, kr), None, True, 0.0, causal, False, scale=scale)
-    out = res[0].transpose(1, 2).reshape(b * qr, h, v.shape[2])        # [B*Qf, H, Dv]
-    lse = res[1].reshape(b, h, qr).transpose(1, 2).reshape(b * qr, h)   # [B*Qf, H]
-    return out, lse
+    """``rect`` in one (batched) cuDNN call on views of q, k, v: out ``[batch * q_rows, H, Dv]``,
+    lse ``[batch * q_rows, H]`` (see :func:`~mlaprefill.backends.cudnn.dense_cudnn_attention`)."""
+    return dense_cudnn_attention(q, k, v, rect.q_start, rect.k_start, rect.batch, rect.q_rows,
+                                 rect.k_rows, causal=causal, softmax_scale=scale)
 
 
 def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,

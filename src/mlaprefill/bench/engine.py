@@ -232,9 +232,10 @@ class PrefillEngine:
             from mlaprefill.attention import MLAChunkedPrefill
             attention_factory = MLAChunkedPrefill
         self._attention_factory = attention_factory
-        # One set of attention layers per backend a variant asks for (weights shared).
+        # One set of attention layers per backend a variant asks for (weights shared); the
+        # config's set is built now, so a backend that cannot run here fails at construction.
         self._attention: dict[str, list[Any]] = {}
-        self.attention = self.attention_layers(cfg.backend)
+        self.attention_layers(cfg.backend)
         m = self.dims.mla
         self.prompt_lens, self.arrivals_s = workload(cfg)
         self.num_blocks = default_num_blocks(cfg, self.prompt_lens)
