@@ -252,7 +252,7 @@ def test_hybrid_rectangles_on_cudnn_match_reference(causal, lens):
     v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
     seqs = VarlenSeqs(cu_q.cuda(), cu_k.cuda(), max(q_lens), max(k_lens),
                       cu_seqlens_q_host=cu_q.numpy(), cu_seqlens_k_host=cu_k.numpy())
-    be = HybridBackend(big_work=1)
+    be = HybridBackend(big_work=1, min_queries_per_key=0)
     out, lse = be.attend(q, k, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
     ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), seqs,
                                             causal=causal, softmax_scale=qk ** -0.5)
@@ -288,7 +288,8 @@ def test_hybrid_forward_with_rectangles_matches_reference(policy):
     query_lens, context_lens = [256, 300, 256, 1], [1024, 700, 1024, 64]
     x = _inputs(query_lens, context_lens, heads=16)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V, backend="hybrid")
-    op._backend = HybridBackend(big_work=1)  # the default threshold skips shapes this small
+    # the default thresholds skip shapes this small
+    op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
     plan = ChunkPlanner(2048, PAGE, policy=policy).plan(
         PrefillBatch(query_lens, context_lens, page_size=PAGE))
     out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],

@@ -168,7 +168,7 @@ _SCRIPT = textwrap.dedent("""
         from mlaprefill.backends.base import VarlenSeqs
         from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
 
-        be = HybridBackend(big_work=1)
+        be = HybridBackend(big_work=1, min_queries_per_key=0)
         cases = [
             # off-grid lengths: one rectangle per sequence (520 -> 512 queries, 1100 -> 1024
             # keys; 300 -> 256, 700 -> 640; 5 -> none)
@@ -225,7 +225,8 @@ _SCRIPT = textwrap.dedent("""
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
                                    backend=name)
             if name == "hybrid":
-                op._backend = HybridBackend(big_work=1)  # rectangles even at this size
+                # rectangles even at this size
+                op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
             plan = ChunkPlanner(512, 16, policy=policy).plan(
                 PrefillBatch(query_lens, context_lens, page_size=16))
             out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
@@ -236,15 +237,81 @@ _SCRIPT = textwrap.dedent("""
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, err_o, err_l)
 
-    {"small_dims": group_small_dims, "deepseek_dims": group_deepseek_dims,
-     "nonfinite": group_nonfinite, "hybrid": group_hybrid,
+    def group_split_and_state():
+        # k_rope: the key's last dims as one row per key shared by every head (MLA's rope key,
+        # head stride 0) or per head; state: merge into a running (out, lse) in place.
+        for causal in (False, True):
+            q_lens = [0, 1, 17, 64, 65, 40]
+            k_lens = q_lens if causal else [5, 0, 65, 64, 17, 130]
+            q, k, v = inputs(q_lens, k_lens, 3, 24, 16, torch.float32)
+            k[..., 16:] = k[:, :1, 16:]  # one rope row per key, the same in every head
+            cq, ck = cu(q_lens), cu(k_lens)
+            kw = dict(max_seqlen_q=max(q_lens), causal=causal, softmax_scale=0.3, config=C16)
+            joined = varlen_attention(q, k, v, cq, ck, **kw)
+            shared = varlen_attention(q, k[..., :16].contiguous(), v, cq, ck, **kw,
+                                      k_rope=k[:, 0, 16:].contiguous())
+            per_head = varlen_attention(q, k[..., :16], v, cq, ck, **kw, k_rope=k[..., 16:])
+            for got in (shared, per_head):  # the same loads, so bitwise the same
+                assert torch.equal(got[0], joined[0]) and torch.equal(got[1], joined[1])
+            ref_out, ref_lse = reference(q, k, v, q_lens, k_lens, causal, 0.3)
+            fin = torch.isfinite(ref_lse)
+            assert (joined[0].double() - ref_out).abs().max() < 1e-5
+            assert (joined[1].double()[fin] - ref_lse[fin]).abs().max() < 1e-5
+
+        # The rope copy for backends that need joined keys (Triton kernel in the interpreter).
+        from mlaprefill.kernels.rope import broadcast_rope_
+
+        kk = torch.randn(37, 3, 24, generator=g)
+        pe = torch.randn(37, 8, generator=g)
+        want = kk.clone()
+        want[:, :, 16:] = pe[:, None, :]
+        assert torch.equal(broadcast_rope_(kk, pe, 16), want)
+
+        # state: keys split in two parts per sequence; part A fresh, part B merged into it.
+        q_lens, a_lens, b_lens = [17, 1, 40, 9, 33], [20, 3, 0, 64, 1], [45, 0, 17, 1, 64]
+        heads = 2
+        q = torch.randn(sum(q_lens), heads, 24, generator=g)
+        parts = [inputs([0] * 5, lens, heads, 24, 16, torch.float32)[1:] for lens in
+                 (a_lens, b_lens)]
+        (ka, va), (kb, vb) = parts
+        kw = dict(max_seqlen_q=40, causal=False, softmax_scale=0.3, config=C16)
+        out, lse = varlen_attention(q, ka, va, cu(q_lens), cu(a_lens), **kw)
+        state = (out, lse)
+        got = varlen_attention(q, kb, vb, cu(q_lens), cu(b_lens), **kw, state=state)
+        assert got[0] is out and got[1] is lse
+        ca, cb = cu(a_lens).tolist(), cu(b_lens).tolist()
+        k_all = torch.cat([torch.cat([ka[ca[s]:ca[s + 1]], kb[cb[s]:cb[s + 1]]]) for s in
+                           range(5)])
+        v_all = torch.cat([torch.cat([va[ca[s]:ca[s + 1]], vb[cb[s]:cb[s + 1]]]) for s in
+                           range(5)])
+        all_lens = [a + b for a, b in zip(a_lens, b_lens)]
+        ref_out, ref_lse = reference(q, k_all, v_all, q_lens, all_lens, False, 0.3)
+        assert (out.double() - ref_out).abs().max() < 1e-5
+        assert (lse.double() - ref_lse).abs().max() < 1e-5
+        # Rows with no key in the call (sequence 1 has none in part B; a rectangle left to
+        # another kernel) are left exactly as they were: the merge of nothing.
+        before = (out.clone(), lse.clone())
+        dense = ((4, 5, 32, 64),)  # sequence 4: rows [0, 32) x keys [0, 64) = all of part B
+        varlen_attention(q, kb, vb, cu(q_lens), cu(b_lens), **kw, dense=dense, state=state)
+        q4 = cu(q_lens).tolist()[4]
+        assert torch.equal(out[q4:q4 + 32], before[0][q4:q4 + 32])
+        assert torch.equal(lse[q4:q4 + 32], before[1][q4:q4 + 32])
+        assert torch.equal(out[17:18], before[0][17:18])  # sequence 1: no keys in part B
+        # NaN in a state row stays NaN; other rows unchanged by a NaN elsewhere.
+        lse[0, 0] = float("nan")
+        varlen_attention(q, kb, vb, cu(q_lens), cu(b_lens), **kw, state=state)
+        assert torch.isnan(lse[0, 0]) and torch.isnan(out[0, 0]).all()
+        assert torch.isfinite(lse[1:]).all() and torch.isfinite(lse[0, 1])
+
+    {"small_dims": group_small_dims, "split_and_state": group_split_and_state,
+     "deepseek_dims": group_deepseek_dims, "nonfinite": group_nonfinite, "hybrid": group_hybrid,
      "forward": group_forward}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
-@pytest.mark.parametrize("group", ["small_dims", "deepseek_dims", "nonfinite", "hybrid",
-                                   "forward"])
+@pytest.mark.parametrize("group", ["small_dims", "split_and_state", "deepseek_dims",
+                                   "nonfinite", "hybrid", "forward"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")
@@ -329,3 +396,66 @@ def test_launcher_validates_inputs():
     configs = attention_configs()
     assert next(iter(configs.values())) == AttentionConfig()
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in configs.values())
+
+
+def test_launcher_validates_split_keys_and_state():
+    pytest.importorskip("triton")
+    from mlaprefill.kernels.attention import varlen_attention
+
+    q, k, v = torch.zeros(4, 2, 24), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    kw = dict(max_seqlen_q=4, causal=False, softmax_scale=0.2)
+    with pytest.raises(ValueError, match="k_rope must be"):
+        varlen_attention(q, k, v, cu, cu, **kw, k_rope=torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="power of two"):
+        varlen_attention(q, k[..., :12], v, cu, cu, **kw, k_rope=torch.zeros(4, 12))
+    with pytest.raises(ValueError, match="Dqk - Drope"):
+        varlen_attention(q, k, v, cu, cu, **kw, k_rope=torch.zeros(4, 4))
+    with pytest.raises(TypeError, match="state must be a tuple"):
+        varlen_attention(q, k, v, cu, cu, **kw, k_rope=torch.zeros(4, 8), state=[q, q])
+    with pytest.raises(ValueError, match="state lse must be float32"):
+        varlen_attention(q, k, v, cu, cu, **kw, k_rope=torch.zeros(4, 8),
+                         state=(torch.zeros(4, 2, 16), torch.zeros(4, 2, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="state out must be"):
+        varlen_attention(q, k, v, cu, cu, **kw, k_rope=torch.zeros(4, 8),
+                         state=(torch.zeros(4, 2, 8), torch.zeros(4, 2)))
+
+
+def test_broadcast_rope_torch_path_and_errors():
+    from mlaprefill.kernels.rope import broadcast_rope_
+
+    k = torch.randn(5, 3, 12, dtype=torch.float64)
+    pe = torch.randn(5, 4, dtype=torch.float64)
+    want = k.clone()
+    want[:, :, 6:10] = pe[:, None, :]
+    assert torch.equal(broadcast_rope_(k, pe, 6), want)
+    assert broadcast_rope_(k[:0], pe[:0], 6).shape == (0, 3, 12)
+    with pytest.raises(ValueError, match="start must be"):
+        broadcast_rope_(k, pe, 9)
+    with pytest.raises(ValueError, match=r"need k \[n, H, D\]"):
+        broadcast_rope_(k, pe[:4], 0)
+    with pytest.raises(ValueError, match="dtype and device"):
+        broadcast_rope_(k, pe.float(), 0)
+
+
+def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
+    """MIN_QUERIES_PER_KEY: rectangles only when they hold enough query-key pairs per key row;
+    otherwise the call is the Triton kernel's alone, on split keys."""
+    from mlaprefill.backends.base import VarlenSeqs
+    from mlaprefill.backends.hybrid import MIN_QUERIES_PER_KEY, HybridBackend
+
+    def seqs(q_lens, k_lens):
+        cq = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        ck = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+        t = torch.tensor(cq, dtype=torch.int32)
+        return VarlenSeqs(t, torch.tensor(ck, dtype=torch.int32), max(q_lens), max(k_lens),
+                          cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
+
+    be = HybridBackend()
+    few = seqs([256] * 16, [4096] * 16)      # 256 queries per key row: Triton, split keys
+    many = seqs([1024] * 4, [16384] * 4)     # 1024 per key row: one batched cuDNN call
+    assert MIN_QUERIES_PER_KEY > 256
+    assert not be.wants_joined_keys(few, 128, False) and be._rectangles(few, 128, False) == []
+    assert be.wants_joined_keys(many, 128, False)
+    assert [r.batch for r in be._rectangles(many, 128, False)] == [4]
+    assert HybridBackend(min_queries_per_key=0).wants_joined_keys(few, 128, False)

@@ -7,14 +7,18 @@ For each request, query ``i`` attends to the whole cached context and to new tok
 2. **context**, one plan iteration at a time (a Python loop over *iterations*, shapes from the
    plan's host ints): gather the iteration's latent rows into a preallocated workspace (or take them
    from ``context_source``), up-project them (one matmul for K, one for V), non-causal varlen
-   attention of all queries against them (``cu_seq_lens[i]``), merge into ``(out, lse)`` by LSE.
+   attention of all queries against them (``cu_seq_lens[i]``), merged into ``(out, lse)`` by LSE
+   (``backend.attend_into``: in the attention kernel's epilogue for ``triton``/``hybrid``, a
+   merge pass for the others).
 
 Up-projection layout: the Hugging Face ``kv_b_proj.weight [H*(nope+v), rank]`` is re-laid once per
-(rope dim, dtype, device) into ``W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot
-and ``W_V [H*v_out, rank]``. One matmul then writes keys straight into a contiguous
-``[n, H, nope+rope]`` buffer whose rope slots are filled by one broadcast copy of ``k_pe`` — no
-concatenation pass. For FlashAttention-2 (which needs ``v_out == qk_head_dim``) ``W_V`` carries zero
-rows too, so V arrives padded for free.
+(rope dim, dtype, device). Where the backend takes split keys for a call
+(``backend.wants_joined_keys`` is False: our Triton kernel, which reads MLA's rope key once per
+token with head stride 0), K is ``kv_c W_UK^T [n, H, nope]`` alone: no zero rows in the GEMM, no
+rope copy. Otherwise ``W_K [H*(nope+rope), rank]`` has zero rows in each head's rope slot, so one
+matmul writes keys into a contiguous ``[n, H, nope+rope]`` buffer whose rope slots
+:func:`~mlaprefill.kernels.rope.broadcast_rope_` then fills. For FlashAttention-2 (which needs
+``v_out == qk_head_dim``) ``W_V`` carries zero rows too, so V arrives padded for free.
 
 Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens``,
 ``max_chunk_lens``, ``max_query_len``, ``num_query_tokens``) to decide shapes; it never calls
@@ -34,7 +38,7 @@ import torch
 
 from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
 from mlaprefill.kernels.gather import gather_context_rows
-from mlaprefill.kernels.merge import merge_attention_states
+from mlaprefill.kernels.rope import broadcast_rope_
 from mlaprefill.plan import ChunkPlan
 from mlaprefill.staging import DevicePlan
 
@@ -110,7 +114,8 @@ class MLAChunkedPrefill:
         rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
         self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
         # (rope, dtype, device) -> (W_K [H*qk, rank], W_V [H*v_out, rank]); per instance.
-        self._weights: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
+        self._checked: tuple[Any, ...] | None = None  # (device, dtype, qk) the backend runs
 
     # -- configuration ---------------------------------------------------------------------
     @property
@@ -147,7 +152,8 @@ class MLAChunkedPrefill:
         return qk_head_dim if self._backend.needs_v_padded else self.v_head_dim
 
     def _up_weights(self, rope: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(W_K [H*qk, rank] with zero rope rows, W_UK [H*nope, rank], W_V [H*v_out, rank])``."""
         key = (rope, dtype, device, self._backend.needs_v_padded)
         cached = self._weights.get(key)
         if cached is not None:
@@ -160,18 +166,33 @@ class MLAChunkedPrefill:
         w_k[:, :nope] = w[:, :nope]
         w_v = torch.zeros(h, v_out, rank, dtype=dtype, device=device)
         w_v[:, :v] = w[:, nope:]
-        cached = (w_k.view(h * qk, rank), w_v.view(h * v_out, rank))
+        cached = (w_k.view(h * qk, rank), w[:, :nope].reshape(h * nope, rank),
+                  w_v.view(h * v_out, rank))
         self._weights[key] = cached
         return cached
 
     # -- pieces ----------------------------------------------------------------------------
-    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, k_out: torch.Tensor,
-                    v_out: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) -> None:
-        """k_out [n, H, nope+rope] = [kv_c W_UK^T | k_pe]; v_out [n, H, v_out] = kv_c W_UV^T."""
-        n = kv_c.shape[0]
-        torch.mm(kv_c, w_k.t(), out=k_out.view(n, -1))  # [n, rank] x [rank, H*qk]
-        k_out[:, :, self.qk_nope_head_dim:].copy_(k_pe[:, None, :].expand(n, self.num_heads, -1))
-        torch.mm(kv_c, w_v.t(), out=v_out.view(n, -1))  # [n, rank] x [rank, H*v_out]
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, k_buf: torch.Tensor,
+                    v_buf: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                    joined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``n`` latent rows, written into the flat buffers' first elements.
+
+        joined: ``k [n, H, nope+rope] = [kv_c W_UK^T | k_pe]`` (one GEMM whose zero weight rows
+        leave the rope slots to :func:`broadcast_rope_`); else ``k [n, H, nope] = kv_c W_UK^T``
+        and the backend reads ``k_pe`` itself. ``v [n, H, v_out] = kv_c W_UV^T``.
+        """
+        n, h = kv_c.shape[0], self.num_heads
+        w_k, w_uk, w_v = weights
+        w = w_k if joined else w_uk
+        width = w.shape[0] // h
+        k = k_buf[:n * h * width].view(n, h, width)
+        torch.mm(kv_c, w.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*width]
+        if joined:
+            broadcast_rope_(k, k_pe, self.qk_nope_head_dim)
+        v_out = w_v.shape[0] // h
+        v = v_buf[:n * h * v_out].view(n, h, v_out)
+        torch.mm(kv_c, w_v.t(), out=v.view(n, -1))  # [n, rank] x [rank, H*v_out]
+        return k, v
 
     def _validate(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                   kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
@@ -313,16 +334,19 @@ class MLAChunkedPrefill:
         device, dtype = q.device, q.dtype
         nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
         qk = nope + rope
-        why = self._backend.unsupported_reason(device, dtype, qk, self.v_head_dim)
-        if why is not None:
-            if self._backend_request != "auto":
-                raise ValueError(f"backend {self._backend.name!r} cannot run {dtype} on "
-                                 f"{device} with qk_head_dim={qk}: {why}")
-            self._backend = self._make_backend(device, dtype, rope)
+        checked = (device, dtype, qk)
+        if checked != self._checked:  # the backend's device checks, once per input kind
+            why = self._backend.unsupported_reason(device, dtype, qk, self.v_head_dim)
+            if why is not None:
+                if self._backend_request != "auto":
+                    raise ValueError(f"backend {self._backend.name!r} cannot run {dtype} on "
+                                     f"{device} with qk_head_dim={qk}: {why}")
+                self._backend = self._make_backend(device, dtype, rope)
+            self._checked = checked
         backend = self._backend
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
-        w_k, w_v = self._up_weights(rope, dtype, device)
-        v_out = w_v.shape[0] // h
+        weights = self._up_weights(rope, dtype, device)
+        v_out = weights[2].shape[0] // h
         lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
         num_tokens = plan.num_query_tokens
@@ -333,32 +357,38 @@ class MLAChunkedPrefill:
 
         tensors = plan_tensors(plan, device_plan)
         cu_q = tensors["cu_query_lens"]
-        seq_ids_q = seq_ids_from_cu(cu_q, num_tokens)  # int64 [T]
+        # int64 [T], for backends that read it (computed once per step, not per iteration)
+        seq_ids_q = seq_ids_from_cu(cu_q, num_tokens) if backend.needs_seq_ids else None
 
         # (a) new tokens over themselves, causal: the running (out, lse).
-        k_new = torch.empty(num_tokens, h, qk, dtype=dtype, device=device)
-        v_new = torch.empty(num_tokens, h, v_out, dtype=dtype, device=device)
-        self._up_project(kv_c_new, k_pe_new, k_new, v_new, w_k, w_v)
         cu_q_host = plan.cu_query_lens
         cu_k_host = plan.cu_seq_lens  # host ints for per-sequence backends
         new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
                               seq_ids_q=seq_ids_q, cu_seqlens_q_host=cu_q_host,
                               cu_seqlens_k_host=cu_q_host)
-        out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
-                                      softmax_scale=scale)
+        joined = backend.wants_joined_keys(new_seqs, h, True)
+        k_new, v_new = self._up_project(
+            kv_c_new, k_pe_new, torch.empty(num_tokens * h * qk, dtype=dtype, device=device),
+            torch.empty(num_tokens * h * v_out, dtype=dtype, device=device), weights, joined)
+        if joined:
+            out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
+                                          softmax_scale=scale)
+        else:
+            out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
+                                          softmax_scale=scale, k_rope=k_pe_new)
         out = out_a[..., :self.v_head_dim]
         if not out.is_contiguous():
             out = out.contiguous()  # merged in place below; must be our own dense buffer
         lse = lse_a.to(lse_dtype).contiguous()
         del k_new, v_new
 
-        # (b) context, one workspace iteration at a time.
+        # (b) context, one workspace iteration at a time, merged into (out, lse).
         if plan.num_iterations == 0:
             return (out, lse) if return_lse else out
         max_rows = plan.max_iteration_tokens
         workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
-        k_ctx = torch.empty(max_rows, h, qk, dtype=dtype, device=device)
-        v_ctx = torch.empty(max_rows, h, v_out, dtype=dtype, device=device)
+        k_buf = torch.empty(max_rows * h * qk, dtype=dtype, device=device)
+        v_buf = torch.empty(max_rows * h * v_out, dtype=dtype, device=device)
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
         for i in range(plan.num_iterations):
             num_rows = plan.iteration_tokens[i]
@@ -372,14 +402,16 @@ class MLAChunkedPrefill:
                 if tuple(rows.shape) != (num_rows, rank + rope):
                     raise ValueError(f"context_source({i}) returned shape {tuple(rows.shape)}, "
                                      f"expected ({num_rows}, {rank + rope})")
-            k_i, v_i = k_ctx[:num_rows], v_ctx[:num_rows]
-            self._up_project(rows[:, :rank], rows[:, rank:], k_i, v_i, w_k, w_v)
+                if rows.stride(1) != 1:
+                    rows = rows.contiguous()
             seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
                                 plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
                                 cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
-            out_i, lse_i = backend.attend(q, k_i, v_i, seqs_i, causal=False,
-                                          softmax_scale=scale)
-            merge_attention_states(out, lse, out_i[..., :self.v_head_dim], lse_i)
+            joined = backend.wants_joined_keys(seqs_i, h, False)
+            k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], k_buf, v_buf, weights,
+                                        joined)
+            backend.attend_into(q, k_i, v_i, seqs_i, out, lse, causal=False,
+                                softmax_scale=scale, k_rope=None if joined else rows[:, rank:])
         return (out, lse) if return_lse else out
 
     __call__ = forward

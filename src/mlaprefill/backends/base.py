@@ -147,6 +147,9 @@ class AttentionBackend(abc.ABC):
     #: for one-launch ragged kernels without split-KV, where a request alone in an iteration
     #: leaves SMs idle (DESIGN.md section 2; benchmarks/results/attention_h200.json "policies").
     preferred_policy: str = "packed"
+    #: ``attend`` reads ``seqs.seq_ids_q`` (else it would compute it per call): the forward then
+    #: computes it once per step. Kernels that read ``cu_seqlens`` on the device do not need it.
+    needs_seq_ids: bool = True
 
     @abc.abstractmethod
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
@@ -171,6 +174,32 @@ class AttentionBackend(abc.ABC):
         out : [Tq, H, Dv] in q's dtype (may be a view); lse : [Tq, H] float32 natural log (may be
         a strided view). Never synchronizes.
         """
+
+    def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
+        """Whether ``attend`` needs each head's key as one ``[Tk, H, qk_head_dim]`` tensor for
+        this call (host ints only). ``False``: the caller may pass the key's first part ``k
+        [Tk, H, nope]`` and MLA's rope key apart as ``k_rope [Tk, rope]`` (one row shared by
+        every head), which saves the up-projection GEMM its zero rows and the copy of the rope
+        key into every head. Default: joined keys (every kernel but our own needs them)."""
+        return True
+
+    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+        """Merge this call's attention into the running ``out [Tq, H, Dv]`` and float32 ``lse
+        [Tq, H]`` in place, by LSE (:func:`mlaprefill.kernels.merge.merge_attention_states`).
+
+        The default runs :meth:`attend` and a merge pass; kernels that merge in their epilogue
+        override it. ``k_rope``: see :meth:`wants_joined_keys` (only where that said False).
+        """
+        from mlaprefill.kernels.merge import merge_attention_states
+
+        if k_rope is not None:
+            raise ValueError(f"backend {self.name!r} needs joined keys (wants_joined_keys is "
+                             f"True): pass k [Tk, H, qk_head_dim] and no k_rope")
+        part_out, part_lse = self.attend(q, k, v, seqs, causal=causal,
+                                         softmax_scale=softmax_scale)
+        merge_attention_states(out, lse, part_out[..., :out.shape[2]], part_lse)
 
     def builds(self) -> int | None:
         """Kernel builds this backend has caused in this process so far: cuDNN graphs built for

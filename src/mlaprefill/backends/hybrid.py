@@ -46,11 +46,20 @@ from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
 
-__all__ = ["BIG_WORK", "HybridBackend", "Rectangle", "bucket_floor", "dense_rectangles"]
+__all__ = ["BIG_WORK", "MIN_QUERIES_PER_KEY", "HybridBackend", "Rectangle", "bucket_floor",
+           "dense_rectangles"]
 
 #: A rectangle goes to cuDNN when ``batch * Qf * Kf * heads`` reaches this (2^28: about 0.3 ms
 #: of cuDNN at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per launch).
 BIG_WORK = 1 << 28
+#: ...and only when the rectangles hold at least this many query-key pairs per key row of the
+#: call and head: cuDNN needs each head's key whole (``[Tk, H, 192]``), which costs the
+#: up-projection GEMM 64 zero columns per head and a rope copy (~1.5e-10 s x H per key row on the
+#: H200), while it saves ~3.9e-13 s per pair against our kernel (600 vs 440 TFLOP/s at 640 FLOP
+#: per pair): break-even near 372. Measured (issue #11 profile, H200): 16 requests x 256 queries
+#: (256 per key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at 16 heads,
+#: 15.0 against 16.0 ms at 128 heads; 4 x 1024 ran faster with cuDNN (29.7 against 33.1 ms).
+MIN_QUERIES_PER_KEY = 384
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
 
@@ -168,6 +177,9 @@ class HybridBackend(TritonBackend):
     ----------
     big_work : int
         Threshold of ``Qf * Kf * heads`` for a cuDNN call (default :data:`BIG_WORK`).
+    min_queries_per_key : int
+        A call uses cuDNN only when its rectangles hold at least this many query-key pairs per
+        key row and head (default :data:`MIN_QUERIES_PER_KEY`; 0: always).
     """
 
     name = "hybrid"
@@ -178,9 +190,12 @@ class HybridBackend(TritonBackend):
     # The same process-wide reasoning as CudnnBackend: torch's graph cache outlives this object.
     _graph_keys: ClassVar[set[tuple]] = set()
 
-    def __init__(self, *, big_work: int = BIG_WORK) -> None:
+    def __init__(self, *, big_work: int = BIG_WORK,
+                 min_queries_per_key: int = MIN_QUERIES_PER_KEY) -> None:
         super().__init__()
         self.big_work = big_work
+        self.min_queries_per_key = min_queries_per_key
+        self._memo: tuple | None = None
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -202,16 +217,34 @@ class HybridBackend(TritonBackend):
     def _dense_fn(self, device: torch.device) -> DenseFn:
         return cudnn_dense if device.type == "cuda" else torch_dense
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
-               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rectangles(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> list[Rectangle]:
+        memo = self._memo
+        if memo is not None and memo[0] is seqs and memo[1:3] == (num_heads, causal):
+            return memo[3]  # asked by wants_joined_keys, then by attend: decide once
         cq, ck = seqs.cu_seqlens_q_host, seqs.cu_seqlens_k_host
-        if cq is None or ck is None:
-            return super().attend(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale)
-        rects = dense_rectangles(cq, ck, num_heads=q.shape[1], causal=causal,
-                                 big_work=self.big_work)
+        rects: list[Rectangle] = []
+        if cq is not None and ck is not None:  # else no host offsets: the triton backend alone
+            rects = dense_rectangles(cq, ck, num_heads=num_heads, causal=causal,
+                                     big_work=self.big_work)
+            num_keys = int(ck[-1]) - int(ck[0])
+            if sum(r.work for r in rects) < self.min_queries_per_key * num_heads * num_keys:
+                rects = []  # cuDNN would not pay for the joined keys it needs
+        self._memo = (seqs, num_heads, causal, rects)
+        return rects
+
+    def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
+        # cuDNN needs whole keys; a call without rectangles is our kernel's alone.
+        return bool(self._rectangles(seqs, num_heads, causal))
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+             state: tuple[torch.Tensor, torch.Tensor] | None, causal: bool,
+             softmax_scale: float, k_rope: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        # With k_rope (split keys) no rectangle: cuDNN cannot read them (wants_joined_keys).
+        rects = [] if k_rope is not None else self._rectangles(seqs, q.shape[1], causal)
         out, lse = varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                     max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                                    softmax_scale=softmax_scale,
+                                    softmax_scale=softmax_scale, k_rope=k_rope, state=state,
                                     dense=tuple(r.kernel_args for r in rects))
         dense = self._dense_fn(q.device)
         for r in rects:
@@ -223,6 +256,18 @@ class HybridBackend(TritonBackend):
             rows = slice(r.q_start, r.q_start + r.batch * r.q_rows)
             merge_attention_states(out[rows], lse[rows], d_out, d_lse)
         return out, lse
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
+               causal: bool, softmax_scale: float, k_rope: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(q, k, v, seqs, None, causal, softmax_scale, k_rope)
+
+    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+        # The Triton part merges into (out, lse) in its epilogue (rows a rectangle covers whole
+        # are not touched there); each rectangle is then merged into its rows.
+        self._run(q, k, v, seqs, (out, lse), causal, softmax_scale, k_rope)
 
     def warmup(self, calls: Iterable[tuple[Sequence[int], Sequence[int], bool]], *,
                num_heads: int, qk_head_dim: int, v_head_dim: int,

@@ -39,6 +39,7 @@ class TritonBackend(AttentionBackend):
     # one long request alone in an iteration; with few heads (tensor parallelism) and a short
     # query count that is fewer programs than the 132 SMs (e.g. 8 heads x 1k queries / 128 = 64).
     preferred_policy = "balanced"
+    needs_seq_ids = False
 
     def __init__(self, config: AttentionConfig | None = None) -> None:
         self.config = config
@@ -72,8 +73,21 @@ class TritonBackend(AttentionBackend):
         per sequence length)."""
         return num_compiled_kernels()
 
+    def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
+        return False  # the kernel reads the rope key apart (head stride 0)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
-               causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               causal: bool, softmax_scale: float, k_rope: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         return varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                 max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                                softmax_scale=softmax_scale, config=self.config)
+                                softmax_scale=softmax_scale, config=self.config, k_rope=k_rope)
+
+    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+        # The kernel merges into (out, lse) in its epilogue: no partial result, no merge pass.
+        varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                         max_seqlen_q=seqs.max_seqlen_q, causal=causal,
+                         softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
+                         state=(out, lse))

@@ -167,8 +167,8 @@ if HAS_TRITON:
     def _attn_loop(
         acc, l_i, m_i,          # running state: fp32 [BLOCK_M, BLOCK_DV], [BLOCK_M], [BLOCK_M]
         q1, q2,                 # queries [BLOCK_M, D1], [BLOCK_M, BLOCK_D2] (input dtype)
-        k_base, v_base,         # pointers to key 0 / value 0 of this (sequence, head)
-        stride_kt, stride_vt,
+        k_base, p_base, v_base,  # key 0's first part, its second part, value 0 (seq, head)
+        stride_kt, stride_pt, stride_vt,
         offs_m,                 # int32 [BLOCK_M]: query positions within the sequence
         seqlen_k,
         qk_scale,               # softmax_scale * log2(e)
@@ -181,13 +181,13 @@ if HAS_TRITON:
     ):
         offs_n = tl.arange(0, BLOCK_N)
         offs_d1 = tl.arange(0, D1)
-        offs_d2 = D1 + tl.arange(0, BLOCK_D2)
+        offs_d2 = tl.arange(0, BLOCK_D2)
         offs_dv = tl.arange(0, BLOCK_DV)
-        d2_ok = offs_d2 < D1 + D2
+        d2_ok = offs_d2 < D2
         dv_ok = offs_dv < DV
         # Tile offsets relative to the block's first key: small, int32; the block base is int64.
         k1_offs = offs_n[:, None] * stride_kt + offs_d1[None, :]
-        k2_offs = offs_n[:, None] * stride_kt + offs_d2[None, :]
+        k2_offs = offs_n[:, None] * stride_pt + offs_d2[None, :]
         v_offs = offs_n[:, None] * stride_vt + offs_dv[None, :]
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -197,7 +197,8 @@ if HAS_TRITON:
             k1 = _load_tile(kb + k1_offs, n_ok, offs_d1, MASKED, False)
             qk = tl.dot(q1, tl.trans(k1))  # fp32 [BLOCK_M, BLOCK_N]
             if D2 > 0:
-                k2 = _load_tile(kb + k2_offs, n_ok, d2_ok, MASKED, BLOCK_D2 != D2)
+                pb = p_base + start_n.to(tl.int64) * stride_pt
+                k2 = _load_tile(pb + k2_offs, n_ok, d2_ok, MASKED, BLOCK_D2 != D2)
                 qk = tl.dot(q2, tl.trans(k2), acc=qk)
             if MASKED:
                 visible = n_ok[None, :]
@@ -222,10 +223,11 @@ if HAS_TRITON:
                                    "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3"])
     def _varlen_attention_kernel(
         q_ptr,                  # [Tq, H, D1 + D2], last dim contiguous
-        k_ptr,                  # [Tk, H, D1 + D2], last dim contiguous
+        k_ptr,                  # keys' first D1 dims: [Tk, H, >= D1], last dim contiguous
+        p_ptr,                  # keys' other D2 dims: [Tk, H or 1 (head stride 0), D2]
         v_ptr,                  # [Tk, H, DV], last dim contiguous
-        out_ptr,                # [Tq, H, DV], q's dtype
-        lse_ptr,                # float32 [Tq, H], natural log
+        out_ptr,                # [Tq, H, DV], q's dtype (ACCUMULATE: the running output)
+        lse_ptr,                # float32 [Tq, H], natural log (ACCUMULATE: the running LSE)
         cu_seqlens_q_ptr,       # int32 [num_seqs + 1]
         cu_seqlens_k_ptr,       # int32 [num_seqs + 1]
         qk_scale,               # softmax_scale * log2(e), > 0
@@ -236,10 +238,12 @@ if HAS_TRITON:
         dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
         stride_qt, stride_qh,
         stride_kt, stride_kh,
+        stride_pt, stride_ph,
         stride_vt, stride_vh,
         stride_ot, stride_oh,
         stride_lt, stride_lh,
         CAUSAL: tl.constexpr,
+        ACCUMULATE: tl.constexpr,  # merge into (out, lse) by LSE instead of overwriting them
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         D1: tl.constexpr,       # first QK part: largest power of two <= qk_head_dim
@@ -264,30 +268,14 @@ if HAS_TRITON:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < seqlen_q
         rows = tl.arange(0, BLOCK_M)
-        offs_d1 = tl.arange(0, D1)
-        offs_d2 = D1 + tl.arange(0, BLOCK_D2)
         offs_dv = tl.arange(0, BLOCK_DV)
-        d2_ok = offs_d2 < D1 + D2
         dv_ok = offs_dv < DV
-
-        # int64 bases: Tk * H * D can exceed 2^31; offsets inside a tile stay int32.
         head64 = head.to(tl.int64)
-        q_base = q_ptr + (q_start + m0).to(tl.int64) * stride_qt + head64 * stride_qh
-        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + head64 * stride_kh
-        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + head64 * stride_vh
-
-        # The query tile, loaded once (rows past the sequence read 0 and are never stored).
-        q1 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d1[None, :], m_ok, offs_d1,
-                        True, False)
-        if D2 > 0:
-            q2 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d2[None, :], m_ok, d2_ok,
-                            True, BLOCK_D2 != D2)
-        else:
-            q2 = q1  # unused
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        o_ptrs = (out_ptr + (q_start + m0).to(tl.int64) * stride_ot + head64 * stride_oh
+                  + rows[:, None] * stride_ot + offs_dv[None, :])
+        l_ptrs = lse_ptr + (q_start + m0).to(tl.int64) * stride_lt + head64 * stride_lh \
+            + rows * stride_lt
+        o_mask = m_ok[:, None] & dv_ok[None, :]
 
         if CAUSAL:
             # Key block [n0, n0 + BLOCK_N) is fully visible to every row of the query block iff
@@ -303,12 +291,45 @@ if HAS_TRITON:
         k_lo = tl.where((seq >= dlo1) & (seq < dhi1) & (m_end <= dq1), dk1, k_lo)
         k_lo = tl.where((seq >= dlo2) & (seq < dhi2) & (m_end <= dq2), dk2, k_lo)
         k_lo = tl.where((seq >= dlo3) & (seq < dhi3) & (m_end <= dq3), dk3, k_lo)
-        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
-                                   offs_m, seqlen_k, qk_scale, k_lo, free_end,
-                                   False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
-        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
-                                   offs_m, seqlen_k, qk_scale, tl.maximum(free_end, k_lo),
-                                   kv_end, True, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV)
+        if k_lo >= kv_end:
+            # No key of this block is left to this kernel: merging nothing is the identity;
+            # otherwise the block's rows have no keys here (out = 0, lse = -inf), written without
+            # loading anything.
+            if not ACCUMULATE:
+                tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty),
+                         mask=o_mask)
+                tl.store(l_ptrs, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_ok)
+            return
+
+        offs_d1 = tl.arange(0, D1)
+        offs_d2 = tl.arange(0, BLOCK_D2)
+        d2_ok = offs_d2 < D2
+        # int64 bases: Tk * H * D can exceed 2^31; offsets inside a tile stay int32.
+        q_base = q_ptr + (q_start + m0).to(tl.int64) * stride_qt + head64 * stride_qh
+        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + head64 * stride_kh
+        p_base = p_ptr + k_start.to(tl.int64) * stride_pt + head64 * stride_ph
+        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + head64 * stride_vh
+
+        # The query tile, loaded once (rows past the sequence read 0 and are never stored).
+        q1 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d1[None, :], m_ok, offs_d1,
+                        True, False)
+        if D2 > 0:
+            q2 = _load_tile(q_base + rows[:, None] * stride_qt + (D1 + offs_d2)[None, :], m_ok,
+                            d2_ok, True, BLOCK_D2 != D2)
+        else:
+            q2 = q1  # unused
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, stride_kt,
+                                   stride_pt, stride_vt, offs_m, seqlen_k, qk_scale, k_lo,
+                                   free_end, False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV,
+                                   BLOCK_DV)
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, stride_kt,
+                                   stride_pt, stride_vt, offs_m, seqlen_k, qk_scale,
+                                   tl.maximum(free_end, k_lo), kv_end, True, CAUSAL, BLOCK_N,
+                                   D1, D2, BLOCK_D2, DV, BLOCK_DV)
 
         # Finish. A row with keys always has l >= 1 for finite inputs (its max term is 1); l == 0
         # (all scores -inf) or an LSE of +inf only come from non-finite inputs: report NaN, like
@@ -318,15 +339,24 @@ if HAS_TRITON:
         o = acc * (1.0 / l_i)[:, None]
         o = tl.where(bad[:, None], float("nan"), o)
         lse = tl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # log2 -> natural log
-        no_keys = k_lo >= kv_end  # no key of this block was left to this kernel
-        o = tl.where(no_keys, 0.0, o)
-        lse = tl.where(no_keys, float("-inf"), lse)
+        if ACCUMULATE:
+            # The merge of kernels.merge, on this block's rows: "no keys" is exactly -inf, NaN
+            # propagates, a +inf LSE merges to NaN. This side has keys (lse is finite or NaN).
+            l1 = tl.load(l_ptrs, mask=m_ok, other=float("-inf"))
+            o1 = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+            e1 = l1 == float("-inf")
+            m = tl.maximum(l1, lse)
+            w1 = tl.where(e1, 0.0, tl.exp(l1 - m))
+            w2 = tl.exp(lse - m)
+            s = w1 + w2
+            o = tl.where(e1[:, None], 0.0, o1 * (w1 / s)[:, None]) + o * (w2 / s)[:, None]
+            lse = m + tl.log(s)
+            # Every warp has read its running LSE before any warp overwrites it (the LSE vector
+            # is replicated across warps; see kernels.merge).
+            tl.debug_barrier()
 
-        o_base = out_ptr + (q_start + m0).to(tl.int64) * stride_ot + head64 * stride_oh
-        tl.store(o_base + rows[:, None] * stride_ot + offs_dv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-        l_base = lse_ptr + (q_start + m0).to(tl.int64) * stride_lt + head64 * stride_lh
-        tl.store(l_base + rows * stride_lt, lse, mask=m_ok)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(l_ptrs, lse, mask=m_ok)
 
 
 def num_compiled_kernels() -> int | None:
@@ -372,12 +402,15 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float) -> None:
+           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
+           k_rope: torch.Tensor | None) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D], got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1:] != k.shape[1:] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"need q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; got "
+    k_dim = k.shape[2] + (0 if k_rope is None else k_rope.shape[-1])
+    if q.shape[1] != k.shape[1] or q.shape[2] != k_dim or k.shape[:2] != v.shape[:2]:
+        what = "k [Tk, H, Dqk]" if k_rope is None else "k [Tk, H, Dqk - Drope]"
+        raise ValueError(f"need q [Tq, H, Dqk], {what}, v [Tk, H, Dv]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16,
                                                               torch.float32):
@@ -389,6 +422,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                          f"1 <= v_head_dim <= {MAX_HEAD_DIM}, got {qk_dim}, {v_dim}")
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("q, k and v need a contiguous last dim (stride 1); call .contiguous()")
+    if k_rope is not None:
+        d1 = k.shape[2]
+        if d1 < MIN_QK_HEAD_DIM or d1 & (d1 - 1):
+            raise ValueError(f"with k_rope, k's head dim (the first QK part) must be a power of "
+                             f"two >= {MIN_QK_HEAD_DIM}, got {d1}")
+        if k_rope.dtype != k.dtype or k_rope.device != k.device:
+            raise ValueError(f"k_rope must have k's dtype and device, got {k_rope.dtype} on "
+                             f"{k_rope.device}")
+        ok_shape = (k_rope.dim() == 2 and k_rope.shape[0] == k.shape[0]) or (
+            k_rope.dim() == 3 and k_rope.shape[:2] == k.shape[:2])
+        if not ok_shape or k_rope.shape[-1] == 0 or k_rope.stride(-1) != 1:
+            raise ValueError(f"k_rope must be [Tk, Drope] (shared by every head) or [Tk, H, "
+                             f"Drope] with a contiguous last dim, Drope >= 1; got "
+                             f"{tuple(k_rope.shape)} for k {tuple(k.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
             raise ValueError(f"{name} must be int32 [num_seqs + 1], got {cu.dtype} "
@@ -410,11 +457,31 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                          f"{_MAX_GRID_YZ} (CUDA grid axes 1 and 2); split the batch")
 
 
+def _check_state(state: object, q: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(state, tuple) and len(state) == 2
+            and all(isinstance(t, torch.Tensor) for t in state)):
+        raise TypeError(f"state must be a tuple (out, lse) of tensors, got "
+                        f"{type(state).__name__}")
+    out, lse = state
+    want = (q.shape[0], q.shape[1], v_dim)
+    if tuple(out.shape) != want or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"state out must be [Tq, H, Dv] = {want} in q's dtype {q.dtype} with a "
+                         f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")
+    if tuple(lse.shape) != want[:2] or lse.dtype != torch.float32:
+        raise ValueError(f"state lse must be float32 [Tq, H] = {want[:2]}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    if out.device != q.device or lse.device != q.device:
+        raise ValueError(f"state must be on q's device {q.device}")
+    return out, lse
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                      max_seqlen_q: int, causal: bool, softmax_scale: float,
                      config: AttentionConfig | None = None,
                      dense: tuple[tuple[int, int, int, int], ...] = (),
+                     k_rope: torch.Tensor | None = None,
+                     state: tuple[torch.Tensor, torch.Tensor] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed varlen batch, with LSE (one Triton launch).
 
@@ -443,11 +510,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ints, checked against nothing on the device). Those rows' results cover the other keys
         only (``lse = -inf``, ``out = 0`` when there are none); the caller merges the
         rectangle's in.
+    k_rope : [Tk, rope] or [Tk, H, rope], optional
+        The keys' last ``rope`` dims apart from ``k`` (then ``k`` is ``[Tk, H, qk_head_dim -
+        rope]``, a power of two >= 16): MLA's rope key is one row shared by every head, read
+        here with head stride 0, so nobody has to copy it into every head's key.
+    state : ``(out [Tq, H, v_head_dim], lse float32 [Tq, H])``, optional
+        A running result to merge this call's into, in place, by LSE (the rules of
+        :func:`mlaprefill.kernels.merge.merge_attention_states`), instead of new tensors: no
+        separate merge pass. Rows with no key in this call are not touched (merging nothing is
+        the identity), so a rectangle left to another kernel costs no write here.
 
     Returns
     -------
-    out : [Tq, H, v_head_dim], q's dtype, contiguous
-    lse : float32 [Tq, H], natural log, contiguous
+    out : [Tq, H, v_head_dim], q's dtype; lse : float32 [Tq, H], natural log (``state``'s tensors
+    when given, else new contiguous ones)
 
     A sequence without keys gives ``out = 0, lse = -inf``; a non-finite input gives NaN only in
     its own sequence's rows. Never synchronizes (the grid comes from host ints only); CUDA-graph
@@ -455,36 +531,50 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if not HAS_TRITON:
         raise RuntimeError("varlen_attention needs Triton: pip install triton")
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, k_rope)
     cfg = default_config(causal=causal, max_seqlen_q=max_seqlen_q) if config is None else config
     dense_args = _dense_args(dense, cfg, cu_seqlens_q.shape[0] - 1)
+    v_dim = v.shape[2]
+    if state is not None:
+        state = _check_state(state, q, v_dim)
     if not use_triton(q):
         raise ValueError(f"varlen_attention runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got device {q.device}; on CPU use the 'math' "
                          f"backend")
     num_tokens_q, num_heads, qk_dim = q.shape
-    v_dim = v.shape[2]
-    out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens_q, num_heads, dtype=torch.float32, device=q.device)
+    if state is None:
+        out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(num_tokens_q, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        out, lse = state
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens_q == 0 or num_heads == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0:
         # No keys at all: every sequence is empty. Filled here rather than launched, because an
         # empty tensor may have a null data pointer that Triton's launcher rejects.
-        out.zero_()
-        lse.fill_(float("-inf"))
+        if state is None:
+            out.zero_()
+            lse.fill_(float("-inf"))
         return out, lse
-    d1 = 1 << (qk_dim.bit_length() - 1)  # largest power of two <= qk_dim
+    if k_rope is None:
+        d1 = 1 << (qk_dim.bit_length() - 1)  # largest power of two <= qk_dim
+        rope = k[:, :, d1:] if qk_dim > d1 else k  # (unused when d2 == 0)
+        stride_pt, stride_ph = k.stride(0), k.stride(1)
+    else:
+        d1 = k.shape[2]
+        rope = k_rope
+        stride_pt = k_rope.stride(0)
+        stride_ph = k_rope.stride(1) if k_rope.dim() == 3 else 0
     d2 = qk_dim - d1
     grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+        q, k, rope, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         softmax_scale * _LOG2E, *dense_args,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_pt, stride_ph,
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        CAUSAL=bool(causal), ACCUMULATE=state is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
         DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
