@@ -191,6 +191,45 @@ def test_triton_merge_is_bitwise_repeatable_at_scale():
             assert torch.equal(o1, first[0]) and torch.equal(l1, first[1])
 
 
+def test_triton_split_keys_and_epilogue_merge_match_joined_and_merge_pass():
+    """k_rope (one rope row per key, head stride 0) gives the bits of the joined keys; merging
+    in the epilogue (state=) matches attention + the merge kernel, and repeats bitwise."""
+    from mlaprefill.kernels.attention import varlen_attention
+    from mlaprefill.kernels.rope import broadcast_rope_
+
+    q_lens, k_lens, h = [1, 300, 4096, 77], [5000, 0, 8192, 129], 16
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(sum(q_lens), h, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+    k_nope = torch.randn(sum(k_lens), h, NOPE, device="cuda", generator=g).bfloat16()
+    k_pe = torch.randn(sum(k_lens), ROPE, device="cuda", generator=g).bfloat16()
+    v = torch.randn(sum(k_lens), h, V, device="cuda", generator=g).bfloat16()
+    k = torch.empty(sum(k_lens), h, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+    k[..., :NOPE] = k_nope
+    broadcast_rope_(k, k_pe, NOPE)
+    assert torch.equal(k[..., NOPE:], k_pe[:, None, :].expand(-1, h, -1))
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                   dtype=torch.int32, device="cuda")
+    kw = dict(max_seqlen_q=max(q_lens), causal=False, softmax_scale=0.1)
+    joined = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)
+    split = varlen_attention(q, k_nope, v, cu(q_lens), cu(k_lens), **kw, k_rope=k_pe)
+    assert torch.equal(joined[0], split[0]) and torch.equal(joined[1], split[1])
+    base_o = (torch.randn(sum(q_lens), h, V, device="cuda", generator=g) * 0.1).bfloat16()
+    base_l = torch.randn(sum(q_lens), h, device="cuda", generator=g) * 3
+    ref_o, ref_l = merge_attention_states(base_o.clone(), base_l.clone(), *joined)
+    first = None
+    for _ in range(10):
+        state = (base_o.clone(), base_l.clone())
+        varlen_attention(q, k_nope, v, cu(q_lens), cu(k_lens), **kw, k_rope=k_pe, state=state)
+        if first is None:
+            first = state
+            assert torch.allclose(state[1], ref_l, atol=1e-5)
+            assert torch.allclose(state[0].float(), ref_o.float(), atol=1e-2, rtol=1e-2)
+            # sequence 1 has no keys: its rows are the untouched base
+            assert torch.equal(state[0][1:301], base_o[1:301])
+        else:
+            assert torch.equal(state[0], first[0]) and torch.equal(state[1], first[1])
+
+
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])
 def test_long_context_forward_is_bitwise_repeatable(backend):
     """The whole forward at a long-context shape (128k context, 4 iterations) gives the same

@@ -502,6 +502,7 @@ def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
         Q_PER_OCTAVE,
         bucket_floor,
         dense_rectangles,
+        grid_step,
     )
     from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS
 
@@ -518,7 +519,22 @@ def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
         covered |= set(seqs)
         assert r.q_rows % Q_ALIGN == 0 and r.k_rows % K_ALIGN == 0 and r.q_rows and r.k_rows
         assert (r.q_start, r.k_start) == (cq[r.seq_lo], ck[r.seq_lo])
-        assert r.work == r.batch * r.q_rows * r.k_rows * heads // (2 if causal else 1)
+        nq = q_lens[r.seq_lo]
+        step = grid_step(nq, per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
+        # a tail exactly where it is allowed and worth it: one sequence, non-causal, off the
+        # query grid, >= big_work / 4
+        want_tail = (not causal and r.batch == 1 and nq > r.q_rows
+                     and step * r.k_rows * heads >= big_work // 4)
+        assert bool(r.tail_rows) == want_tail
+        if r.tail_rows:
+            assert r.tail_rows == step and r.q_len == nq
+            assert nq - r.q_rows < r.tail_rows <= nq and r.tail_rows % Q_ALIGN == 0
+            assert r.tail_rows == bucket_floor(step, per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
+            assert r.work == nq * r.k_rows * heads
+            assert r.kernel_args[2] >= nq and r.kernel_args[2] % Q_ALIGN == 0
+        else:
+            assert r.work == r.batch * r.q_rows * r.k_rows * heads // (2 if causal else 1)
+            assert r.kernel_args[2] == r.q_rows
         assert r.work >= big_work
         for s in seqs:  # inside each sequence; the largest grid values that fit
             assert q_lens[s] >= r.q_rows and k_lens[s] >= r.k_rows

@@ -171,11 +171,12 @@ _SCRIPT = textwrap.dedent("""
         be = HybridBackend(big_work=1, min_queries_per_key=0)
         cases = [
             # off-grid lengths: one rectangle per sequence (520 -> 512 queries, 1100 -> 1024
-            # keys; 300 -> 256, 700 -> 640; 5 -> none)
-            ([300, 5, 520], [700, 0, 1100], [(2, 3, 512, 1024), (0, 1, 256, 640)]),
+            # keys; 300 -> 256, 700 -> 640; 5 -> none), each with a tail of 256 queries (the
+            # last 256 of the sequence), so the kernel skips every row: 520 -> 768, 300 -> 512
+            ([300, 5, 520], [700, 0, 1100], [(2, 3, 768, 1024), (0, 1, 512, 640)]),
             ([300, 5, 520], None, [(2, 3, 512, 512), (0, 1, 256, 256)]),
             # on-grid equal neighbours batch into one call; the odd one out is alone
-            ([256, 256, 256, 300], [384, 384, 384, 384], [(0, 3, 256, 384), (3, 4, 256, 384)]),
+            ([256, 256, 256, 300], [384, 384, 384, 384], [(0, 3, 256, 384), (3, 4, 512, 384)]),
             ([256, 256, 1], None, [(0, 2, 256, 256)]),
         ]
         for q_lens, k_lens, expect in cases:

@@ -14,15 +14,24 @@ cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
 * Consecutive sequences whose exact lengths are equal and on the grid form one rectangle of
   ``batch`` sequences: one batched cuDNN call (their rows are contiguous and every stride is a
   function of the grid shape).
-* Only rectangles with ``batch * Qf * Kf * H >= BIG_WORK`` (about 0.3 ms of cuDNN or more, so
-  its host launch hides behind the device), at most
-  :data:`~mlaprefill.kernels.attention.MAX_DENSE_BLOCKS` per call, the largest first.
+* Tail (non-causal, one sequence off the query grid): a second cuDNN call over the sequence's
+  last ``T`` queries x the same ``Kf`` keys, ``T`` the grid step at its length (a power of two
+  >= 256, on the grid), merged for rows ``>= Qf`` only; the few rows both calls computed are
+  dropped once. So every query row of the sequence sees keys ``[0, Kf)`` on cuDNN. Added where
+  ``T * Kf * H >= BIG_WORK / 4``.
+* Only rectangles with ``batch * Qf * Kf * H >= BIG_WORK`` (with a tail, the sequence's whole
+  ``Lq * Kf * H``; about 0.3 ms of cuDNN or more, so its host launch hides behind the device),
+  at most :data:`~mlaprefill.kernels.attention.MAX_DENSE_BLOCKS` per call, the largest first;
+  and only when they hold at least :data:`MIN_QUERIES_PER_KEY` query-key pairs per key row of
+  the call and head, since cuDNN needs each head's key whole (zero rows in the up-projection
+  GEMM and a rope copy) while our kernel reads split keys.
 * One Triton launch does everything else: every other sequence whole, and for a rectangle's
-  sequence the rows ``>= Qf`` over all keys and the rows ``< Qf`` over keys ``>= Kf`` only
-  (``dense=`` of :func:`~mlaprefill.kernels.attention.varlen_attention`). Each rectangle's
-  ``(out, lse)`` is then merged into those rows by LSE (:func:`merge_attention_states`).
+  sequence the rows not in a cuDNN call over all keys and the others over keys ``>= Kf`` only
+  (``dense=`` of :func:`~mlaprefill.kernels.attention.varlen_attention`), merging into the
+  running ``(out, lse)`` in its epilogue where the caller has one (``attend_into``). Each cuDNN
+  call's ``(out, lse)`` is then merged into its rows by LSE (:func:`merge_attention_states`).
 
-Graph cache: one cuDNN graph per (batch, heads, Qf, Kf, causal, dtype, head dims); the grid
+Graph cache: one cuDNN graph per (batch, heads, Qf or T, Kf, causal, dtype, head dims); the grid
 bounds the count (about 30 ``Qf`` values up to 16k queries x about 110 ``Kf`` values up to 128k
 keys per batch size, fewer above ``BIG_WORK``). :meth:`HybridBackend.warmup` builds the graphs of
 given lengths ahead of time; :meth:`HybridBackend.builds` counts them with the Triton compiles.
@@ -63,7 +72,7 @@ MIN_QUERIES_PER_KEY = 384
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
 
-# (q, k, v, rect, causal, scale) -> (out [B*Qf, H, Dv], lse [B*Qf, H])
+# (q, k, v, q0, k0, batch, q_rows, k_rows, causal, scale) -> (out [B*q_rows, H, Dv], lse)
 DenseFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -90,12 +99,18 @@ def bucket_floor(n: int, *, per_octave: int, align: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Rectangle:
     """Queries ``[0, q_rows)`` x keys ``[0, k_rows)`` of each sequence in ``[seq_lo, seq_hi)``,
-    left to cuDNN (host ints).
+    left to cuDNN (host ints); with a tail, the rest of the sequence's queries too.
 
     A rectangle of several sequences (a batched cuDNN call) only groups consecutive sequences
     whose lengths are equal and on the grid (``q_rows``, ``k_rows`` exactly), so its rows are
     contiguous and every stride of the call is a function of the grid shape: the graph count
     stays bounded.
+
+    Tail (one sequence, non-causal, ``q_len > q_rows``): a second cuDNN call over the sequence's
+    last ``tail_rows`` queries (``tail_rows`` = the grid step at ``q_len``, a power of two on the
+    grid and larger than ``q_len - q_rows``), of which only rows ``[q_rows, q_len)`` are merged:
+    the overlap is computed twice and dropped once, so no query row is left to the slower Triton
+    kernel over ``[0, k_rows)`` and the shape is still from the grid.
     """
 
     seq_lo: int
@@ -104,7 +119,9 @@ class Rectangle:
     k_rows: int
     q_start: int   # first query row of sequence seq_lo in the packed q
     k_start: int   # its first key row in the packed k / v
-    work: int      # batch * q_rows * k_rows * heads (halved when causal)
+    work: int      # query-key pairs x heads it takes from the Triton kernel (halved when causal)
+    tail_rows: int = 0
+    q_len: int = 0  # the sequence's query count (with a tail)
 
     @property
     def batch(self) -> int:
@@ -112,14 +129,24 @@ class Rectangle:
 
     @property
     def kernel_args(self) -> tuple[int, int, int, int]:
-        """``(seq_lo, seq_hi, q_rows, k_rows)``: the ``dense=`` entry of ``varlen_attention``."""
-        return (self.seq_lo, self.seq_hi, self.q_rows, self.k_rows)
+        """``(seq_lo, seq_hi, skipped rows, k_rows)``: the ``dense=`` entry of
+        ``varlen_attention`` (with a tail every row of the sequence: ``q_len`` rounded up to
+        ``Q_ALIGN``, which the kernel's blocks divide)."""
+        rows = -(-self.q_len // Q_ALIGN) * Q_ALIGN if self.tail_rows else self.q_rows
+        return (self.seq_lo, self.seq_hi, rows, self.k_rows)
+
+
+def grid_step(n: int, *, per_octave: int, align: int) -> int:
+    """The spacing of :func:`bucket_floor`'s grid at ``n`` (``n >= align``): a power of two
+    (for ``align`` a power of two) on the grid, > ``n - bucket_floor(n)`` and <= ``n``."""
+    return max(align, (1 << (n.bit_length() - 1)) // per_octave)
 
 
 def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int, causal: bool,
                      big_work: int = BIG_WORK) -> list[Rectangle]:
     """The rectangles worth a cuDNN call, largest first, at most ``MAX_DENSE_BLOCKS`` (host ints
-    in, host ints out; see the module docstring)."""
+    in, host ints out; see the module docstring). A tail is added where it holds at least
+    ``big_work / 4``."""
     cq, ck = [int(x) for x in cu_q], [int(x) for x in cu_k]
     num_seqs = len(cq) - 1
     found = []
@@ -136,36 +163,44 @@ def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int
             while end < num_seqs and (cq[end + 1] - cq[end], ck[end + 1] - ck[end]) == (nq, nk):
                 end += 1
         work = (end - s) * qf * kf * num_heads // (2 if causal else 1)
+        tail = 0
+        if not causal and nq > qf:
+            step = grid_step(nq, per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
+            if step * kf * num_heads >= big_work // 4:
+                tail, work = step, nq * kf * num_heads
         if work >= big_work:
-            found.append(Rectangle(s, end, qf, kf, cq[s], ck[s], work))
+            found.append(Rectangle(s, end, qf, kf, cq[s], ck[s], work, tail, nq if tail else 0))
         s = end
     found.sort(key=lambda r: -r.work)
     return found[:MAX_DENSE_BLOCKS]
 
 
-def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,
-                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rect`` in one (batched) cuDNN call on views of q, k, v: out ``[batch * q_rows, H, Dv]``,
-    lse ``[batch * q_rows, H]`` (see :func:`~mlaprefill.backends.cudnn.dense_cudnn_attention`)."""
-    return dense_cudnn_attention(q, k, v, rect.q_start, rect.k_start, rect.batch, rect.q_rows,
-                                 rect.k_rows, causal=causal, softmax_scale=scale)
+def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int, batch: int,
+                q_rows: int, k_rows: int, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` sequences of ``q_rows`` x ``k_rows`` from rows ``q0`` / ``k0`` in one cuDNN call on
+    views of q, k, v: out ``[batch * q_rows, H, Dv]``, lse ``[batch * q_rows, H]`` (see
+    :func:`~mlaprefill.backends.cudnn.dense_cudnn_attention`)."""
+    return dense_cudnn_attention(q, k, v, q0, k0, batch, q_rows, k_rows, causal=causal,
+                                 softmax_scale=scale)
 
 
-def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rect: Rectangle,
-                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rectangle in float32/float64 torch (CPU runs and tests of the composition)."""
+def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int, batch: int,
+                q_rows: int, k_rows: int, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in float32/float64 torch (CPU runs and tests of the composition)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qr, kr = rect.q_rows, rect.k_rows
     outs, lses = [], []
-    for i in range(rect.batch):
-        q0, k0 = rect.q_start + i * qr, rect.k_start + i * kr
-        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + qr].to(acc), k[k0:k0 + kr].to(acc)) * scale
+    for i in range(batch):
+        qs, ks = q0 + i * q_rows, k0 + i * k_rows
+        s = torch.einsum("qhd,khd->hqk", q[qs:qs + q_rows].to(acc),
+                         k[ks:ks + k_rows].to(acc)) * scale
         if causal:
-            s = s.masked_fill(torch.ones(qr, kr, dtype=torch.bool, device=q.device).triu(1),
-                              float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                   # [H, Qf]
+            s = s.masked_fill(torch.ones(q_rows, k_rows, dtype=torch.bool,
+                                         device=q.device).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                   # [H, q_rows]
         outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]),
-                                 v[k0:k0 + kr].to(acc)))
+                                 v[ks:ks + k_rows].to(acc)))
         lses.append(lse.t())
     return torch.cat(outs).to(q.dtype), torch.cat(lses).to(torch.float32)
 
@@ -247,14 +282,23 @@ class HybridBackend(TritonBackend):
                                     softmax_scale=softmax_scale, k_rope=k_rope, state=state,
                                     dense=tuple(r.kernel_args for r in rects))
         dense = self._dense_fn(q.device)
+        graph = (q.shape[1], q.shape[2], v.shape[2], causal, q.dtype)
         for r in rects:
-            self._graph_keys.add((r.batch, q.shape[1], r.q_rows, r.k_rows, q.shape[2],
-                                  v.shape[2], causal, q.dtype))
-            d_out, d_lse = dense(q, k, v, r, causal, softmax_scale)
+            self._graph_keys.add((r.batch, r.q_rows, r.k_rows, *graph))
+            d_out, d_lse = dense(q, k, v, r.q_start, r.k_start, r.batch, r.q_rows, r.k_rows,
+                                 causal, softmax_scale)
             # No flag_inf_lse_as_nan pass: the merge already turns a part's +inf LSE into NaN
             # (exp(inf - inf)), so a NaN row never reads as "all the mass".
             rows = slice(r.q_start, r.q_start + r.batch * r.q_rows)
             merge_attention_states(out[rows], lse[rows], d_out, d_lse)
+            if r.tail_rows:  # the sequence's last tail_rows queries; rows >= q_rows are new
+                t = r.tail_rows
+                self._graph_keys.add((1, t, r.k_rows, *graph))
+                t_out, t_lse = dense(q, k, v, r.q_start + r.q_len - t, r.k_start, 1, t,
+                                     r.k_rows, False, softmax_scale)
+                new = r.q_len - r.q_rows
+                rows = slice(r.q_start + r.q_rows, r.q_start + r.q_len)
+                merge_attention_states(out[rows], lse[rows], t_out[t - new:], t_lse[t - new:])
         return out, lse
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
