@@ -1,0 +1,116 @@
+"""Where the whole forward's time goes, per kernel, on the issue-#11 shapes (one GPU).
+
+    PYTHONPATH=src python benchmarks/forward_profile.py --backends hybrid,triton \
+        --out benchmarks/results/forward_profile_h200.json
+
+For each (heads, requests x queries, context) and backend: the forward's time as
+``benchmarks/attention.py`` measures it (``triton.testing.do_bench`` median, L2 flushed before
+each call), ten forwards back to back (what an engine's next layer sees when the host keeps
+ahead), the host enqueue time (p50 of 20 calls), and the device time of each kernel name summed
+over the forward (``torch.profiler``, mean of 5 forwards). ``device_sum_ms`` against
+``do_bench_ms`` shows how long the device waited for the host inside one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from attention import NOPE, PAGE, VDIM, _forward_inputs
+
+SHAPES = [(128, 1, 4096, 4096), (128, 4, 1024, 32768), (128, 16, 256, 8192),
+          (128, 4, 1000, 30000), (16, 1, 4096, 4096), (16, 4, 1024, 32768),
+          (16, 16, 256, 8192)]
+WORKSPACE = 65536
+
+
+def profile(backends: list[str]) -> list[dict[str, Any]]:
+    import triton.testing
+
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    rows = []
+    for heads, nr, q, c in SHAPES:
+        x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, "cuda")
+        for name in backends:
+            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                   backend=name)
+            policy = op.resolve_policy("auto")
+            plan = ChunkPlanner(WORKSPACE, PAGE, policy=policy).plan(
+                PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
+            dplan = StagingRing("cuda").upload(plan)
+
+            def fwd(op: Any = op, x: dict = x, dplan: Any = dplan) -> Any:
+                return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], dplan, return_lse=True)
+
+            for _ in range(3):
+                fwd()
+            torch.cuda.synchronize()
+            isolated = triton.testing.do_bench(fwd, warmup=5, rep=100, return_mode="median")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fwd()
+            end.record()
+            torch.cuda.synchronize()
+            host = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fwd()
+                host.append((time.perf_counter() - t0) * 1e3)
+            host.sort()
+            with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fwd()
+                torch.cuda.synchronize()
+            kernels = sorted(((k.key[:80], k.device_time_total / 5e3, k.count // 5)
+                              for k in prof.key_averages() if k.device_time_total > 0),
+                             key=lambda r: -r[1])
+            rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
+                         "backend": op.backend_name, "policy": policy,
+                         "iterations": plan.num_iterations, "do_bench_ms": isolated,
+                         "back_to_back_ms": start.elapsed_time(end) / 10,
+                         "host_enqueue_ms_p50": host[10],
+                         "device_sum_ms": sum(k[1] for k in kernels),
+                         "kernels": [{"name": n, "ms_per_forward": ms, "launches": cnt}
+                                     for n, ms, cnt in kernels[:14]]})
+            r = rows[-1]
+            print(f"H={heads:>3} {nr:>2}x{q:<5} ctx {c:>6} {r['backend']:<7} do_bench "
+                  f"{isolated:7.3f} back-to-back {r['back_to_back_ms']:7.3f} device "
+                  f"{r['device_sum_ms']:7.3f} host {host[10]:6.3f} ms | " + ", ".join(
+                      f"{n[:28]} {ms:.3f}" for n, ms, _ in kernels[:5]), flush=True)
+            del op
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="hybrid,triton", help="comma list of backends")
+    ap.add_argument("--out", help="JSON output path")
+    args = ap.parse_args()
+    from mlaprefill._env import machine_info, utc_now
+
+    result = {"benchmark": "forward_profile", "argv": sys.argv, "date_utc": utc_now(offset=True),
+              "machine": machine_info(torch.device("cuda")), "workspace_tokens": WORKSPACE,
+              "rows": profile([b for b in args.backends.split(",") if b])}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
