@@ -486,6 +486,42 @@ def test_fuzz_merge(l1, l2, nan_out, dtype):
     correct("merge_attention_states")
 
 
+# -- the rope copy into every head (kernels.rope) -------------------------------------------------
+@settings(max_examples=80 * SCALE, **SETTINGS)
+@given(n=st.integers(0, 40), heads=st.integers(1, 5), nope=st.integers(0, 9),
+       rope=st.integers(0, 9), extra=st.integers(0, 3),
+       defect=st.sampled_from(["none", "none", "start", "rows", "dtype", "rank"]))
+def test_fuzz_broadcast_rope(n, heads, nope, rope, extra, defect):
+    """Every head's rope slots get the token's rope row and nothing else changes; bad input is a
+    ValueError naming the field."""
+    from mlaprefill.kernels.rope import broadcast_rope_
+
+    g = torch.Generator().manual_seed(n * 131 + heads * 7 + nope)
+    k = torch.randn(n, heads, nope + rope + extra, generator=g, dtype=torch.float64)
+    pe = torch.randn(n, rope, generator=g, dtype=torch.float64)
+    start = nope
+    field = {"start": "start", "rows": "k_pe", "dtype": "dtype", "rank": "k [n, H, D]"}
+    if defect == "start":
+        start = nope + extra + 1
+    elif defect == "rows":
+        pe = torch.zeros(n + 1, rope, dtype=torch.float64)
+    elif defect == "dtype":
+        pe = pe.float()
+    elif defect == "rank":
+        k = k[0] if n else k.reshape(-1)
+    if defect != "none":
+        before = k.clone()
+        with pytest.raises(ValueError) as info:
+            broadcast_rope_(k, pe, start)
+        assert torch.equal(k, before)  # no state changed
+        clear_error("broadcast_rope_", info.value, field[defect])
+        return
+    want = k.clone()
+    want[:, :, start:start + rope] = pe[:, None, :]
+    assert broadcast_rope_(k, pe, start) is k and torch.equal(k, want)
+    correct("broadcast_rope_")
+
+
 # -- attention: the hybrid backend's rectangles (pure host) and the Triton launcher's checks ---
 @settings(max_examples=150 * SCALE, **SETTINGS)
 @given(q_lens=st.lists(st.sampled_from([0, 1, 255, 256, 300, 512, 1000, 4096]), min_size=1,
@@ -551,7 +587,8 @@ def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
 
 @settings(max_examples=60 * SCALE, **SETTINGS)
 @given(defect=st.sampled_from(["none", "rank", "heads", "dtype", "mixed_dtype", "stride",
-                               "cu_dtype", "cu_len", "max_q", "scale", "dims", "dense"]),
+                               "cu_dtype", "cu_len", "max_q", "scale", "dims", "dense",
+                               "rope_rows", "rope_split", "state_type", "state_lse"]),
        causal=st.booleans())
 def test_fuzz_varlen_attention_inputs(defect, causal):
     """Bad inputs are clear errors naming the field; valid CPU inputs (no interpreter) are a
@@ -566,7 +603,9 @@ def test_fuzz_varlen_attention_inputs(defect, causal):
     field = {"rank": "[T, H, D]", "heads": "q [Tq, H, Dqk]", "dtype": "dtype",
              "mixed_dtype": "dtype", "stride": "contiguous", "cu_dtype": "cu_seqlens_q",
              "cu_len": "num_seqs", "max_q": "max_seqlen_q", "scale": "softmax_scale",
-             "dims": "qk_head_dim", "dense": "dense", "none": "device"}[defect]
+             "dims": "qk_head_dim", "dense": "dense", "none": "device",
+             "rope_rows": "k_rope", "rope_split": "power of two", "state_type": "state",
+             "state_lse": "state lse"}[defect]
     if defect == "rank":
         q = q[0]
     elif defect == "heads":
@@ -589,6 +628,14 @@ def test_fuzz_varlen_attention_inputs(defect, causal):
         q, k = q[..., :8], k[..., :8]
     elif defect == "dense":
         kw["dense"] = ((0, 3, 128, 64),)
+    elif defect == "rope_rows":  # the rope key apart, one row short
+        k, kw["k_rope"] = k[..., :16].contiguous(), torch.zeros(8, 8)
+    elif defect == "rope_split":  # the first key part must be a power of two
+        k, kw["k_rope"] = k[..., :12].contiguous(), torch.zeros(9, 12)
+    elif defect == "state_type":
+        kw["state"] = torch.zeros(6, 2, 16)
+    elif defect == "state_lse":
+        kw["state"] = (torch.zeros(6, 2, 16), torch.zeros(6, 2, dtype=torch.float16))
     env = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with pytest.raises((ValueError, TypeError)) as info:

@@ -2,8 +2,9 @@
 
 For each request, query ``i`` attends to the whole cached context and to new tokens ``0..i``:
 
-1. **new tokens** — up-project ``kv_c_new`` to per-head ``k_nope``/``v``, append ``k_pe_new``,
-   causal varlen attention with LSE: the running ``(out, lse)``;
+1. **new tokens** — up-project ``kv_c_new`` to per-head ``k_nope``/``v`` (``k_pe_new`` joined to
+   each head's key or passed apart, as the backend wants), causal varlen attention with LSE: the
+   running ``(out, lse)``;
 2. **context**, one plan iteration at a time (a Python loop over *iterations*, shapes from the
    plan's host ints): gather the iteration's latent rows into a preallocated workspace (or take them
    from ``context_source``), up-project them (one matmul for K, one for V), non-causal varlen

@@ -2,7 +2,9 @@
 
 One launch per call, no padding of V (the kernel handles ``v_head_dim != qk_head_dim``), LSE
 natural log, empty sequences ``out = 0, lse = -inf`` and the NaN rules of :mod:`.base` inside the
-kernel, so no fix-up pass after it.
+kernel, so no fix-up pass after it. It takes split keys (``wants_joined_keys`` is False: MLA's
+rope key ``k_rope [Tk, rope]`` apart, read with head stride 0) and merges into the forward's
+running ``(out, lse)`` in the kernel's epilogue (``attend_into``): no merge pass.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 * :mod:`mlaprefill.kernels.gather` — one iteration's context rows from the paged latent cache into
   the contiguous workspace.
 * :mod:`mlaprefill.kernels.merge` — merge two partial attention results by their log-sum-exp.
+* :mod:`mlaprefill.kernels.rope` — MLA's shared rope key into every head's key (joined layout).
+* :mod:`mlaprefill.kernels.attention` — our varlen flash attention with LSE (Triton only).
 
 Triton is optional: without it (or on CPU tensors) the torch fallbacks run. Both paths are
 sync-free and CUDA-graph safe (shapes come from host ints only).
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 from mlaprefill.kernels.gather import gather_context_rows, gather_context_rows_torch
 from mlaprefill.kernels.merge import merge_attention_states, merge_attention_states_torch
+from mlaprefill.kernels.rope import broadcast_rope_
 
 __all__ = [
+    "broadcast_rope_",
     "gather_context_rows",
     "gather_context_rows_torch",
     "merge_attention_states",

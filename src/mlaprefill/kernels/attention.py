@@ -25,6 +25,11 @@ Design, for Hopper (H200, sm_90) and DeepSeek's MLA shapes (``qk_head_dim = 192 
   is one FMA per score (the same instruction count as ``qk - m``), while scaling ``q`` would
   round the scaled queries back to bf16 (up to 2^-9 relative error on every score).
 * Causal query blocks are launched heaviest (last) first, so the short ones fill the tail.
+* The key may come in two parts with their own strides (``k_rope``): MLA's rope key is one row
+  per token shared by every head, read with head stride 0, so nobody copies it into each head.
+* ``state=(out, lse)``: the epilogue merges the block's result into a running one by LSE (the
+  rules of :mod:`mlaprefill.kernels.merge`), so the chunked forward needs no merge pass. A query
+  block with no key left to it returns before loading anything.
 
 NaN isolation: keys outside the sequence are masked at *load* time (``other=0``) for K and V and
 their scores are set to ``-inf`` with ``where`` (never a multiply by a mask), so a NaN/inf in one
