@@ -30,7 +30,6 @@ Times: ``triton.testing.do_bench`` (CUDA events, warm-up excluded), median over 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from _common import host_enqueue_ms, kernel_ms, write_json
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import VarlenSeqs
 
@@ -48,11 +48,7 @@ PAGE = 64
 
 
 def _bench(fn: Any, rep: int = 60) -> dict[str, float]:
-    import triton.testing
-
-    q = triton.testing.do_bench(fn, warmup=10, rep=rep, quantiles=[0.5, 0.2, 0.8],
-                                return_mode="median")
-    return {"median_ms": q[0], "p20_ms": q[1], "p80_ms": q[2]}
+    return kernel_ms(fn, warmup=10, rep=rep)
 
 
 def _bench_graph(fn: Any, rep: int = 40) -> dict[str, float]:
@@ -61,14 +57,7 @@ def _bench_graph(fn: Any, rep: int = 40) -> dict[str, float]:
     Small memory-bound kernels (a 16k-row gather moves 38 MB in ~10 us) are otherwise timed as
     the host's launch cost, which in the forward hides behind milliseconds of attention.
     """
-    import triton.testing
-
-    try:
-        q = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=[0.5, 0.2, 0.8],
-                                              return_mode="median")
-    except Exception:  # capture failed: fall back to eager timing
-        return {**_bench(fn, rep), "graph": False}
-    return {"median_ms": q[0], "p20_ms": q[1], "p80_ms": q[2], "graph": True}
+    return kernel_ms(fn, rep=rep, graph=True)
 
 
 def _section(results: dict, name: str, fn: Any, dump: Any = None) -> None:
@@ -445,16 +434,9 @@ def bench_vs_ideal(device: str, backends: list[str]) -> dict:
                 first_host_ms = (time.perf_counter() - t0) * 1e3
                 torch.cuda.synchronize()
                 b1 = op.backend.builds()
-                host = []
-                for _ in range(20):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    fwd()
-                    host.append((time.perf_counter() - t0) * 1e3)
-                torch.cuda.synchronize()
+                host = host_enqueue_ms(fwd)
                 t = _bench(fwd, rep=100)
                 b2 = op.backend.builds()
-                host.sort()
                 rows.append({**shape, "backend": op.backend_name, "policy": policy,
                              "iterations": plan.num_iterations, "forward_ms": t["median_ms"],
                              "forward_p20_ms": t["p20_ms"], "forward_p80_ms": t["p80_ms"],
@@ -606,8 +588,7 @@ def main() -> int:
         "machine": machine_info(torch.device(device)),
     }
     def dump() -> None:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        write_json(args.out, results)
 
     if "gather" not in skip:
         _section(results, "gather", lambda: bench_gather(device), dump)

@@ -21,10 +21,11 @@ real rows' output and LSE against the exact call (max abs differences).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from _common import write_json
 
 QK, VD = 192, 128
 SCALE = QK ** -0.5
@@ -141,9 +142,7 @@ def main() -> int:
 
     result = {"benchmark": "cudnn_padding", "argv": sys.argv, "date_utc": utc_now(offset=True),
               "machine": machine_info(torch.device("cuda")), **run()}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 

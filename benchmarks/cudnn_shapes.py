@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from _common import write_json
+
 QK, VD = 192, 128
 SCALE = QK ** -0.5
 # (heads, q_len, k_len, causal): nearby distinct shapes, as a real engine's steps produce them
@@ -138,9 +140,7 @@ def main() -> int:
                                                       if x.startswith("JSON "))[5:])
         print(f"host us per cached launch: "
               f"{result['settings'][setting]['host_us_per_cached_launch']:.1f}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 

@@ -14,13 +14,12 @@ over the forward (``torch.profiler``, mean of 5 forwards). ``device_sum_ms`` aga
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from typing import Any
 
 import torch
 
+from _common import host_enqueue_ms, kernel_ms, write_json
 from attention import NOPE, PAGE, VDIM, _forward_inputs
 
 SHAPES = [(128, 1, 4096, 4096), (128, 4, 1024, 32768), (128, 16, 256, 8192),
@@ -30,7 +29,6 @@ WORKSPACE = 65536
 
 
 def profile(backends: list[str]) -> list[dict[str, Any]]:
-    import triton.testing
 
     from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
@@ -55,20 +53,14 @@ def profile(backends: list[str]) -> list[dict[str, Any]]:
             for _ in range(3):
                 fwd()
             torch.cuda.synchronize()
-            isolated = triton.testing.do_bench(fwd, warmup=5, rep=100, return_mode="median")
+            isolated = kernel_ms(fwd, warmup=5, rep=100)["median_ms"]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(10):
                 fwd()
             end.record()
             torch.cuda.synchronize()
-            host = []
-            for _ in range(20):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fwd()
-                host.append((time.perf_counter() - t0) * 1e3)
-            host.sort()
+            host = host_enqueue_ms(fwd)
             with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
@@ -106,9 +98,7 @@ def main() -> int:
     result = {"benchmark": "forward_profile", "argv": sys.argv, "date_utc": utc_now(offset=True),
               "machine": machine_info(torch.device("cuda")), "workspace_tokens": WORKSPACE,
               "rows": profile([b for b in args.backends.split(",") if b])}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 

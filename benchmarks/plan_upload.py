@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from _common import kernel_ms
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
@@ -287,14 +288,7 @@ def _inputs(query_lens: list[int], context_lens: list[int], heads: int, seed: in
 
 
 def _time(fn: Any, graph: bool = False, rep: int = 60) -> float:
-    import triton.testing
-
-    if graph:
-        try:
-            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-        except Exception:  # capture failed: eager timing below
-            pass
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+    return float(kernel_ms(fn, warmup=10, rep=rep, graph=graph)["median_ms"])
 
 
 def section_c() -> dict:

@@ -15,12 +15,13 @@ Correctness against a float32 reference on two heads: output relative error and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 import torch
+
+from _common import kernel_ms, write_json
 
 QK, VD = 192, 128
 SCALE = QK ** -0.5
@@ -33,9 +34,7 @@ SHAPES = [
 
 
 def _bench(fn: Any) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+    return kernel_ms(fn, warmup=5, rep=50)["median_ms"]
 
 
 def run(quick: bool, names: list[str] | None = None,
@@ -150,9 +149,7 @@ def main() -> int:
               "date_utc": utc_now(offset=True), "machine": machine_info(torch.device("cuda")),
               **run(args.quick, [c for c in args.configs.split(",") if c],
                     tuple(b for b in args.baselines.split(",") if b))}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 
