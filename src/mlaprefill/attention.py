@@ -114,8 +114,8 @@ class MLAChunkedPrefill:
         self._backend_request = backend
         rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
         self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
-        # (rope, dtype, device) -> (W_K [H*qk, rank], W_V [H*v_out, rank]); per instance.
-        self._weights: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
+        # (rope, dtype, device, V padded, joined | "v") -> W_K, W_UK or W_V; per instance.
+        self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
         self._checked: tuple[Any, ...] | None = None  # (device, dtype, qk) the backend runs
 
     # -- configuration ---------------------------------------------------------------------
@@ -152,30 +152,42 @@ class MLAChunkedPrefill:
     def _v_out(self, qk_head_dim: int) -> int:
         return qk_head_dim if self._backend.needs_v_padded else self.v_head_dim
 
-    def _up_weights(self, rope: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(W_K [H*qk, rank] with zero rope rows, W_UK [H*nope, rank], W_V [H*v_out, rank])``."""
-        key = (rope, dtype, device, self._backend.needs_v_padded)
-        cached = self._weights.get(key)
-        if cached is not None:
-            return cached
+    def _up_weights(self, rope: int, dtype: torch.dtype, device: torch.device,
+                    joined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_key, W_V [H*v_out, rank])`` in the compute dtype and device, built once each.
+
+        ``W_key``: joined, ``W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot;
+        split, ``W_UK [H*nope, rank]``. Each layout is built only when a call first wants it
+        (the ``triton`` backend never holds ``W_K``; ``hybrid`` may hold both: 40 % more weight
+        memory than one).
+        """
+        base = (rope, dtype, device, self._backend.needs_v_padded)
+        w_key = self._weights.get((*base, joined))
+        w_v = self._weights.get((*base, "v"))
+        if w_key is not None and w_v is not None:
+            return w_key, w_v
         h, nope, v, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-        qk = nope + rope
-        v_out = self._v_out(qk)
         w = self.weight.to(device=device, dtype=dtype).view(h, nope + v, rank)
-        w_k = torch.zeros(h, qk, rank, dtype=dtype, device=device)
-        w_k[:, :nope] = w[:, :nope]
-        w_v = torch.zeros(h, v_out, rank, dtype=dtype, device=device)
-        w_v[:, :v] = w[:, nope:]
-        cached = (w_k.view(h * qk, rank), w[:, :nope].reshape(h * nope, rank),
-                  w_v.view(h * v_out, rank))
-        self._weights[key] = cached
-        return cached
+        if w_key is None:
+            if joined:
+                w_k = torch.zeros(h, nope + rope, rank, dtype=dtype, device=device)
+                w_k[:, :nope] = w[:, :nope]
+                w_key = w_k.view(h * (nope + rope), rank)
+            else:
+                w_key = w[:, :nope].reshape(h * nope, rank)
+            self._weights[(*base, joined)] = w_key
+        if w_v is None:
+            v_out = self._v_out(nope + rope)
+            w_pad = torch.zeros(h, v_out, rank, dtype=dtype, device=device)
+            w_pad[:, :v] = w[:, nope:]
+            w_v = w_pad.view(h * v_out, rank)
+            self._weights[(*base, "v")] = w_v
+        return w_key, w_v
 
     # -- pieces ----------------------------------------------------------------------------
     def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, k_buf: torch.Tensor,
-                    v_buf: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                    joined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    v_buf: torch.Tensor, rope: int, joined: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``n`` latent rows, written into the flat buffers' first elements.
 
         joined: ``k [n, H, nope+rope] = [kv_c W_UK^T | k_pe]`` (one GEMM whose zero weight rows
@@ -183,11 +195,10 @@ class MLAChunkedPrefill:
         and the backend reads ``k_pe`` itself. ``v [n, H, v_out] = kv_c W_UV^T``.
         """
         n, h = kv_c.shape[0], self.num_heads
-        w_k, w_uk, w_v = weights
-        w = w_k if joined else w_uk
-        width = w.shape[0] // h
+        w_key, w_v = self._up_weights(rope, kv_c.dtype, kv_c.device, joined)
+        width = w_key.shape[0] // h
         k = k_buf[:n * h * width].view(n, h, width)
-        torch.mm(kv_c, w.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*width]
+        torch.mm(kv_c, w_key.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*width]
         if joined:
             broadcast_rope_(k, k_pe, self.qk_nope_head_dim)
         v_out = w_v.shape[0] // h
@@ -346,8 +357,7 @@ class MLAChunkedPrefill:
             self._checked = checked
         backend = self._backend
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
-        weights = self._up_weights(rope, dtype, device)
-        v_out = weights[2].shape[0] // h
+        v_out = self._v_out(qk)
         lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
         num_tokens = plan.num_query_tokens
@@ -370,7 +380,7 @@ class MLAChunkedPrefill:
         joined = backend.wants_joined_keys(new_seqs, h, True)
         k_new, v_new = self._up_project(
             kv_c_new, k_pe_new, torch.empty(num_tokens * h * qk, dtype=dtype, device=device),
-            torch.empty(num_tokens * h * v_out, dtype=dtype, device=device), weights, joined)
+            torch.empty(num_tokens * h * v_out, dtype=dtype, device=device), rope, joined)
         if joined:
             out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
                                           softmax_scale=scale)
@@ -409,7 +419,7 @@ class MLAChunkedPrefill:
                                 plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
                                 cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
             joined = backend.wants_joined_keys(seqs_i, h, False)
-            k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], k_buf, v_buf, weights,
+            k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], k_buf, v_buf, rope,
                                         joined)
             backend.attend_into(q, k_i, v_i, seqs_i, out, lse, causal=False,
                                 softmax_scale=scale, k_rope=None if joined else rows[:, rank:])
