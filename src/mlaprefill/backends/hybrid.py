@@ -65,9 +65,10 @@ BIG_WORK = 1 << 28
 #: call and head: cuDNN needs each head's key whole (``[Tk, H, 192]``), which costs the
 #: up-projection GEMM 64 zero columns per head and a rope copy (~1.5e-10 s x H per key row on the
 #: H200), while it saves ~3.9e-13 s per pair against our kernel (600 vs 440 TFLOP/s at 640 FLOP
-#: per pair): break-even near 372. Measured (issue #11 profile, H200): 16 requests x 256 queries
-#: (256 per key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at 16 heads,
-#: 15.0 against 16.0 ms at 128 heads; 4 x 1024 ran faster with cuDNN (29.7 against 33.1 ms).
+#: per pair): break-even near 372. Measured on the H200 in a profiling call before this rule (the
+#: per-kernel breakdown of benchmarks/forward_profile.py; that JSON was not kept): 16 requests x
+#: 256 queries (256 per key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at
+#: 16 heads, 15.0 against 16.0 ms at 128 heads; 4 x 1024 faster with cuDNN (29.7 against 33.1).
 MIN_QUERIES_PER_KEY = 384
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n

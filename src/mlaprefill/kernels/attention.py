@@ -251,8 +251,8 @@ if HAS_TRITON:
         ACCUMULATE: tl.constexpr,  # merge into (out, lse) by LSE instead of overwriting them
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        D1: tl.constexpr,       # first QK part: largest power of two <= qk_head_dim
-        D2: tl.constexpr,       # second QK part: qk_head_dim - D1 (0: no second dot)
+        D1: tl.constexpr,       # first QK part (from k_ptr): a power of two
+        D2: tl.constexpr,       # second QK part (from p_ptr): qk_head_dim - D1 (0: none)
         BLOCK_D2: tl.constexpr,  # D2 padded to a power of two >= 16
         DV: tl.constexpr,
         BLOCK_DV: tl.constexpr,  # DV padded to a power of two >= 16
