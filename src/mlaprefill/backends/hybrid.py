@@ -143,12 +143,18 @@ def grid_step(n: int, *, per_octave: int, align: int) -> int:
     return max(align, (1 << (n.bit_length() - 1)) // per_octave)
 
 
+def _host_ints(values: Iterable[int]) -> list[int]:
+    # numpy arrays (the plan's offsets) convert in one call: ~10x faster than int() per element
+    tolist = getattr(values, "tolist", None)
+    return [int(x) for x in (tolist() if tolist is not None else values)]
+
+
 def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int, causal: bool,
                      big_work: int = BIG_WORK) -> list[Rectangle]:
     """The rectangles worth a cuDNN call, largest first, at most ``MAX_DENSE_BLOCKS`` (host ints
     in, host ints out; see the module docstring). A tail is added where it holds at least
     ``big_work / 4``."""
-    cq, ck = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    cq, ck = _host_ints(cu_q), _host_ints(cu_k)
     num_seqs = len(cq) - 1
     found = []
     s = 0
