@@ -247,3 +247,20 @@ def test_plan_arrays_are_int32():
     plan = ChunkPlanner(64, 4).plan(PrefillBatch([1, 2], [9, 30], page_size=4))
     for name, arr in plan.device_arrays().items():
         assert arr.dtype == np.int32, name
+
+
+def test_host_launch_helpers(monkeypatch):
+    """The grid helpers every launch uses, and which tensors take the Triton path."""
+    import math
+
+    from mlaprefill.kernels import _triton
+
+    assert all(_triton.cdiv(a, b) == math.ceil(a / b) for a in range(200) for b in range(1, 30))
+    assert [_triton.next_power_of_2(n) for n in (0, 1, 2, 3, 64, 65)] == [1, 1, 2, 4, 64, 128]
+    cpu = torch.zeros(1)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not _triton.use_triton(cpu) and not _triton.use_triton()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _triton.use_triton(cpu, cpu) == _triton.HAS_TRITON
+    monkeypatch.setattr(_triton, "HAS_TRITON", False)
+    assert not _triton.use_triton(cpu)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 try:  # pragma: no cover - depends on the environment
     import triton
     import triton.language as tl
@@ -12,7 +14,18 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "tl", "triton"]
+__all__ = ["HAS_TRITON", "cdiv", "next_power_of_2", "tl", "triton", "use_triton"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` costs ~2 us a call in newer Triton, where it
+    is a constexpr function; launches compute grids with this one)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), host ints."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def use_triton(*tensors: object) -> bool:
@@ -21,11 +34,9 @@ def use_triton(*tensors: object) -> bool:
     Triton runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (used by the
     tests to check kernel logic without a GPU).
     """
-    import os
-
     if not HAS_TRITON:
         return False
-    devices = {t.device.type for t in tensors}  # type: ignore[attr-defined]
-    if devices == {"cuda"}:
-        return True
-    return devices == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1"
+    kinds = [t.device.type for t in tensors]  # type: ignore[attr-defined]
+    if all(kind == "cuda" for kind in kinds):
+        return bool(kinds)
+    return all(kind == "cpu" for kind in kinds) and os.environ.get("TRITON_INTERPRET") == "1"

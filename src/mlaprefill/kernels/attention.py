@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, tl, triton, use_triton
 
 __all__ = [
     "DEFAULT_ATTENTION_CONFIG",
@@ -572,7 +572,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_pt = k_rope.stride(0)
         stride_ph = k_rope.stride(1) if k_rope.dim() == 3 else 0
     d2 = qk_dim - d1
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
+    grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
         q, k, rope, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         softmax_scale * _LOG2E, *dense_args,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, tl, triton, use_triton
 
 __all__ = ["gather_context_rows", "gather_context_rows_torch", "rows_to_requests"]
 
@@ -220,7 +220,7 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
     if num_rows == 0:
         return workspace[:0]
     num_reqs = block_table.shape[0]
-    grid = (triton.cdiv(num_rows, block_rows),)
+    grid = (cdiv(num_rows, block_rows),)
     _gather_kernel[grid](
         kv_cache, workspace, block_table, cu_seq_lens, chunk_starts,
         num_rows, num_reqs, kv_cache.shape[0], kv_cache.stride(0), kv_cache.stride(1),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = ["merge_attention_states", "merge_attention_states_torch"]
 
@@ -171,12 +171,12 @@ def merge_attention_states(out: torch.Tensor, lse: torch.Tensor, part_out: torch
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return out, lse
-    grid = (triton.cdiv(num_rows, block_rows),)
+    grid = (cdiv(num_rows, block_rows),)
     _merge_kernel[grid](
         out, lse, part_out, part_lse, num_heads, num_rows,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, BLOCK_D=next_power_of_2(head_dim),
         num_warps=num_warps,
     )
     return out, lse

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = ["broadcast_rope_"]
 
@@ -73,8 +73,8 @@ def broadcast_rope_(k: torch.Tensor, k_pe: torch.Tensor, start: int, *,
     if not use_triton(k, k_pe) or k.stride(2) != 1 or k_pe.stride(1) != 1:
         k[:, :, start:start + rope].copy_(k_pe[:, None, :].expand(n, heads, rope))
         return k
-    _broadcast_rope_kernel[(triton.cdiv(n, block_t),)](
+    _broadcast_rope_kernel[(cdiv(n, block_t),)](
         k[:, :, start:], k_pe, n, heads, k.stride(0), k.stride(1), k_pe.stride(0),
-        ROPE=rope, BLOCK_R=triton.next_power_of_2(rope), BLOCK_T=block_t, num_warps=num_warps,
+        ROPE=rope, BLOCK_R=next_power_of_2(rope), BLOCK_T=block_t, num_warps=num_warps,
     )
     return k
