@@ -91,6 +91,11 @@ def bucket_floor(n: int, *, per_octave: int, align: int) -> int:
         raise ValueError(f"align must be an int >= 1, got {align!r}")
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int, got {type(n).__name__}")
+    return _floor(n, per_octave, align)
+
+
+def _floor(n: int, per_octave: int, align: int) -> int:
+    # bucket_floor without the argument checks (the hot path passes the module's constants)
     if n < align:
         return 0
     step = max(align, (1 << (n.bit_length() - 1)) // per_octave)
@@ -160,10 +165,13 @@ def dense_rectangles(cu_q: Iterable[int], cu_k: Iterable[int], *, num_heads: int
     s = 0
     while s < num_seqs:
         nq, nk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
-        qf = bucket_floor(nq, per_octave=Q_PER_OCTAVE, align=Q_ALIGN)
-        kf = qf if causal else bucket_floor(nk, per_octave=K_PER_OCTAVE, align=K_ALIGN)
+        qf = _floor(nq, Q_PER_OCTAVE, Q_ALIGN)
         end = s + 1
-        if not qf or not kf or (causal and nk != nq):
+        if not qf:
+            s = end
+            continue
+        kf = qf if causal else _floor(nk, K_PER_OCTAVE, K_ALIGN)
+        if not kf or (causal and nk != nq):
             s = end  # causal is defined for equal lengths only: left to the Triton kernel
             continue
         if (nq, nk) == (qf, kf):  # on the grid: batch the run of equal sequences after it
