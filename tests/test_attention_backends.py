@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlaprefill.backends import (
     AUTO_ORDER,
@@ -90,3 +92,54 @@ def test_selection():
         get_backend("x", device="cpu", dtype=torch.float32, qk_head_dim=8, v_head_dim=8)
     with pytest.raises(ValueError, match="no attention backend supports"):
         get_backend("auto", device="cpu", dtype=torch.int32, qk_head_dim=8, v_head_dim=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+                     min_size=1, max_size=5),
+       heads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
+    """The default ``attend_into`` (attend + merge): a running result from key part A merged
+    with key part B is attention over A and B together, per sequence, in float64; a sequence
+    with no keys in either part keeps ``out = 0, lse = -inf``."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [a for a, _, _ in lens]
+    a_lens, b_lens = [b for _, b, _ in lens], [c for _, _, c in lens]
+    q = torch.randn(sum(q_lens), heads, 6, generator=g, dtype=torch.float64)
+    ka, va = (torch.randn(sum(a_lens), heads, d, generator=g, dtype=torch.float64)
+              for d in (6, 5))
+    kb, vb = (torch.randn(sum(b_lens), heads, d, generator=g, dtype=torch.float64)
+              for d in (6, 5))
+    be = BACKENDS["math"]()
+    seqs_a = VarlenSeqs(_cu(q_lens), _cu(a_lens), max(q_lens), max(a_lens))
+    seqs_b = VarlenSeqs(_cu(q_lens), _cu(b_lens), max(q_lens), max(b_lens))
+    out, lse = be.attend(q, ka, va, seqs_a, causal=False, softmax_scale=0.4)
+    out, lse = out.clone(), lse.clone()
+    assert be.attend_into(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4) is None
+    cq, ca, cb = (_cu(x_).tolist() for x_ in (q_lens, a_lens, b_lens))
+    for s in range(len(lens)):
+        rows = slice(cq[s], cq[s + 1])
+        k = torch.cat([ka[ca[s]:ca[s + 1]], kb[cb[s]:cb[s + 1]]])
+        v = torch.cat([va[ca[s]:ca[s + 1]], vb[cb[s]:cb[s + 1]]])
+        if q_lens[s] == 0:
+            continue
+        if k.shape[0] == 0:
+            assert torch.isneginf(lse[rows]).all() and (out[rows] == 0).all()
+            continue
+        want_o, want_l = _dense(q[rows], k, v, 0.4, False)
+        assert torch.allclose(out[rows], want_o, atol=1e-10)
+        assert torch.allclose(lse[rows], want_l, atol=1e-10)
+    with pytest.raises(ValueError, match="needs joined keys"):
+        be.attend_into(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4,
+                       k_rope=kb[..., :2])
+
+
+def test_hybrid_thresholds_are_checked():
+    from mlaprefill.backends.hybrid import HybridBackend
+
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="min_queries_per_key must be an int >= 0"):
+            HybridBackend(min_queries_per_key=bad)
+        with pytest.raises(ValueError, match="big_work must be an int >= 0"):
+            HybridBackend(big_work=bad)
+    assert HybridBackend(big_work=0, min_queries_per_key=0).min_queries_per_key == 0

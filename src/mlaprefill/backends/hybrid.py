@@ -242,6 +242,9 @@ class HybridBackend(TritonBackend):
 
     def __init__(self, *, big_work: int = BIG_WORK,
                  min_queries_per_key: int = MIN_QUERIES_PER_KEY) -> None:
+        for name, value in (("big_work", big_work), ("min_queries_per_key", min_queries_per_key)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"HybridBackend {name} must be an int >= 0, got {value!r}")
         super().__init__()
         self.big_work = big_work
         self.min_queries_per_key = min_queries_per_key
