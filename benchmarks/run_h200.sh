@@ -14,6 +14,8 @@
 #   attention    benchmarks/attention.py (kernels, backends, whole forward, forward per
 #                planner policy)
 #   determinism  benchmarks/determinism.py --probe --runs 16
+#   ideal        issue #11's whole-forward ratio to the ideal, 3 interleaved rounds per shape
+#                (hybrid, triton, cudnn, varlen), then the per-kernel profile (hybrid, triton)
 # dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on
 # GPU 1 (on GPU 0 after the bench when there is one GPU); they share the host's cores, which every
 # JSON's run_context should say. NVLink multicast stays off (the lent machine's rule).
@@ -22,7 +24,7 @@ out=${1:?usage: benchmarks/run_h200.sh OUT_DIR [JOB ...]}
 shift
 jobs=("$@")
 [ ${#jobs[@]} -gt 0 ] || jobs=(dcp bench tests plan_upload audit)
-known=" dcp bench tests plan_upload audit attention determinism "
+known=" dcp bench tests plan_upload audit attention determinism ideal "
 for j in "${jobs[@]}"; do
     case "$known" in
         *" $j "*) ;;
@@ -75,6 +77,15 @@ micro() {
     if has attention; then
         python3 benchmarks/attention.py --out "$out/attention_h200.json" 2>&1 | tail -n 60
         echo "== attention rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has ideal; then
+        python3 benchmarks/attention.py --skip gather,merge,attention,forward,policies \
+            --backends hybrid,triton,cudnn,varlen --repeats 3 \
+            --out "$out/attention_vs_ideal_h200.json" 2>&1 | grep -v Warning | tail -n 60
+        echo "== vs_ideal rc=${PIPESTATUS[0]} ($(date -u +%T))"
+        python3 benchmarks/forward_profile.py --backends hybrid,triton \
+            --out "$out/forward_profile_h200.json" 2>&1 | grep "H=" | tail -n 20
+        echo "== forward_profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
 }
 
