@@ -9,12 +9,10 @@ running ``(out, lse)`` in the kernel's epilogue (``attend_into``): no merge pass
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mlaprefill.backends.base import AttentionBackend, VarlenSeqs
-from mlaprefill.kernels._triton import HAS_TRITON
+from mlaprefill.kernels._triton import device_reason
 from mlaprefill.kernels.attention import (
     MAX_HEAD_DIM,
     MIN_QK_HEAD_DIM,
@@ -48,22 +46,17 @@ class TritonBackend(AttentionBackend):
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
-        if not HAS_TRITON:
-            return "Triton is not installed"
-        # The rule of kernels._triton.use_triton, decided from the device alone.
+        why = device_reason(device.type)  # the rule of kernels._triton.use_triton
+        if why is not None:
+            return why
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return "CUDA is not available"
             if dtype not in (torch.float16, torch.bfloat16):
                 return f"needs float16/bfloat16 on CUDA, got {dtype}"
-        elif device.type == "cpu":
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
-            if dtype not in (torch.float16, torch.float32):
-                # bfloat16 tl.dot is wrong in Triton's interpreter (it multiplies the raw bits).
-                return f"the Triton interpreter runs float16/float32, got {dtype}"
-        else:
-            return f"needs a CUDA device, got {device.type}"
+        elif dtype not in (torch.float16, torch.float32):
+            # bfloat16 tl.dot is wrong in Triton's interpreter (it multiplies the raw bits).
+            return f"the Triton interpreter runs float16/float32, got {dtype}"
         if not (MIN_QK_HEAD_DIM <= qk_head_dim <= MAX_HEAD_DIM
                 and 1 <= v_head_dim <= MAX_HEAD_DIM):
             return (f"head dims qk={qk_head_dim}, v={v_head_dim} unsupported (need "

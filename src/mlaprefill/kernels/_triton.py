@@ -14,7 +14,8 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "cdiv", "next_power_of_2", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "cdiv", "device_reason", "next_power_of_2", "tl", "triton",
+           "use_triton"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,15 +29,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def use_triton(*tensors: object) -> bool:
-    """Whether the Triton path should run for these tensors.
-
-    Triton runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (used by the
-    tests to check kernel logic without a GPU).
-    """
+def device_reason(device_type: str) -> str | None:
+    """Why Triton kernels cannot run on tensors of this device type, or None: they run on CUDA,
+    and on CPU only under ``TRITON_INTERPRET=1`` (the tests check kernel logic that way)."""
     if not HAS_TRITON:
-        return False
-    kinds = [t.device.type for t in tensors]  # type: ignore[attr-defined]
-    if all(kind == "cuda" for kind in kinds):
-        return bool(kinds)
-    return all(kind == "cpu" for kind in kinds) and os.environ.get("TRITON_INTERPRET") == "1"
+        return "Triton is not installed"
+    if device_type == "cuda":
+        return None
+    if device_type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
+    return f"needs a CUDA device, got {device_type}"
+
+
+def use_triton(*tensors: object) -> bool:
+    """Whether the Triton path should run for these tensors: all on one device type that
+    :func:`device_reason` accepts."""
+    kinds = {t.device.type for t in tensors}  # type: ignore[attr-defined]
+    return len(kinds) == 1 and device_reason(kinds.pop()) is None
