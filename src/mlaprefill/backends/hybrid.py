@@ -235,7 +235,8 @@ class HybridBackend(TritonBackend):
     name = "hybrid"
     # equal: its chunks are W / n for every request with enough context, so in fair-share steps
     # on-grid neighbours batch into one cuDNN call. Measured on the H200 (bench_uneven_h200.json,
-    # one repeat each): ring+equal 185.8k tok/s, ring+balanced 172.9k, ring+packed 140.7k.
+    # one repeat each): ring+equal 194.9k tok/s, ring+balanced 190.6k, ring+packed 155.8k (the
+    # previous run: 185.8k / 172.9k / 140.7k).
     preferred_policy = "equal"
     # The same process-wide reasoning as CudnnBackend: torch's graph cache outlives this object.
     _graph_keys: ClassVar[set[tuple]] = set()
