@@ -50,7 +50,7 @@ from typing import ClassVar
 import torch
 
 from mlaprefill.backends.base import VarlenSeqs
-from mlaprefill.backends.cudnn import dense_cudnn_attention
+from mlaprefill.backends.cudnn import CudnnBackend, dense_cudnn_attention
 from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
@@ -256,12 +256,9 @@ class HybridBackend(TritonBackend):
         why = super().unsupported_reason(device, dtype, qk_head_dim, v_head_dim)
         if why is not None or device.type != "cuda":
             return why
-        if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) \
-                < 90000 or not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-            return "needs cuDNN >= 9 attention (aten._scaled_dot_product_cudnn_attention)"
-        if qk_head_dim % 8 or v_head_dim % 8:
-            return f"cuDNN needs head dims that are multiples of 8, got {qk_head_dim}, {v_head_dim}"
-        return None
+        # its rectangles run on the cudnn backend's kernel: the same requirements
+        why = CudnnBackend().unsupported_reason(device, dtype, qk_head_dim, v_head_dim)
+        return None if why is None else f"its cuDNN part: {why}"
 
     def builds(self) -> int | None:
         """Triton compiles plus the cuDNN graphs of the distinct rectangle shapes launched."""
