@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, cdiv, tl, triton, use_triton
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "DEFAULT_ATTENTION_CONFIG",
@@ -152,6 +152,7 @@ def attention_configs() -> dict[str, AttentionConfig]:
 
 
 if HAS_TRITON:
+    from mlaprefill.kernels.merge import merge_rows  # the epilogue merge: one definition
 
     @triton.jit
     def _load_tile(ptrs, row_ok, col_ok, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr):
@@ -346,16 +347,10 @@ if HAS_TRITON:
         lse = tl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # log2 -> natural log
         if ACCUMULATE:
             # The merge of kernels.merge, on this block's rows: "no keys" is exactly -inf, NaN
-            # propagates, a +inf LSE merges to NaN. This side has keys (lse is finite or NaN).
+            # propagates, a +inf LSE merges to NaN.
             l1 = tl.load(l_ptrs, mask=m_ok, other=float("-inf"))
             o1 = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-            e1 = l1 == float("-inf")
-            m = tl.maximum(l1, lse)
-            w1 = tl.where(e1, 0.0, tl.exp(l1 - m))
-            w2 = tl.exp(lse - m)
-            s = w1 + w2
-            o = tl.where(e1[:, None], 0.0, o1 * (w1 / s)[:, None]) + o * (w2 / s)[:, None]
-            lse = m + tl.log(s)
+            o, lse = merge_rows(l1, o1, lse, o)
             # Every warp has read its running LSE before any warp overwrites it (the LSE vector
             # is replicated across warps; see kernels.merge).
             tl.debug_barrier()
@@ -403,7 +398,7 @@ def _dense_args(dense: tuple[tuple[int, int, int, int], ...], cfg: AttentionConf
 
 
 def _pow2_at_least_16(n: int) -> int:
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    return max(16, next_power_of_2(n))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

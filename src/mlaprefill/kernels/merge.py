@@ -35,6 +35,30 @@ __all__ = ["merge_attention_states", "merge_attention_states_torch"]
 if HAS_TRITON:
 
     @triton.jit
+    def merge_rows(l1, o1, l2, o2):
+        """The merge of one tile: LSEs ``l1, l2`` fp32 ``[R]``, outputs ``o1, o2`` fp32 ``[R, D]``
+        -> ``(o [R, D], lse [R])`` by the rules of this module (the attention kernel's epilogue
+        merge calls it too, so both follow one definition)."""
+        # "No keys" is exactly lse == -inf (false for NaN). A NaN LSE makes its weight NaN
+        # (whatever tl.maximum does with NaN), hence s, both coefficients and the new LSE.
+        e1 = l1 == float("-inf")
+        e2 = l2 == float("-inf")
+        empty = e1 & e2
+        m = tl.maximum(l1, l2)
+        m_safe = tl.where(empty, 0.0, m)
+        w1 = tl.where(e1, 0.0, tl.exp(l1 - m_safe))
+        w2 = tl.where(e2, 0.0, tl.exp(l2 - m_safe))
+        s_safe = tl.where(empty, 1.0, w1 + w2)
+        c1 = w1 / s_safe
+        c2 = w2 / s_safe
+        new_lse = tl.where(empty, float("-inf"), m_safe + tl.log(s_safe))
+        # where(), not multiply: a -inf side may carry NaN/garbage and must not leak (0 * NaN);
+        # a side with keys is always multiplied, so its NaN survives even a 0 weight.
+        o = (tl.where(e1[:, None], 0.0, o1 * c1[:, None])
+             + tl.where(e2[:, None], 0.0, o2 * c2[:, None]))
+        return o, new_lse
+
+    @triton.jit
     def _merge_kernel(
         out_ptr,            # [T, H, V] running output, updated in place
         lse_ptr,            # float32 [T, H] running LSE, updated in place
@@ -59,20 +83,6 @@ if HAS_TRITON:
                      other=float("-inf")).to(tl.float32)
         l2 = tl.load(part_lse_ptr + t * stride_plse_t + h * stride_plse_h, mask=row_mask,
                      other=float("-inf")).to(tl.float32)
-        # "No keys" is exactly lse == -inf (false for NaN). A NaN LSE makes its weight NaN
-        # (whatever tl.maximum does with NaN), hence s, both coefficients and the new LSE.
-        e1 = l1 == float("-inf")
-        e2 = l2 == float("-inf")
-        empty = e1 & e2
-        m = tl.maximum(l1, l2)
-        m_safe = tl.where(empty, 0.0, m)
-        w1 = tl.where(e1, 0.0, tl.exp(l1 - m_safe))
-        w2 = tl.where(e2, 0.0, tl.exp(l2 - m_safe))
-        s_safe = tl.where(empty, 1.0, w1 + w2)
-        c1 = w1 / s_safe
-        c2 = w2 / s_safe
-        new_lse = tl.where(empty, float("-inf"), m_safe + tl.log(s_safe))
-
         cols = tl.arange(0, BLOCK_D)
         col_mask = cols < HEAD_DIM
         mask = row_mask[:, None] & col_mask[None, :]
@@ -80,10 +90,7 @@ if HAS_TRITON:
         p_off = (t * stride_part_t + h * stride_part_h)[:, None] + cols[None, :]
         o1 = tl.load(out_ptr + o_off, mask=mask, other=0.0).to(tl.float32)
         o2 = tl.load(part_out_ptr + p_off, mask=mask, other=0.0).to(tl.float32)
-        # where(), not multiply: a -inf side may carry NaN/garbage and must not leak (0 * NaN);
-        # a side with keys is always multiplied, so its NaN survives even a 0 weight.
-        o = (tl.where(e1[:, None], 0.0, o1 * c1[:, None])
-             + tl.where(e2[:, None], 0.0, o2 * c2[:, None]))
+        o, new_lse = merge_rows(l1, o1, l2, o2)
         # The [BLOCK_ROWS] LSE values are replicated across the program's warps: every warp
         # loads l1 itself. Storing the merged LSE in place before *all* warps have read l1 let a
         # late warp read the merged value and scale its columns of `out` wrongly: the likely
