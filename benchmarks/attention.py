@@ -612,6 +612,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="vs_ideal: rounds per shape (ideal and every backend each round)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
