@@ -8,7 +8,9 @@ For each (heads, requests x queries, context) and backend: the forward's time as
 each call), ten forwards back to back (what an engine's next layer sees when the host keeps
 ahead), the host enqueue time (p50 of 20 calls), and the device time of each kernel name summed
 over the forward (``torch.profiler``, mean of 5 forwards). ``device_sum_ms`` against
-``do_bench_ms`` shows how long the device waited for the host inside one call.
+``do_bench_ms`` shows how long the device waited for the host inside one call; ``idle`` says
+where: the device's idle time between kernels of the 5 profiled forwards (queued back to back),
+per forward, and the largest gaps with the kernels on either side.
 """
 
 from __future__ import annotations
@@ -26,6 +28,28 @@ SHAPES = [(128, 1, 4096, 4096), (128, 4, 1024, 32768), (128, 16, 256, 8192),
           (128, 4, 1000, 30000), (16, 1, 4096, 4096), (16, 4, 1024, 32768),
           (16, 16, 256, 8192)]
 WORKSPACE = 65536
+
+
+def idle_gaps(prof: Any, forwards: int, top: int = 4) -> dict[str, Any]:
+    """Idle device time between consecutive kernels in a profile of ``forwards`` forwards run
+    back to back (one stream): per forward, and the ``top`` largest gaps (us) with the kernel
+    names around them."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = []
+    end_so_far = kernels[0][1] if kernels else 0.0
+    prev = kernels[0][2] if kernels else ""
+    for start, end, name in kernels[1:]:
+        if start > end_so_far:
+            gaps.append((start - end_so_far, prev, name))
+        if end >= end_so_far:
+            end_so_far, prev = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"idle_ms_per_forward": sum(g[0] for g in gaps) / 1e3 / forwards,
+            "span_ms_per_forward": ((kernels[-1][1] - kernels[0][0]) / 1e3 / forwards
+                                    if kernels else 0.0),
+            "largest_gaps": [{"us": round(us, 1), "after": a[:60], "before": b[:60]}
+                             for us, a, b in gaps[:top]]}
 
 
 def profile(backends: list[str]) -> list[dict[str, Any]]:
@@ -75,12 +99,14 @@ def profile(backends: list[str]) -> list[dict[str, Any]]:
                          "back_to_back_ms": start.elapsed_time(end) / 10,
                          "host_enqueue_ms_p50": host[10],
                          "device_sum_ms": sum(k[1] for k in kernels),
+                         "idle": idle_gaps(prof, 5),
                          "kernels": [{"name": n, "ms_per_forward": ms, "launches": cnt}
                                      for n, ms, cnt in kernels[:14]]})
             r = rows[-1]
             print(f"H={heads:>3} {nr:>2}x{q:<5} ctx {c:>6} {r['backend']:<7} do_bench "
                   f"{isolated:7.3f} back-to-back {r['back_to_back_ms']:7.3f} device "
-                  f"{r['device_sum_ms']:7.3f} host {host[10]:6.3f} ms | " + ", ".join(
+                  f"{r['device_sum_ms']:7.3f} idle {r['idle']['idle_ms_per_forward']:6.3f} host "
+                  f"{host[10]:6.3f} ms | " + ", ".join(
                       f"{n[:28]} {ms:.3f}" for n, ms, _ in kernels[:5]), flush=True)
             del op
         del x
