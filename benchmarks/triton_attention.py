@@ -10,6 +10,10 @@ median), TFLOP/s with ``FLOPs = 2 * sum_r(q_r * k_r) * H * (192 + 128)`` (causal
 keys per request), and the same inputs through cuDNN (one dense call per request, graphs built
 before timing: its best case) and FA2 varlen (V padded to 192), measured in the same run.
 Correctness against a float32 reference on two heads: output relative error and LSE max-abs.
+
+``--split-keys``: our kernel gets the forward's layout for backends that read split keys, K as
+``[Tk, H, 128]`` plus one shared rope row per key ``[Tk, 64]`` (head stride 0); the reference and
+the baselines get the same keys joined. ``--heads 16`` keeps the shapes with that head count.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ SHAPES = [
     (128, 1, 4096, 65536, False), (16, 1, 4096, 131072, False), (128, 1, 2048, 16384, False),
     (128, 4, 1024, 16384, False), (16, 16, 256, 8192, False), (128, 16, 256, 4096, False),
     (128, 1, 4096, 4096, True), (16, 1, 4096, 4096, True), (16, 16, 256, 256, True),
+    # one workspace iteration of the forward at 16 heads: 16 x 256 over half of 8k, 1 x 4096 / 4k
+    (16, 16, 256, 4096, False), (16, 1, 4096, 4096, False),
 ]
+ROPE = 64
 
 
 def _bench(fn: Any) -> float:
@@ -38,7 +45,8 @@ def _bench(fn: Any) -> float:
 
 
 def run(quick: bool, names: list[str] | None = None,
-        baselines: tuple[str, ...] = ("cudnn", "varlen")) -> dict[str, Any]:
+        baselines: tuple[str, ...] = ("cudnn", "varlen"), split_keys: bool = False,
+        heads: int | None = None) -> dict[str, Any]:
     from mlaprefill.backends import VarlenSeqs, get_backend
     from mlaprefill.kernels.attention import attention_configs, varlen_attention
 
@@ -50,16 +58,26 @@ def run(quick: bool, names: list[str] | None = None,
     elif quick:
         configs = dict(list(configs.items())[:3])
     for h, nr, sq, sk, causal in SHAPES:
+        if heads is not None and h != heads:
+            continue
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(nr * sq, h, QK, device=dev, dtype=torch.bfloat16, generator=g)
         k = torch.randn(nr * sk, h, QK, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn(nr * sk, h, VD, device=dev, dtype=torch.bfloat16, generator=g)
+        split: dict[str, Any] = {}
+        if split_keys:  # one rope row per key, shared by the heads; the kernel reads it apart
+            k[..., QK - ROPE:] = k[:, :1, QK - ROPE:]
+            split = {"k_rope": k[:, 0, QK - ROPE:].contiguous()}
+            k_kernel = k[..., :QK - ROPE].contiguous()
+        else:
+            k_kernel = k
         cu_q = torch.arange(nr + 1, device=dev, dtype=torch.int32) * sq
         cu_k = torch.arange(nr + 1, device=dev, dtype=torch.int32) * sk
         keys = sq * (sq + 1) / 2 if causal else sq * sk
         flops = 2 * nr * keys * h * (QK + VD)
         entry: dict[str, Any] = {"heads": h, "num_reqs": nr, "q_len": sq, "k_len": sk,
-                                 "causal": causal, "triton": {}, "baselines": {}}
+                                 "causal": causal, "split_keys": split_keys, "triton": {},
+                                 "baselines": {}}
         # float32 reference on request 0, heads 0-1
         qf, kf, vf = q[:sq, :2].float(), k[:sk, :2].float(), v[:sk, :2].float()
         s = torch.einsum("qhd,khd->hqk", qf, kf) * SCALE
@@ -76,8 +94,8 @@ def run(quick: bool, names: list[str] | None = None,
 
         for name, cfg in configs.items():
             def fn(cfg: Any = cfg) -> Any:
-                return varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=sq, causal=causal,
-                                        softmax_scale=SCALE, config=cfg)
+                return varlen_attention(q, k_kernel, v, cu_q, cu_k, max_seqlen_q=sq,
+                                        causal=causal, softmax_scale=SCALE, config=cfg, **split)
             rec: dict[str, Any] = {}
             try:
                 t0 = time.perf_counter()
@@ -131,7 +149,8 @@ def run(quick: bool, names: list[str] | None = None,
                 if "ms" in rec:
                     entry[f"best_triton_over_{bname}"] = ok[best] / rec["ms"]
         rows.append(entry)
-        q = k = v = None
+        q = k = v = k_kernel = None
+        split.clear()
         torch.cuda.empty_cache()
     return {"rows": rows, "flops_formula": "2 * sum_r(q_r * keys_r) * H * (192 + 128)"}
 
@@ -142,13 +161,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="first three configs only")
     ap.add_argument("--configs", default="", help="comma list of preset names (default: all)")
     ap.add_argument("--baselines", default="cudnn,varlen", help="comma list of backends")
+    ap.add_argument("--split-keys", action="store_true",
+                    help="our kernel reads K as [Tk, H, 128] + a shared rope row [Tk, 64]")
+    ap.add_argument("--heads", type=int, choices=(16, 128), help="only shapes with these heads")
     args = ap.parse_args()
     from mlaprefill._env import machine_info, utc_now
 
     result = {"benchmark": "triton_attention", "argv": sys.argv,
               "date_utc": utc_now(offset=True), "machine": machine_info(torch.device("cuda")),
               **run(args.quick, [c for c in args.configs.split(",") if c],
-                    tuple(b for b in args.baselines.split(",") if b))}
+                    tuple(b for b in args.baselines.split(",") if b), args.split_keys,
+                    args.heads)}
     write_json(args.out, result)
     return 0
 

@@ -306,14 +306,79 @@ _SCRIPT = textwrap.dedent("""
         assert torch.isnan(lse[0, 0]) and torch.isnan(out[0, 0]).all()
         assert torch.isfinite(lse[1:]).all() and torch.isfinite(lse[0, 1])
 
-    {"small_dims": group_small_dims, "split_and_state": group_split_and_state,
+    def group_tma():
+        # K / V tiles through tensor descriptors: bitwise the pointer loads' result (the same
+        # values, zeros past each sequence), NaN included, on the shapes above.
+        import dataclasses
+
+        def same(a, b, what):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=what)
+
+        def both(q, k, v, q_lens, k_lens, cfg, **kw):
+            tma = dataclasses.replace(cfg, tma=True)
+            args = (q, k, v, cu(q_lens), cu(k_lens))
+            kw = dict(max_seqlen_q=max(q_lens), softmax_scale=0.3, **kw)
+            a = varlen_attention(*args, config=cfg, **kw)
+            b = varlen_attention(*args, config=tma, **kw)
+            same(a, b, f"{q_lens} {k_lens} {cfg} {kw.get('causal')}")
+            return b
+
+        cases = [(Q_LENS, K_LENS, False, 24, 16), (LENS, LENS, True, 24, 16),
+                 ([1, 65, 130], [130, 0, 64], False, 192, 128), ([65, 130], None, True, 192, 128)]
+        for q_lens, k_lens, causal, dqk, dv in cases:
+            k_lens = q_lens if k_lens is None else k_lens
+            for cfg, dtype in ((C16, torch.float32), (C32_16, torch.float16), (C16_32,
+                                                                                  torch.float32)):
+                q, k, v = inputs(q_lens, k_lens, 2, dqk, dv, dtype)
+                out, lse = both(q, k, v, q_lens, k_lens, cfg, causal=causal)
+            ref_out, ref_lse = reference(q, k, v, q_lens, k_lens, causal, 0.3)
+            fin = torch.isfinite(ref_lse)
+            assert (out.double() - ref_out).abs().max() < 1e-5
+            assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-5
+        # NaN / inf in one sequence's keys, values and queries (rows past a short sequence's
+        # keys are the next sequence's: the descriptor must not read them).
+        q_lens, k_lens = [17, 40, 33, 5], [20, 33, 40, 16]
+        q, k, v = inputs(q_lens, k_lens, 2, 24, 16, torch.float32)
+        k[20, 1, 3] = v[20, 0, 5] = float("nan")
+        q[17 + 4, 0, 0] = INF
+        out, lse = both(q, k, v, q_lens, k_lens, C16, causal=False)
+        assert torch.isfinite(lse[:17]).all() and torch.isfinite(out[:17]).all()
+        # split keys (shared rope row, head stride 0) and the state merge
+        q, k, v = inputs(q_lens, k_lens, 3, 24, 16, torch.float32)
+        kn, pe = k[..., :16].contiguous(), k[:, 0, 16:].contiguous()
+        both(q, kn, v, q_lens, k_lens, C16, causal=False, k_rope=pe)
+        s1 = varlen_attention(q[:, :, :16].contiguous(), kn, v, cu(q_lens), cu(k_lens),
+                              max_seqlen_q=40, causal=False, softmax_scale=0.3, config=C16)
+        s2 = tuple(t.clone() for t in s1)
+        varlen_attention(q, kn, v, cu(q_lens), cu(k_lens), max_seqlen_q=40, causal=False,
+                         softmax_scale=0.3, config=C16, k_rope=pe, state=s1)
+        varlen_attention(q, kn, v, cu(q_lens), cu(k_lens), max_seqlen_q=40, causal=False,
+                         softmax_scale=0.3, config=dataclasses.replace(C16, tma=True),
+                         k_rope=pe, state=s2)
+        same(s1, s2, "state")
+        # A misaligned layout is a clear error naming the fix, not a wrong answer.
+        q, k, v = inputs(q_lens, k_lens, 2, 24, 16, torch.float32, strided=True)
+        kodd = torch.randn(sum(k_lens), 2, 25, generator=g)[..., 1:]  # base 4 bytes off
+        vodd = torch.randn(sum(k_lens), 2, 17, generator=g)[..., :16]  # token stride 136 B
+        for kk, vv in ((kodd, v), (k, vodd)):
+            try:
+                varlen_attention(q, kk, vv, cu(q_lens), cu(k_lens), max_seqlen_q=40,
+                                 causal=False, softmax_scale=0.3,
+                                 config=dataclasses.replace(C16, tma=True))
+            except ValueError as e:
+                assert "tma=False" in str(e), e
+            else:
+                raise AssertionError("misaligned k / v accepted with tma=True")
+
+    {"small_dims": group_small_dims, "tma": group_tma, "split_and_state": group_split_and_state,
      "deepseek_dims": group_deepseek_dims, "nonfinite": group_nonfinite, "hybrid": group_hybrid,
      "forward": group_forward}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
-@pytest.mark.parametrize("group", ["small_dims", "split_and_state", "deepseek_dims",
+@pytest.mark.parametrize("group", ["small_dims", "tma", "split_and_state", "deepseek_dims",
                                    "nonfinite", "hybrid", "forward"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""

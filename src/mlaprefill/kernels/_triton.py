@@ -14,8 +14,8 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "cdiv", "device_reason", "next_power_of_2", "tl", "triton",
-           "use_triton"]
+__all__ = ["HAS_TRITON", "cdiv", "device_reason", "ensure_allocator", "next_power_of_2", "tl",
+           "triton", "use_triton"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,3 +48,24 @@ def use_triton(*tensors: object) -> bool:
     :func:`device_reason` accepts."""
     kinds = {t.device.type for t in tensors}  # type: ignore[attr-defined]
     return len(kinds) == 1 and device_reason(kinds.pop()) is None
+
+
+def _torch_scratch(size: int, alignment: int, stream: object) -> object:
+    import torch
+
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for kernels' scratch memory (device-side tensor descriptors need
+    one) unless one is set in this context: ours takes it from torch's caching allocator, stream
+    ordered, so it never synchronizes. A caller's own allocator is left in place."""
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        unset = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_torch_scratch)

@@ -48,7 +48,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton, use_triton
+from mlaprefill.kernels._triton import (
+    HAS_TRITON,
+    cdiv,
+    ensure_allocator,
+    next_power_of_2,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = [
     "DEFAULT_ATTENTION_CONFIG",
@@ -87,12 +95,16 @@ class AttentionConfig:
         Warps per program (1, 2, 4, 8 or 16).
     num_stages : int
         Software-pipelining depth of the K/V loads (>= 1).
+    tma : bool
+        Load K / V tiles through device-side tensor descriptors (TMA on Hopper) instead of
+        pointer tiles. Needs 16-byte aligned K / V bases and strides.
     """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 4
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -106,6 +118,8 @@ class AttentionConfig:
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"AttentionConfig.num_stages must be an int >= 1, "
                              f"got {self.num_stages!r}")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"AttentionConfig.tma must be a bool, got {self.tma!r}")
 
 
 #: Hopper default for qk 192 / v 128 (causal calls, and calls with <= 128 queries per sequence):
@@ -139,6 +153,11 @@ _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m256_n64_w8_s2", AttentionConfig(256, 64, 8, 2)),
     ("m128_n64_w4_s3", AttentionConfig(128, 64, 4, 3)),
     ("m64_n64_w4_s3", AttentionConfig(64, 64, 4, 3)),
+    ("m128_n64_w8_s4_tma", AttentionConfig(128, 64, 8, 4, tma=True)),
+    ("m128_n64_w8_s3_tma", AttentionConfig(128, 64, 8, 3, tma=True)),
+    ("m256_n64_w16_s2_tma", AttentionConfig(256, 64, 16, 2, tma=True)),
+    ("m256_n64_w16_s3_tma", AttentionConfig(256, 64, 16, 3, tma=True)),
+    ("m128_n128_w8_s2_tma", AttentionConfig(128, 128, 8, 2, tma=True)),
 )
 
 
@@ -174,6 +193,7 @@ if HAS_TRITON:
         acc, l_i, m_i,          # running state: fp32 [BLOCK_M, BLOCK_DV], [BLOCK_M], [BLOCK_M]
         q1, q2,                 # queries [BLOCK_M, D1], [BLOCK_M, BLOCK_D2] (input dtype)
         k_base, p_base, v_base,  # key 0's first part, its second part, value 0 (seq, head)
+        k_desc, p_desc, v_desc,  # TMA: the same as tensor descriptors of the sequence's rows
         stride_kt, stride_pt, stride_vt,
         offs_m,                 # int32 [BLOCK_M]: query positions within the sequence
         seqlen_k,
@@ -184,6 +204,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+        TMA: tl.constexpr,      # load K / V tiles through the descriptors
     ):
         offs_n = tl.arange(0, BLOCK_N)
         offs_d1 = tl.arange(0, D1)
@@ -200,11 +221,17 @@ if HAS_TRITON:
             kb = k_base + start_n.to(tl.int64) * stride_kt
             vb = v_base + start_n.to(tl.int64) * stride_vt
             n_ok = (start_n + offs_n) < seqlen_k
-            k1 = _load_tile(kb + k1_offs, n_ok, offs_d1, MASKED, False)
+            if TMA:  # rows past the sequence and columns past D2 / DV read 0 (descriptor bounds)
+                k1 = k_desc.load([start_n, 0])
+            else:
+                k1 = _load_tile(kb + k1_offs, n_ok, offs_d1, MASKED, False)
             qk = tl.dot(q1, tl.trans(k1))  # fp32 [BLOCK_M, BLOCK_N]
             if D2 > 0:
-                pb = p_base + start_n.to(tl.int64) * stride_pt
-                k2 = _load_tile(pb + k2_offs, n_ok, d2_ok, MASKED, BLOCK_D2 != D2)
+                if TMA:
+                    k2 = p_desc.load([start_n, 0])
+                else:
+                    pb = p_base + start_n.to(tl.int64) * stride_pt
+                    k2 = _load_tile(pb + k2_offs, n_ok, d2_ok, MASKED, BLOCK_D2 != D2)
                 qk = tl.dot(q2, tl.trans(k2), acc=qk)
             if MASKED:
                 visible = n_ok[None, :]
@@ -220,7 +247,10 @@ if HAS_TRITON:
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _load_tile(vb + v_offs, n_ok, dv_ok, MASKED, BLOCK_DV != DV)
+            if TMA:
+                v = v_desc.load([start_n, 0])
+            else:
+                v = _load_tile(vb + v_offs, n_ok, dv_ok, MASKED, BLOCK_DV != DV)
             acc = tl.dot(p.to(v.dtype), v, acc=acc)
             m_i = m_new
         return acc, l_i, m_i
@@ -257,6 +287,7 @@ if HAS_TRITON:
         BLOCK_D2: tl.constexpr,  # D2 padded to a power of two >= 16
         DV: tl.constexpr,
         BLOCK_DV: tl.constexpr,  # DV padded to a power of two >= 16
+        TMA: tl.constexpr,       # K / V tiles through device-side tensor descriptors
     ):
         # Heaviest causal query blocks (the last ones) first; grid axis 0 is
         # cdiv(max_seqlen_q, BLOCK_M), so program 0 gets the last block any sequence can have.
@@ -315,6 +346,22 @@ if HAS_TRITON:
         k_base = k_ptr + k_start.to(tl.int64) * stride_kt + head64 * stride_kh
         p_base = p_ptr + k_start.to(tl.int64) * stride_pt + head64 * stride_ph
         v_base = v_ptr + k_start.to(tl.int64) * stride_vt + head64 * stride_vh
+        if TMA:
+            # One descriptor per (sequence, head) over exactly the sequence's key rows: a tile
+            # past them reads zeros, never another sequence's rows (NaN isolation as above).
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, D1],
+                                               strides=[stride_kt, 1], block_shape=[BLOCK_N, D1])
+            if D2 > 0:
+                p_desc = tl.make_tensor_descriptor(p_base, shape=[seqlen_k, D2],
+                                                   strides=[stride_pt, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_D2])
+            else:
+                p_desc = p_base  # unused
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, DV],
+                                               strides=[stride_vt, 1],
+                                               block_shape=[BLOCK_N, BLOCK_DV])
+        else:
+            k_desc, p_desc, v_desc = k_base, p_base, v_base  # unused
 
         # The query tile, loaded once (rows past the sequence read 0 and are never stored).
         q1 = _load_tile(q_base + rows[:, None] * stride_qt + offs_d1[None, :], m_ok, offs_d1,
@@ -328,14 +375,14 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, stride_kt,
-                                   stride_pt, stride_vt, offs_m, seqlen_k, qk_scale, k_lo,
-                                   free_end, False, CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV,
-                                   BLOCK_DV)
-        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, stride_kt,
-                                   stride_pt, stride_vt, offs_m, seqlen_k, qk_scale,
-                                   tl.maximum(free_end, k_lo), kv_end, True, CAUSAL, BLOCK_N,
-                                   D1, D2, BLOCK_D2, DV, BLOCK_DV)
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, k_desc,
+                                   p_desc, v_desc, stride_kt, stride_pt, stride_vt, offs_m,
+                                   seqlen_k, qk_scale, k_lo, free_end, False, CAUSAL, BLOCK_N,
+                                   D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA)
+        acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, k_desc,
+                                   p_desc, v_desc, stride_kt, stride_pt, stride_vt, offs_m,
+                                   seqlen_k, qk_scale, tl.maximum(free_end, k_lo), kv_end, True,
+                                   CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA)
 
         # Finish. A row with keys always has l >= 1 for finite inputs (its max term is 1); l == 0
         # (all scores -inf) or an LSE of +inf only come from non-finite inputs: report NaN, like
@@ -457,6 +504,23 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                          f"{_MAX_GRID_YZ} (CUDA grid axes 1 and 2); split the batch")
 
 
+def _check_tma(k: torch.Tensor, rope: torch.Tensor | None, v: torch.Tensor, stride_pt: int,
+               stride_ph: int) -> None:
+    """TMA descriptors need 16-byte aligned bases and row strides (every (sequence, head) base is
+    the tensor's plus whole strides)."""
+    parts = [("k", k.data_ptr(), (k.stride(0), k.stride(1)), k.element_size()),
+             ("v", v.data_ptr(), (v.stride(0), v.stride(1)), v.element_size())]
+    if rope is not None:
+        parts.append(("the rope key part", rope.data_ptr(), (stride_pt, stride_ph),
+                      rope.element_size()))
+    for name, ptr, strides, size in parts:
+        if ptr % 16 or any(st * size % 16 for st in strides):
+            raise ValueError(f"config.tma needs {name} 16-byte aligned with token and head "
+                             f"strides a multiple of 16 bytes (got address % 16 = {ptr % 16}, "
+                             f"strides {strides} x {size} bytes); use a config with tma=False "
+                             f"or a contiguous copy")
+
+
 def _check_state(state: object, q: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(state, tuple) and len(state) == 2
             and all(isinstance(t, torch.Tensor) for t in state)):
@@ -567,6 +631,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_pt = k_rope.stride(0)
         stride_ph = k_rope.stride(1) if k_rope.dim() == 3 else 0
     d2 = qk_dim - d1
+    if cfg.tma:
+        _check_tma(k, rope if d2 else None, v, stride_pt, stride_ph)
+        ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
         q, k, rope, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
@@ -575,7 +642,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         CAUSAL=bool(causal), ACCUMULATE=state is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
-        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim),
+        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim), TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
