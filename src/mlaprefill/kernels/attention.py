@@ -122,23 +122,24 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.tma must be a bool, got {self.tma!r}")
 
 
-#: Hopper default for qk 192 / v 128 (causal calls, and calls with <= 128 queries per sequence):
-#: at 8 warps a 128 x 64 score tile is 32 fp32 registers per thread, P 16 and the 128 x 128
-#: output accumulator 64, clear of spills, and four stages of K/V (24 + 16 KiB each) fit the 227
-#: KiB of shared memory. Measured on the H200 (benchmarks/results/triton_attention_h200.json):
-#: 375 TFLOP/s causal 4k x 4k at 128 heads; 128 x 128 tiles with 3 stages do not fit.
+#: Hopper default for qk 192 / v 128, every call: at 8 warps a 128 x 64 score tile is 32 fp32
+#: registers per thread, P 16 and the 128 x 128 output accumulator 64, clear of spills, and four
+#: stages of K/V (24 + 16 KiB each) fit the 227 KiB of shared memory; 128 x 128 tiles with 3
+#: stages do not fit. Measured on the H200 (benchmarks/results/triton_attention_split_h200.json,
+#: split keys as the forward passes them): 450-505 TFLOP/s non-causal, 350-450 causal.
 DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=4)
-#: Non-causal calls with more than 128 queries per sequence (long context chunks): 256 query
-#: rows over 16 warps read each K/V tile for twice the rows; 455-464 TFLOP/s against 430-440
-#: for the 128-row default in the same H200 run (4k queries x 16k-64k keys, 128 heads).
+#: 256 query rows over 16 warps. It was the default for non-causal calls with more than 128
+#: queries per sequence (455-464 against 430-440 TFLOP/s, 128 heads, 4k queries x 16k-64k keys,
+#: before split keys and the epilogue merge); in the latest run it is 5-19 % slower than the
+#: default on every non-causal shape, 16 and 128 heads, split or joined keys (same JSON).
 WIDE_ATTENTION_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=2)
 
 
 def default_config(*, causal: bool, max_seqlen_q: int) -> AttentionConfig:
-    """The config :func:`varlen_attention` uses when given none (a pure function of the two
-    host values, so one call shape always gets the same compiled kernel)."""
-    if not causal and max_seqlen_q > 128:
-        return WIDE_ATTENTION_CONFIG
+    """The config :func:`varlen_attention` uses when given none: a pure function of the two host
+    values, so one call shape always gets the same compiled kernel. Today the default for every
+    call (see :data:`WIDE_ATTENTION_CONFIG` for the measurement that retired the other)."""
+    del causal, max_seqlen_q  # kept in the signature: the choice may depend on them again
     return DEFAULT_ATTENTION_CONFIG
 
 
