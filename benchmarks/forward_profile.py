@@ -10,7 +10,9 @@ ahead), the host enqueue time (p50 of 20 calls), and the device time of each ker
 over the forward (``torch.profiler``, mean of 5 forwards). ``device_sum_ms`` against
 ``do_bench_ms`` shows how long the device waited for the host inside one call; ``idle`` says
 where: the device's idle time between kernels of the 5 profiled forwards (queued back to back),
-per forward, and the largest gaps with the kernels on either side.
+per forward, and the largest gaps with the kernels on either side. ``--host-profile`` adds where
+the host time of one forward goes (``cProfile``, own time per function) on the shape with the
+most workspace iterations.
 """
 
 from __future__ import annotations
@@ -114,16 +116,77 @@ def profile(backends: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def host_profile(backends: list[str], shape: tuple[int, int, int, int] = (16, 16, 256, 131072),
+                 calls: int = 5, top: int = 25) -> list[dict[str, Any]]:
+    """Where the host time of the forward goes (``cProfile`` over ``calls`` forwards, the device
+    synchronized before and after only): the ``top`` functions by own time, per forward."""
+    import cProfile
+    import pstats
+
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    heads, nr, q, c = shape
+    x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, "cuda")
+    rows = []
+    for name in backends:
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM, backend=name)
+        policy = op.resolve_policy("auto")
+        plan = ChunkPlanner(WORKSPACE, PAGE, policy=policy).plan(
+            PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
+        dplan = StagingRing("cuda").upload(plan)
+
+        def fwd(op: Any = op, dplan: Any = dplan) -> Any:
+            return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                              x["block_table"], dplan, return_lse=True)
+
+        for _ in range(3):
+            fwd()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fwd()
+        prof.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof).stats  # (file, line, func) -> (cc, nc, tottime, cumtime, _)
+        total = sum(v[2] for v in stats.values())
+        entries = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
+                     "backend": op.backend_name, "iterations": plan.num_iterations,
+                     "host_ms_per_forward": total * 1e3 / calls,
+                     "top_own_time": [{"function": f"{k[0].rsplit('/', 2)[-1]}:{k[1]} {k[2]}",
+                                       "calls_per_forward": v[1] / calls,
+                                       "own_us_per_forward": v[2] * 1e6 / calls,
+                                       "cum_us_per_forward": v[3] * 1e6 / calls}
+                                      for k, v in entries]})
+        r = rows[-1]
+        print(f"host profile H={heads} {nr}x{q} ctx {c} {r['backend']}: "
+              f"{r['host_ms_per_forward']:.2f} ms per forward (cProfile), "
+              f"{plan.num_iterations} iterations", flush=True)
+        for e in r["top_own_time"][:12]:
+            print(f"  {e['own_us_per_forward']:8.1f} us {e['calls_per_forward']:6.1f} calls "
+                  f"{e['function'][:90]}", flush=True)
+        del op
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="hybrid,triton", help="comma list of backends")
     ap.add_argument("--out", help="JSON output path")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also cProfile the host side of the 16 x 256 / 128k forward")
     args = ap.parse_args()
     from mlaprefill._env import machine_info, utc_now
 
     result = {"benchmark": "forward_profile", "argv": sys.argv, "date_utc": utc_now(offset=True),
               "machine": machine_info(torch.device("cuda")), "workspace_tokens": WORKSPACE,
               "rows": profile([b for b in args.backends.split(",") if b])}
+    if args.host_profile:
+        result["host_profile"] = host_profile([b for b in args.backends.split(",") if b])
     write_json(args.out, result)
     return 0
 

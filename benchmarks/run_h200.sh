@@ -84,7 +84,7 @@ micro() {
             --out "$out/attention_vs_ideal_h200.json" 2>&1 | grep -v Warning | tail -n 60
         echo "== vs_ideal rc=${PIPESTATUS[0]} ($(date -u +%T))"
         python3 benchmarks/forward_profile.py --backends hybrid,triton \
-            --out "$out/forward_profile_h200.json" 2>&1 | grep "H=" | tail -n 20
+            --host-profile --out "$out/forward_profile_h200.json" 2>&1 | grep -v Warn | tail -n 50
         echo "== forward_profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
 }
