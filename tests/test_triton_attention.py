@@ -234,8 +234,8 @@ _SCRIPT = textwrap.dedent("""
                                   x["block_table"], StagingRing("cpu").upload(plan),
                                   return_lse=True)
             assert op.backend_name == name
-            if name == "triton":  # split keys only: the zero-row W_K is never built
-                assert {key[-1] for key in op._weights} == {False, "v"}
+            if name == "triton":  # split keys only: one [k_nope | v] GEMM, no zero-row W_K
+                assert {key[-1] for key in op._weights} == {"kv"}
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, err_o, err_l)

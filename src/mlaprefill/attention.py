@@ -6,20 +6,21 @@ For each request, query ``i`` attends to the whole cached context and to new tok
    each head's key or passed apart, as the backend wants), causal varlen attention with LSE: the
    running ``(out, lse)``;
 2. **context**, one plan iteration at a time (a Python loop over *iterations*, shapes from the
-   plan's host ints): gather the iteration's latent rows into a preallocated workspace (or take them
-   from ``context_source``), up-project them (one matmul for K, one for V), non-causal varlen
-   attention of all queries against them (``cu_seq_lens[i]``), merged into ``(out, lse)`` by LSE
-   (``backend.attend_into``: in the attention kernel's epilogue for ``triton``/``hybrid``, a
-   merge pass for the others).
+   plan's host ints): gather the iteration's latent rows into a preallocated workspace (or take
+   them from ``context_source``), up-project them (one matmul for split keys, two for joined),
+   non-causal varlen attention of all queries against them (``cu_seq_lens[i]``), merged into
+   ``(out, lse)`` by LSE (``backend.attend_into``: in the attention kernel's epilogue for
+   ``triton``/``hybrid``, a merge pass for the others).
 
-Up-projection layout: the Hugging Face ``kv_b_proj.weight [H*(nope+v), rank]`` is re-laid once per
-(rope dim, dtype, device). Where the backend takes split keys for a call
-(``backend.wants_joined_keys`` is False: our Triton kernel, which reads MLA's rope key once per
-token with head stride 0), K is ``kv_c W_UK^T [n, H, nope]`` alone: no zero rows in the GEMM, no
-rope copy. Otherwise ``W_K [H*(nope+rope), rank]`` has zero rows in each head's rope slot, so one
-matmul writes keys into a contiguous ``[n, H, nope+rope]`` buffer whose rope slots
-:func:`~mlaprefill.kernels.rope.broadcast_rope_` then fills. For FlashAttention-2 (which needs
-``v_out == qk_head_dim``) ``W_V`` carries zero rows too, so V arrives padded for free.
+Up-projection layout: where the backend takes split keys for a call (``backend.wants_joined_keys``
+is False: our Triton kernel, which reads MLA's rope key once per token with head stride 0), one
+matmul with the Hugging Face ``kv_b_proj.weight [H*(nope+v), rank]`` as it is gives ``[n, H,
+nope+v]``, and K and V are its two views: no zero rows in the GEMM, no rope copy, one launch.
+Otherwise the weight is re-laid once per (rope dim, dtype, device): ``W_K [H*(nope+rope), rank]``
+has zero rows in each head's rope slot, so one matmul writes keys into a contiguous ``[n, H,
+nope+rope]`` buffer whose rope slots :func:`~mlaprefill.kernels.rope.broadcast_rope_` then fills,
+and a second writes V. For FlashAttention-2 (which needs ``v_out == qk_head_dim``) ``W_V`` carries
+zero rows too, so V arrives padded for free.
 
 Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens``,
 ``max_chunk_lens``, ``max_query_len``, ``num_query_tokens``) to decide shapes; it never calls
@@ -153,56 +154,72 @@ class MLAChunkedPrefill:
         return qk_head_dim if self._backend.needs_v_padded else self.v_head_dim
 
     def _up_weights(self, rope: int, dtype: torch.dtype, device: torch.device,
-                    joined: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W_key, W_V [H*v_out, rank])`` in the compute dtype and device, built once each.
+                    joined: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The up-projection weights in the compute dtype and device, built once each.
 
-        ``W_key``: joined, ``W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot;
-        split, ``W_UK [H*nope, rank]``. Each layout is built only when a call first wants it
-        (the ``triton`` backend never holds ``W_K``; ``hybrid`` may hold both: 40 % more weight
-        memory than one).
+        Joined keys: ``(W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot,
+        ``W_V [H*v_out, rank])``. Split keys: ``(W_KV, None)`` with ``W_KV [H*(nope+v), rank]``
+        the weight itself (no copy when it already has that dtype and device), so one GEMM
+        gives each head's ``[k_nope | v]``. Each layout is built only when a call first wants it
+        (the ``triton`` backend never holds ``W_K``).
         """
+        if not joined:
+            key = (dtype, device, "kv")
+            w_kv = self._weights.get(key)
+            if w_kv is None:
+                w_kv = self._weights[key] = self.weight.to(device=device, dtype=dtype)
+            return w_kv, None
         base = (rope, dtype, device, self._backend.needs_v_padded)
-        w_key = self._weights.get((*base, joined))
+        w_key = self._weights.get((*base, "k"))
         w_v = self._weights.get((*base, "v"))
         if w_key is not None and w_v is not None:
             return w_key, w_v
         h, nope, v, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = self.weight.to(device=device, dtype=dtype).view(h, nope + v, rank)
         if w_key is None:
-            if joined:
-                w_k = torch.zeros(h, nope + rope, rank, dtype=dtype, device=device)
-                w_k[:, :nope] = w[:, :nope]
-                w_key = w_k.view(h * (nope + rope), rank)
-            else:
-                w_key = w[:, :nope].reshape(h * nope, rank)
-            self._weights[(*base, joined)] = w_key
+            w_k = torch.zeros(h, nope + rope, rank, dtype=dtype, device=device)
+            w_k[:, :nope] = w[:, :nope]
+            w_key = self._weights[(*base, "k")] = w_k.view(h * (nope + rope), rank)
         if w_v is None:
             v_out = self._v_out(nope + rope)
             w_pad = torch.zeros(h, v_out, rank, dtype=dtype, device=device)
             w_pad[:, :v] = w[:, nope:]
-            w_v = w_pad.view(h * v_out, rank)
-            self._weights[(*base, "v")] = w_v
+            w_v = self._weights[(*base, "v")] = w_pad.view(h * v_out, rank)
         return w_key, w_v
 
     # -- pieces ----------------------------------------------------------------------------
-    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, k_buf: torch.Tensor,
-                    v_buf: torch.Tensor, rope: int, joined: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``n`` latent rows, written into the flat buffers' first elements.
+    def _kv_numel(self, n: int, qk: int) -> int:
+        """Elements of the buffer :meth:`_up_project` needs for ``n`` rows (either layout)."""
+        return n * self.num_heads * max(qk + self._v_out(qk), self.qk_nope_head_dim
+                                        + self.v_head_dim)
+
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, buf: torch.Tensor, rope: int,
+                    joined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``n`` latent rows, written into the flat buffer's first elements
+        (at least :meth:`_kv_numel`).
 
         joined: ``k [n, H, nope+rope] = [kv_c W_UK^T | k_pe]`` (one GEMM whose zero weight rows
-        leave the rope slots to :func:`broadcast_rope_`); else ``k [n, H, nope] = kv_c W_UK^T``
-        and the backend reads ``k_pe`` itself. ``v [n, H, v_out] = kv_c W_UV^T``.
+        leave the rope slots to :func:`broadcast_rope_`) and ``v [n, H, v_out] = kv_c W_UV^T``,
+        two GEMMs; split: one GEMM ``kv [n, H, nope+v] = kv_c W_KV^T``, and ``k = kv[..., :nope]``,
+        ``v = kv[..., nope:]`` are views (row stride ``H*(nope+v)``); the backend reads ``k_pe``
+        itself. A backend that wants V padded always gets joined keys.
         """
-        n, h = kv_c.shape[0], self.num_heads
+        n, h, nope = kv_c.shape[0], self.num_heads, self.qk_nope_head_dim
+        if not joined and self._backend.needs_v_padded:
+            raise RuntimeError(f"backend {self.backend_name!r} asked for split keys and padded V; "
+                               f"split keys come with V unpadded")
         w_key, w_v = self._up_weights(rope, kv_c.dtype, kv_c.device, joined)
+        if w_v is None:
+            width = w_key.shape[0] // h
+            kv = buf[:n * h * width].view(n, h, width)
+            torch.mm(kv_c, w_key.t(), out=kv.view(n, -1))  # [n, rank] x [rank, H*(nope+v)]
+            return kv[..., :nope], kv[..., nope:]
         width = w_key.shape[0] // h
-        k = k_buf[:n * h * width].view(n, h, width)
-        torch.mm(kv_c, w_key.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*width]
-        if joined:
-            broadcast_rope_(k, k_pe, self.qk_nope_head_dim)
+        k = buf[:n * h * width].view(n, h, width)
+        torch.mm(kv_c, w_key.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*(nope+rope)]
+        broadcast_rope_(k, k_pe, nope)
         v_out = w_v.shape[0] // h
-        v = v_buf[:n * h * v_out].view(n, h, v_out)
+        v = buf[n * h * width:n * h * (width + v_out)].view(n, h, v_out)
         torch.mm(kv_c, w_v.t(), out=v.view(n, -1))  # [n, rank] x [rank, H*v_out]
         return k, v
 
@@ -357,7 +374,6 @@ class MLAChunkedPrefill:
             self._checked = checked
         backend = self._backend
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
-        v_out = self._v_out(qk)
         lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
         num_tokens = plan.num_query_tokens
@@ -379,8 +395,8 @@ class MLAChunkedPrefill:
                               cu_seqlens_k_host=cu_q_host)
         joined = backend.wants_joined_keys(new_seqs, h, True)
         k_new, v_new = self._up_project(
-            kv_c_new, k_pe_new, torch.empty(num_tokens * h * qk, dtype=dtype, device=device),
-            torch.empty(num_tokens * h * v_out, dtype=dtype, device=device), rope, joined)
+            kv_c_new, k_pe_new,
+            torch.empty(self._kv_numel(num_tokens, qk), dtype=dtype, device=device), rope, joined)
         if joined:
             out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
                                           softmax_scale=scale)
@@ -398,8 +414,7 @@ class MLAChunkedPrefill:
             return (out, lse) if return_lse else out
         max_rows = plan.max_iteration_tokens
         workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
-        k_buf = torch.empty(max_rows * h * qk, dtype=dtype, device=device)
-        v_buf = torch.empty(max_rows * h * v_out, dtype=dtype, device=device)
+        kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
         for i in range(plan.num_iterations):
             num_rows = plan.iteration_tokens[i]
@@ -419,8 +434,7 @@ class MLAChunkedPrefill:
                                 plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
                                 cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
             joined = backend.wants_joined_keys(seqs_i, h, False)
-            k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], k_buf, v_buf, rope,
-                                        joined)
+            k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], kv_buf, rope, joined)
             backend.attend_into(q, k_i, v_i, seqs_i, out, lse, causal=False,
                                 softmax_scale=scale, k_rope=None if joined else rows[:, rank:])
         return (out, lse) if return_lse else out
