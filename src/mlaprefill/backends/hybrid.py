@@ -1,7 +1,7 @@
 """``hybrid`` backend: cuDNN on the large rectangles of long sequences, Triton on the rest.
 
-cuDNN's fused attention is the fastest kernel on Hopper here (~600 TFLOP/s against ~440-460 for
-our Triton kernel, H200, qk 192 / v 128) but it builds one graph per distinct shape (40-90 ms of
+cuDNN's fused attention is the fastest kernel on Hopper here (~550-600 TFLOP/s against ~450-505
+for our Triton kernel, H200, qk 192 / v 128) but it builds one graph per distinct shape (40-90 ms of
 host time) and launches once per sequence (~0.1-0.2 ms of host time each). So this backend gives
 cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
 
@@ -69,6 +69,8 @@ BIG_WORK = 1 << 28
 #: per-kernel breakdown of benchmarks/forward_profile.py; that JSON was not kept): 16 requests x
 #: 256 queries (256 per key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at
 #: 16 heads, 15.0 against 16.0 ms at 128 heads; 4 x 1024 faster with cuDNN (29.7 against 33.1).
+#: Since then our kernel's default config runs 450-505 TFLOP/s (triton_attention_split_h200.json),
+#: which moves the modelled break-even to ~560; not re-measured per shape, so the value stays.
 MIN_QUERIES_PER_KEY = 384
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
