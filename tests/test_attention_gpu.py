@@ -230,6 +230,50 @@ def test_triton_split_keys_and_epilogue_merge_match_joined_and_merge_pass():
             assert torch.equal(state[0], first[0]) and torch.equal(state[1], first[1])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_tma_loads_match_pointer_loads(causal):
+    """config.tma (K / V tiles through device-side tensor descriptors) against the pointer loads
+    on the forward's layout (split keys from one [k_nope | v] GEMM output, state merge): the same
+    result up to the MMA's accumulation order, and a NaN key of one sequence stays there."""
+    import dataclasses
+
+    from mlaprefill.kernels.attention import DEFAULT_ATTENTION_CONFIG, varlen_attention
+
+    q_lens = [1, 300, 1024, 77] if causal else [1, 300, 2048, 77]
+    k_lens = q_lens if causal else [5000, 0, 8192, 129]
+    h = 16
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(sum(q_lens), h, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(sum(k_lens), h, NOPE + V, device="cuda", generator=g).bfloat16()
+    k_pe = torch.randn(sum(k_lens), ROPE, device="cuda", generator=g).bfloat16()
+    k, v = kv[..., :NOPE], kv[..., NOPE:]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                   dtype=torch.int32, device="cuda")
+    tma = dataclasses.replace(DEFAULT_ATTENTION_CONFIG, tma=True)
+
+    def run(cfg, kk):
+        state = (torch.zeros(sum(q_lens), h, V, device="cuda", dtype=torch.bfloat16),
+                 torch.full((sum(q_lens), h), float("-inf"), device="cuda"))
+        return varlen_attention(q, kk, v, cu(q_lens), cu(k_lens), max_seqlen_q=max(q_lens),
+                                causal=causal, softmax_scale=0.1, config=cfg, k_rope=k_pe,
+                                state=state)
+
+    ptr, desc = run(DEFAULT_ATTENTION_CONFIG, k), run(tma, k)
+    assert torch.allclose(desc[1], ptr[1], atol=1e-4, rtol=0, equal_nan=True)
+    assert torch.allclose(desc[0].float(), ptr[0].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isneginf(desc[1]), torch.isneginf(ptr[1]))
+    # A NaN in sequence 2's first key: its rows NaN, every other row exactly as before.
+    k_bad = kv.clone()[..., :NOPE]
+    s2 = sum(k_lens[:2])
+    k_bad[s2, 3, 7] = float("nan")
+    bad = run(tma, k_bad)
+    rows2 = slice(sum(q_lens[:2]), sum(q_lens[:3]))
+    assert torch.isnan(bad[1][rows2, 3]).all()
+    other = torch.ones(sum(q_lens), dtype=torch.bool)
+    other[rows2] = False
+    assert torch.equal(bad[0][other], desc[0][other]) and torch.equal(bad[1][other], desc[1][other])
+
+
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])
 def test_long_context_forward_is_bitwise_repeatable(backend):
     """The whole forward at a long-context shape (128k context, 4 iterations) gives the same

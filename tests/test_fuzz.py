@@ -588,13 +588,14 @@ def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
 @settings(max_examples=60 * SCALE, **SETTINGS)
 @given(defect=st.sampled_from(["none", "rank", "heads", "dtype", "mixed_dtype", "stride",
                                "cu_dtype", "cu_len", "max_q", "scale", "dims", "dense",
-                               "rope_rows", "rope_split", "state_type", "state_lse"]),
+                               "rope_rows", "rope_split", "state_type", "state_lse",
+                               "tma_align", "tma_rope", "tma_type"]),
        causal=st.booleans())
 def test_fuzz_varlen_attention_inputs(defect, causal):
     """Bad inputs are clear errors naming the field; valid CPU inputs (no interpreter) are a
     clear error naming the device, never a Triton traceback."""
     pytest.importorskip("triton")
-    from mlaprefill.kernels.attention import varlen_attention
+    from mlaprefill.kernels.attention import AttentionConfig, varlen_attention
 
     q, k, v = torch.zeros(6, 2, 24), torch.zeros(9, 2, 24), torch.zeros(9, 2, 16)
     cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
@@ -605,7 +606,8 @@ def test_fuzz_varlen_attention_inputs(defect, causal):
              "cu_len": "num_seqs", "max_q": "max_seqlen_q", "scale": "softmax_scale",
              "dims": "qk_head_dim", "dense": "dense", "none": "device",
              "rope_rows": "k_rope", "rope_split": "power of two", "state_type": "state",
-             "state_lse": "state lse"}[defect]
+             "state_lse": "state lse", "tma_align": "tma=False", "tma_rope": "k_rope",
+             "tma_type": "AttentionConfig.tma"}[defect]
     if defect == "rank":
         q = q[0]
     elif defect == "heads":
@@ -636,9 +638,16 @@ def test_fuzz_varlen_attention_inputs(defect, causal):
         kw["state"] = torch.zeros(6, 2, 16)
     elif defect == "state_lse":
         kw["state"] = (torch.zeros(6, 2, 16), torch.zeros(6, 2, dtype=torch.float16))
+    elif defect == "tma_align":  # K's token stride 26 x 4 bytes: not a multiple of 16
+        k, kw["config"] = torch.zeros(9, 2, 26)[..., :24], AttentionConfig(16, 16, 4, 1, tma=True)
+    elif defect == "tma_rope":  # the shared rope rows 9 x 4 bytes apart
+        k, kw["k_rope"] = k[..., :16].contiguous(), torch.zeros(9, 9)[:, :8]
+        kw["config"] = AttentionConfig(16, 16, 4, 1, tma=True)
     env = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with pytest.raises((ValueError, TypeError)) as info:
+            if defect == "tma_type":
+                AttentionConfig(tma=1)
             varlen_attention(q, k, v, cu_q, cu_k, **kw)
     finally:
         if env is not None:

@@ -505,21 +505,25 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                          f"{_MAX_GRID_YZ} (CUDA grid axes 1 and 2); split the batch")
 
 
-def _check_tma(k: torch.Tensor, rope: torch.Tensor | None, v: torch.Tensor, stride_pt: int,
-               stride_ph: int) -> None:
-    """TMA descriptors need 16-byte aligned bases and row strides (every (sequence, head) base is
-    the tensor's plus whole strides)."""
-    parts = [("k", k.data_ptr(), (k.stride(0), k.stride(1)), k.element_size()),
-             ("v", v.data_ptr(), (v.stride(0), v.stride(1)), v.element_size())]
-    if rope is not None:
-        parts.append(("the rope key part", rope.data_ptr(), (stride_pt, stride_ph),
-                      rope.element_size()))
+def _check_tma(k: torch.Tensor, k_rope: torch.Tensor | None, v: torch.Tensor) -> None:
+    """TMA descriptors need 16-byte aligned bases and token / head strides (every (sequence,
+    head) base is the tensor's plus whole strides); host metadata only."""
+    parts = [("k", k.data_ptr(), k.stride()[:2], k.element_size()),
+             ("v", v.data_ptr(), v.stride()[:2], v.element_size())]
+    if k_rope is not None:
+        strides = (k_rope.stride(0), k_rope.stride(1) if k_rope.dim() == 3 else 0)
+        parts.append(("k_rope", k_rope.data_ptr(), strides, k_rope.element_size()))
+    else:
+        d1 = 1 << (k.shape[2].bit_length() - 1)  # the kernel's first QK part; the rest is rope
+        if d1 < k.shape[2]:
+            parts.append(("k's rope part", k.data_ptr() + d1 * k.element_size(),
+                          k.stride()[:2], k.element_size()))
     for name, ptr, strides, size in parts:
         if ptr % 16 or any(st * size % 16 for st in strides):
             raise ValueError(f"config.tma needs {name} 16-byte aligned with token and head "
                              f"strides a multiple of 16 bytes (got address % 16 = {ptr % 16}, "
-                             f"strides {strides} x {size} bytes); use a config with tma=False "
-                             f"or a contiguous copy")
+                             f"strides {tuple(strides)} x {size} bytes); use a config with "
+                             f"tma=False or a contiguous copy")
 
 
 def _check_state(state: object, q: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -599,6 +603,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, k_rope)
     cfg = default_config(causal=causal, max_seqlen_q=max_seqlen_q) if config is None else config
     dense_args = _dense_args(dense, cfg, cu_seqlens_q.shape[0] - 1)
+    if cfg.tma:
+        _check_tma(k, k_rope, v)
     v_dim = v.shape[2]
     if state is not None:
         state = _check_state(state, q, v_dim)
@@ -633,7 +639,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_ph = k_rope.stride(1) if k_rope.dim() == 3 else 0
     d2 = qk_dim - d1
     if cfg.tma:
-        _check_tma(k, rope if d2 else None, v, stride_pt, stride_ph)
         ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
