@@ -403,7 +403,8 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
 
     ``repeats`` rounds per shape, each timing the ideal and then every backend's forward, so
     drift between the start and the end of a run hits all of them alike; the row gives the
-    median ratio over rounds and its min / max (one round: the ratio of that round).
+    median ratio over rounds and its min / max (one round: the ratio of that round). A backend
+    named ``NAME+graphs`` is ``NAME`` with ``iteration_graphs=True``.
     """
     from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
@@ -418,8 +419,9 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
         setups: dict[str, dict[str, Any]] = {}
         for name in backends:  # build, first call, host enqueue: once per backend
             try:
+                base, graphs = name.removesuffix("+graphs"), name.endswith("+graphs")
                 op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                                       backend=name)
+                                       backend=base, iteration_graphs=graphs)
                 policy = op.resolve_policy("auto")
                 plan = ChunkPlanner(IDEAL_WORKSPACE, PAGE, policy=policy).plan(
                     PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
@@ -438,7 +440,8 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
                 b1 = op.backend.builds()
                 host = host_enqueue_ms(fwd)
                 setups[name] = {"op": op, "fwd": fwd, "b0": b0, "b1": b1, "rounds": [],
-                                "row": {**shape, "backend": op.backend_name, "policy": policy,
+                                "row": {**shape, "backend": op.backend_name + (
+                                    "+graphs" if graphs else ""), "policy": policy,
                                         "iterations": plan.num_iterations,
                                         "first_call_host_ms": first_host_ms,
                                         "host_enqueue_ms_p50": host[10],

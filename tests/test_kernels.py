@@ -197,6 +197,12 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     gather_context_rows_torch(cache, table, cu, starts, b, 13)
     assert torch.equal(a, b), "gather differs"
     assert (a[13:] == 0).all(), "gather wrote past num_rows"
+    # padded: num_rows past the iteration's total (13) leaves those rows as they are
+    ap = torch.full((16, 40), 7.0).bfloat16(); bp = ap.clone()
+    gather_context_rows(cache, table, cu, starts, ap, 16, use_kernel=True)
+    gather_context_rows_torch(cache, table, cu, starts, bp, 16)
+    assert torch.equal(ap[:13], a[:13]) and torch.equal(bp[:13], a[:13]), "padded gather rows"
+    assert (ap[13:] == 7).all() and (bp[13:] == 7).all(), "padded gather wrote past the total"
     # one request: no search at all
     a1 = torch.zeros(16, 40).bfloat16(); b1 = a1.clone()
     one = (table[2:3], torch.tensor([0, 9], dtype=torch.int32),

@@ -210,6 +210,7 @@ _SCRIPT = textwrap.dedent("""
         # float64 reference: zero context, one token, page boundaries, a rectangle-sized request.
         from conftest import paged_mla_inputs
         from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.backends.base import VarlenSeqs
         from mlaprefill.backends.hybrid import HybridBackend
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.plan import ChunkPlanner
@@ -222,14 +223,24 @@ _SCRIPT = textwrap.dedent("""
         ref_out, ref_lse = mla_prefill_reference(
             x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
-        for name, policy in (("triton", "balanced"), ("hybrid", "equal")):
+        runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
+                # padded iterations (what iteration_graphs captures; eager on CPU): many
+                # iterations, the last ones short, one with a cuDNN-sized rectangle (hybrid)
+                ("triton", "balanced", 96, True), ("hybrid", "packed", 160, True)]
+        padded = []
+        real_padded = MLAChunkedPrefill._padded_iteration
+        MLAChunkedPrefill._padded_iteration = lambda self, *a: (padded.append(1),
+                                                                real_padded(self, *a))[1]
+        for name, policy, workspace, graphs in runs:
+            padded.clear()
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                   backend=name)
+                                   backend=name, iteration_graphs=graphs)
             if name == "hybrid":
                 # rectangles even at this size
                 op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
-            plan = ChunkPlanner(512, 16, policy=policy).plan(
+            plan = ChunkPlanner(workspace, 16, policy=policy).plan(
                 PrefillBatch(query_lens, context_lens, page_size=16))
+            assert not graphs or plan.num_iterations >= 4
             out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                   x["block_table"], StagingRing("cpu").upload(plan),
                                   return_lse=True)
@@ -238,7 +249,15 @@ _SCRIPT = textwrap.dedent("""
                 assert {key[-1] for key in op._weights} == {"kv"}
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
-            assert err_o < 1e-4 and err_l < 1e-4, (name, err_o, err_l)
+            assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
+            if graphs:  # every split-key iteration padded; hybrid's rectangle ones eager
+                split = [i for i in range(plan.num_iterations) if not op.backend.wants_joined_keys(
+                    VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
+                               cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
+                assert len(padded) == len(split) > 0, (name, len(padded), split)
+                assert name == "triton" or len(split) < plan.num_iterations
+            else:
+                assert not padded
 
     def group_split_and_state():
         # k_rope: the key's last dims as one row per key shared by every head (MLA's rope key,

@@ -73,6 +73,14 @@ class MLAChunkedPrefill:
     qk_rope_head_dim : int, optional
         Only used to pick the backend before the first forward (default 64); the forward reads
         the real rope dim from ``k_pe_new`` and re-checks.
+    iteration_graphs : bool
+        Experimental, off by default. For a step of at least :data:`GRAPH_MIN_ITERATIONS`
+        context iterations, the iterations whose attention takes split keys (``triton``;
+        ``hybrid`` where a call has no cuDNN rectangle) run one fixed-size launch sequence —
+        gather padded to the workspace, one GEMM over it, the attention kernel, with the
+        iteration's offsets copied into fixed device buffers — captured once per forward as a
+        CUDA graph and replayed, instead of three launches from Python per iteration. On
+        devices without CUDA graphs the same padded iterations run eagerly.
 
     Notes
     -----
@@ -81,7 +89,10 @@ class MLAChunkedPrefill:
 
     def __init__(self, kv_b_proj_weight: torch.Tensor, *, qk_nope_head_dim: int,
                  v_head_dim: int, softmax_scale: float | None = None, backend: str = "auto",
-                 qk_rope_head_dim: int | None = None) -> None:
+                 qk_rope_head_dim: int | None = None, iteration_graphs: bool = False) -> None:
+        if not isinstance(iteration_graphs, bool):
+            raise TypeError(f"iteration_graphs must be a bool, got "
+                            f"{type(iteration_graphs).__name__}")
         for name, value in (("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -118,6 +129,9 @@ class MLAChunkedPrefill:
         # (rope, dtype, device, V padded, joined | "v") -> W_K, W_UK or W_V; per instance.
         self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
         self._checked: tuple[Any, ...] | None = None  # (device, dtype, qk) the backend runs
+        self.iteration_graphs = iteration_graphs
+        # device -> (capture stream, graph memory pool, the last captured graph)
+        self._graph_side: dict[Any, Any] = {}
 
     # -- configuration ---------------------------------------------------------------------
     @property
@@ -416,9 +430,24 @@ class MLAChunkedPrefill:
         workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
         kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
+        replay = None
+        if (self.iteration_graphs and context_source is None
+                and plan.num_iterations >= GRAPH_MIN_ITERATIONS):
+            replay = _IterationReplay(self, device, cu_seq_lens, chunk_starts, padded=lambda cu,
+                                      starts: self._padded_iteration(
+                                          q, kv_cache, block_table, cu, starts, workspace, kv_buf,
+                                          rope, cu_q, plan.max_query_len, max_rows, out, lse,
+                                          scale))
         for i in range(plan.num_iterations):
             num_rows = plan.iteration_tokens[i]
             if num_rows == 0:
+                continue
+            seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
+                                plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
+                                cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+            joined = backend.wants_joined_keys(seqs_i, h, False)
+            if replay is not None and not joined:
+                replay.run(i)  # gather, GEMM and attention, padded to the workspace
                 continue
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
@@ -430,16 +459,95 @@ class MLAChunkedPrefill:
                                      f"expected ({num_rows}, {rank + rope})")
                 if rows.stride(1) != 1:
                     rows = rows.contiguous()
-            seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
-                                plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
-                                cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
-            joined = backend.wants_joined_keys(seqs_i, h, False)
             k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], kv_buf, rope, joined)
             backend.attend_into(q, k_i, v_i, seqs_i, out, lse, causal=False,
                                 softmax_scale=scale, k_rope=None if joined else rows[:, rank:])
         return (out, lse) if return_lse else out
 
     __call__ = forward
+
+    def _padded_iteration(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                          block_table: torch.Tensor, cu_seq_lens_i: torch.Tensor,
+                          chunk_starts_i: torch.Tensor, workspace: torch.Tensor,
+                          kv_buf: torch.Tensor, rope: int, cu_q: torch.Tensor, max_query_len: int,
+                          max_rows: int, out: torch.Tensor, lse: torch.Tensor,
+                          scale: float) -> None:
+        """One split-key context iteration with every launch sized to the workspace, not to the
+        iteration: the gather leaves rows past the iteration's total alone, the GEMM also
+        projects them (the attention never reads them), the attention reads its offsets from
+        ``cu_seq_lens_i`` on the device. So one captured launch sequence serves every iteration
+        whose offsets are copied into the same buffers."""
+        rank = self.kv_lora_rank
+        rows = gather_context_rows(kv_cache, block_table, cu_seq_lens_i, chunk_starts_i,
+                                   workspace, max_rows, use_kernel=True)
+        k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], kv_buf, rope, False)
+        seqs = VarlenSeqs(cu_q, cu_seq_lens_i, max_query_len, max_rows)
+        self._backend.attend_into(q, k_i, v_i, seqs, out, lse, causal=False,
+                                  softmax_scale=scale, k_rope=rows[:, rank:])
+
+
+#: Context iterations a step needs before ``iteration_graphs`` captures one: the first
+#: split-key iteration runs eagerly (it loads every kernel the capture records), the second is
+#: captured and replayed, so fewer would only add the capture.
+GRAPH_MIN_ITERATIONS = 4
+
+
+class _IterationReplay:
+    """Runs split-key context iterations of one forward through one captured CUDA graph.
+
+    ``run(i)`` copies iteration ``i``'s offsets (``cu_seq_lens[i]``, ``chunk_starts[i]``) into
+    fixed device buffers, then: the first time, runs the padded iteration eagerly (real work,
+    and every kernel it launches is loaded before capture); the second time, captures it on a
+    side stream (capture records, it does not run) and replays it; after that, replays it. Each
+    replay is two small copies and one graph launch instead of three launches from Python.
+    Capture and replay never synchronize the host; the graph's memory comes from one pool per
+    forward object and device, shared by every forward's graph. Without CUDA graphs (CPU) every
+    iteration runs the padded launches eagerly.
+    """
+
+    def __init__(self, op: MLAChunkedPrefill, device: torch.device, cu_seq_lens: torch.Tensor,
+                 chunk_starts: torch.Tensor,
+                 padded: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        self.op, self.device = op, device
+        self.cu_seq_lens, self.chunk_starts = cu_seq_lens, chunk_starts
+        self.cu = torch.empty_like(cu_seq_lens[0])
+        self.starts = torch.empty_like(chunk_starts[0])
+        self.padded = padded
+        self.graph: Any = None
+        self.warm = False
+        self.use_graphs = device.type == "cuda"
+
+    def _capture(self) -> Any:
+        # One side stream and one memory pool per forward object and device. The previous
+        # forward's graph is kept until this capture has joined the pool: torch lets a capture
+        # share a pool only while another graph holds it (a pool whose graphs were all
+        # destroyed cannot be joined again). It is never replayed again; destroying it is
+        # asynchronous (CUDA frees a graph still in flight when it completes).
+        stream, pool, _ = self.op._graph_side.get(self.device) or (
+            torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle(), None)
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                self.padded(self.cu, self.starts)
+            finally:
+                graph.capture_end()
+        current.wait_stream(stream)
+        self.op._graph_side[self.device] = (stream, pool, graph)
+        return graph
+
+    def run(self, i: int) -> None:
+        self.cu.copy_(self.cu_seq_lens[i], non_blocking=True)
+        self.starts.copy_(self.chunk_starts[i], non_blocking=True)
+        if not self.use_graphs or not self.warm:
+            self.padded(self.cu, self.starts)
+            self.warm = True
+            return
+        if self.graph is None:
+            self.graph = self._capture()
+        self.graph.replay()
 
 
 def check_softmax_scale(softmax_scale: Any) -> float | None:

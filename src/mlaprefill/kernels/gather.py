@@ -59,7 +59,10 @@ if HAS_TRITON:
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < num_rows
+        # Rows past the iteration's total (num_rows may pad it, e.g. for a replayed CUDA graph)
+        # are left as they are.
+        total = tl.load(cu_seq_lens_ptr + num_reqs).to(tl.int64)
+        row_mask = (rows < num_rows) & (rows < total)
         # Largest r in [0, num_reqs) with cu_seq_lens[r] <= row (binary lifting: cu_seq_lens is
         # non-decreasing, cu_seq_lens[0] = 0). Requests with an empty piece share their offset
         # with the next one, so the largest such r is the one whose piece holds the row.
@@ -152,13 +155,14 @@ def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
     num_blocks, page_size = kv_cache.shape[0], kv_cache.shape[1]
     j = torch.arange(num_rows, device=kv_cache.device, dtype=torch.int64)
     req = rows_to_requests(cu_seq_lens, num_rows)
-    pos = chunk_starts.long()[req] + j - cu_seq_lens.long()[req]
+    valid = j < cu_seq_lens[-1].long()  # rows past the total: padding, left as they are
+    pos = torch.where(valid, chunk_starts.long()[req] + j - cu_seq_lens.long()[req], 0)
     block = block_table[req, pos // page_size].long()
-    bad = (block < 0) | (block >= num_blocks)
+    bad = ((block < 0) | (block >= num_blocks)) & valid
     on_cpu = kv_cache.device.type == "cpu"
     if on_cpu and num_rows:
         # Host memory: checking is free (read through numpy, not a device read).
-        bad_np = bad.numpy()
+        bad_np = bad.numpy()  # noqa: HS201 (on_cpu: host memory)
         if bad_np.any():
             j0 = int(bad_np.argmax())
             # CPU tensors here (on_cpu): reading them is no device sync
@@ -169,9 +173,10 @@ def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
                 f"num_blocks={num_blocks}) for context token {tok} of request {r}; every block "
                 f"the context needs must index kv_cache")
     rows = workspace[:num_rows]
-    rows.copy_(kv_cache[block.clamp(0, max(num_blocks - 1, 0)), pos % page_size])
+    src = kv_cache[block.clamp(0, max(num_blocks - 1, 0)), pos % page_size]
     if not on_cpu:
-        rows.masked_fill_(bad[:, None], float("nan"))
+        src.masked_fill_(bad[:, None], float("nan"))
+    rows.copy_(torch.where(valid[:, None], src, rows))  # padding rows keep their values
     return rows
 
 
@@ -193,7 +198,9 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
         Context-token index where each request's piece starts.
     workspace : [>= num_rows, latent_dim], kv_cache's dtype, contiguous rows
     num_rows : int
-        Host int (``plan.iteration_tokens[i]``).
+        Host int (``plan.iteration_tokens[i]``). A larger value pads: rows from the iteration's
+        total ``cu_seq_lens[-1]`` (read on the device) to ``num_rows`` are left as they are, so
+        a launch of fixed size can serve every iteration (what a replayed CUDA graph needs).
     use_kernel : bool, optional
         Force (True) or forbid (False) the Triton kernel; default: Triton on CUDA when available.
     block_rows, num_warps : int
