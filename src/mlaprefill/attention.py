@@ -126,7 +126,8 @@ class MLAChunkedPrefill:
         self._backend_request = backend
         rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
         self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
-        # (rope, dtype, device, V padded, joined | "v") -> W_K, W_UK or W_V; per instance.
+        # (rope, dtype, device, V padded, "k" | "v") -> W_K or W_V (joined keys); (dtype, device,
+        # "kv") -> the weight as split keys use it; per instance.
         self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
         self._checked: tuple[Any, ...] | None = None  # (device, dtype, qk) the backend runs
         self.iteration_graphs = iteration_graphs
