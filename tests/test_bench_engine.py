@@ -89,6 +89,11 @@ def test_variant_parse_and_errors():
         Variant.parse("ring+equal@fastest")
     with pytest.raises(ValueError, match="BACKEND"):
         Variant.parse("ring+equal@")
+    graphs = Variant.parse("ring+balanced@hybrid+graphs")
+    assert graphs == Variant("ring", "balanced", backend="hybrid+graphs")
+    assert graphs.name == "ring+balanced@hybrid+graphs"
+    with pytest.raises(ValueError, match="iteration_graphs"):
+        Variant.parse("ring+equal@fastest+graphs")
     with pytest.raises(ValueError, match="prompt_len"):
         EngineConfig(prompt_len=0)
     with pytest.raises(ValueError, match="request_rate"):
@@ -137,6 +142,12 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     assert math_run.first_tokens == default.first_tokens
     assert math_run.kernel_builds == 0  # plain torch ops build nothing
     assert all(s.host_forward_ms_per_layer > 0 for s in math_run.steps)
+    # @BACKEND+graphs: the same backend with iteration_graphs on (math: never used, same result)
+    graphs_run = engine.run(Variant.parse("ring+packed@math+graphs"))
+    assert engine.backend_name("math+graphs") == "math+graphs"
+    assert all(layer.iteration_graphs for layer in engine.attention_layers("math+graphs"))
+    assert not any(layer.iteration_graphs for layer in engine.attention_layers("math"))
+    assert graphs_run.first_tokens == default.first_tokens
 
 
 @pytest.mark.gpu

@@ -49,6 +49,10 @@ ProgressFn = Callable[[str, int, int, int, int], None]
 TABLES = ("compact", "vllm")
 
 
+#: Suffix of a variant's backend that turns on ``MLAChunkedPrefill(iteration_graphs=True)``.
+GRAPHS = "+graphs"
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One measured configuration: staging transfer mode, planner policy, metadata layout and
@@ -68,9 +72,10 @@ class Variant:
             raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
         if self.backend is not None:
             from mlaprefill.backends import BACKENDS
-            if self.backend not in ("auto", *BACKENDS):
+            if self.backend.removesuffix(GRAPHS) not in ("auto", *BACKENDS):
                 raise ValueError(f"Variant.backend = {self.backend!r}; choose one of "
-                                 f"{['auto', *BACKENDS]}.")
+                                 f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} "
+                                 f"(MLAChunkedPrefill's iteration_graphs).")
 
     @property
     def name(self) -> str:
@@ -81,7 +86,8 @@ class Variant:
     @classmethod
     def parse(cls, text: str) -> Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
-        vLLM-shaped per-token tables too; ``"ring+balanced@varlen"`` runs that attention backend."""
+        vLLM-shaped per-token tables too; ``"ring+balanced@varlen"`` runs that attention backend;
+        ``"ring+balanced@hybrid+graphs"`` runs it with ``iteration_graphs=True``."""
         body, at, backend = text.strip().partition("@")
         parts = body.split("+")
         if len(parts) not in (2, 3) or (at and not backend):
@@ -89,7 +95,8 @@ class Variant:
                              f"e.g. 'ring+packed', 'pageable+equal+vllm' or "
                              f"'ring+balanced@varlen' (transfer in {MODES}, policy in "
                              f"{POLICIES}; '+vllm' also ships vLLM's per-token token_to_seq; "
-                             f"@BACKEND picks the attention backend for this variant).")
+                             f"@BACKEND picks the attention backend for this variant, "
+                             f"@BACKEND+graphs also turns on its iteration_graphs).")
         return cls(*parts, backend=backend or None)
 
 
@@ -285,16 +292,20 @@ class PrefillEngine:
         backend = self.config.backend if backend is None else backend
         if backend not in self._attention:
             m = self.dims.mla
+            graphs = {"iteration_graphs": True} if backend.endswith(GRAPHS) else {}
             self._attention[backend] = [
                 self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
-                                        v_head_dim=m.v_head_dim, backend=backend)
+                                        v_head_dim=m.v_head_dim,
+                                        backend=backend.removesuffix(GRAPHS), **graphs)
                 for w in self.model.kv_b_proj]
         return self._attention[backend]
 
     def backend_name(self, backend: str | None = None) -> str:
-        """The resolved attention backend a variant with ``backend`` runs (``auto`` resolved)."""
+        """The resolved attention backend a variant with ``backend`` runs (``auto`` resolved;
+        ``+graphs`` where its iteration graphs are on)."""
         layers = self.attention_layers(backend)
-        return str(getattr(layers[0], "backend_name", "unknown"))
+        name = str(getattr(layers[0], "backend_name", "unknown"))
+        return name + (GRAPHS if getattr(layers[0], "iteration_graphs", False) else "")
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
