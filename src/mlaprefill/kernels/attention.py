@@ -126,7 +126,7 @@ class AttentionConfig:
 #: registers per thread, P 16 and the 128 x 128 output accumulator 64, clear of spills, and four
 #: stages of K/V (24 + 16 KiB each) fit the 227 KiB of shared memory; 128 x 128 tiles with 3
 #: stages do not fit. Measured on the H200 (benchmarks/results/triton_attention_split_h200.json,
-#: split keys as the forward passes them): 450-505 TFLOP/s non-causal, 350-450 causal.
+#: split keys as the forward passes them): 450-505 TFLOP/s non-causal, 330-450 causal.
 DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=4)
 #: 256 query rows over 16 warps. It was the default for non-causal calls with more than 128
 #: queries per sequence (455-464 against 430-440 TFLOP/s, 128 heads, 4k queries x 16k-64k keys,
