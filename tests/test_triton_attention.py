@@ -390,15 +390,57 @@ _SCRIPT = textwrap.dedent("""
             else:
                 raise AssertionError("misaligned k / v accepted with tma=True")
 
-    {"small_dims": group_small_dims, "tma": group_tma, "split_and_state": group_split_and_state,
-     "deepseek_dims": group_deepseek_dims, "nonfinite": group_nonfinite, "hybrid": group_hybrid,
-     "forward": group_forward}[sys.argv[1]]()
+    def group_graphs_random():
+        # iteration_graphs' padded iterations (eager here) on random awkward batches: zero
+        # context, one token, contexts at and one past page boundaries, many short iterations;
+        # against the float64 reference and the unpadded forward.
+        import random
+
+        from conftest import paged_mla_inputs
+        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.batch import PrefillBatch
+        from mlaprefill.plan import ChunkPlanner
+        from mlaprefill.reference import mla_prefill_reference
+        from mlaprefill.staging import StagingRing
+
+        rnd = random.Random(11)
+        for case in range(6):
+            n = rnd.randint(1, 4)
+            query_lens = [rnd.choice([1, 2, 7, 16, 17]) for _ in range(n)]
+            context_lens = [rnd.choice([0, 1, 15, 16, 17, 32, 33, 90]) for _ in range(n)]
+            workspace = max(16 * n, 16 * rnd.randint(1, 3))
+            context_lens[0] = max(context_lens[0], 3 * workspace + 1)  # >= 4 iterations
+            policy = rnd.choice(["packed", "equal", "balanced"])
+            x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=16, rope=8,
+                                 v=16, page_size=16, seed=case)
+            ref_out, ref_lse = mla_prefill_reference(
+                x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                query_lens, context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
+            plan = ChunkPlanner(workspace, 16, policy=policy).plan(
+                PrefillBatch(query_lens, context_lens, page_size=16))
+            what = (query_lens, context_lens, workspace, policy, plan.num_iterations)
+            assert plan.num_iterations >= 4, what
+            got = []
+            for graphs in (False, True):
+                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                                       backend="triton", iteration_graphs=graphs)
+                got.append(op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                      x["block_table"], StagingRing("cpu").upload(plan),
+                                      return_lse=True))
+                out, lse = got[-1]
+                assert (out.double() - ref_out).abs().max() < 1e-4, what
+                assert (lse.double() - ref_lse).abs().max() < 1e-4, what
+            assert (got[0][0] - got[1][0]).abs().max() < 1e-5, what
+
+    {"small_dims": group_small_dims, "tma": group_tma, "graphs_random": group_graphs_random,
+     "split_and_state": group_split_and_state, "deepseek_dims": group_deepseek_dims,
+     "nonfinite": group_nonfinite, "hybrid": group_hybrid, "forward": group_forward}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
-@pytest.mark.parametrize("group", ["small_dims", "tma", "split_and_state", "deepseek_dims",
-                                   "nonfinite", "hybrid", "forward"])
+@pytest.mark.parametrize("group", ["small_dims", "tma", "graphs_random", "split_and_state",
+                                   "deepseek_dims", "nonfinite", "hybrid", "forward"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")
