@@ -92,11 +92,12 @@ def test_scenario_metadata_claims(name, over):
         assert prof["steps_over_threshold_fraction"] == 0.0
 
 
-def test_max_seconds_truncates_evenly_and_skips_rounds(tmp_path):
+def test_max_seconds_truncates_evenly_and_skips_rounds(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), *SMALL, "--max-seconds", "0.001",
                  "--warmup-steps", "0", "--no-warmup-run"]) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["repeats"] == 1 and doc["repeats_requested"] == 2
+    assert "1 of 2 repeats (--max-seconds)" in capsys.readouterr().out  # the header says so
     assert doc["stopped_early_for_max_seconds"] is True
     for v in doc["variants"]:
         assert v["metrics"]["truncated_runs"] == 1

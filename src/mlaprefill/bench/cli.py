@@ -460,11 +460,14 @@ def run(args: argparse.Namespace) -> int:
                      f"--prompt-len, --concurrency, --token-budget or --workspace.")
     doc["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                       if k != "command" and not callable(v)}
+    ran = doc.get("repeats", repeats)
+    ran_text = f"{ran} repeats" if ran == repeats else \
+        f"{ran} of {repeats} repeats (--max-seconds)"
     print(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
           f"{doc['dtype']}, attention backend {doc['attention_backend']}): "
           f"{config.num_requests} x {config.prompt_len} tokens, {config.num_layers} layers, "
           f"budget {config.token_budget}, workspace {config.workspace_tokens}, share "
-          f"{config.share}, {repeats} repeats, {doc['total_seconds']:.1f} s")
+          f"{config.share}, {ran_text}, {doc['total_seconds']:.1f} s")
     print(format_table(doc))
     if doc["ran_on"] == "cpu":
         print("ran on the CPU: every transfer mode is a plain CPU copy here, so this shows the "
