@@ -505,20 +505,23 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                          f"{_MAX_GRID_YZ} (CUDA grid axes 1 and 2); split the batch")
 
 
-def _check_tma(k: torch.Tensor, k_rope: torch.Tensor | None, v: torch.Tensor) -> None:
+def _key_parts(k: torch.Tensor, k_rope: torch.Tensor | None
+               ) -> tuple[int, torch.Tensor, int, int]:
+    """``(D1, second part, its token stride, its head stride)``: the key as the kernel reads it
+    (with ``k_rope`` absent the second part is ``k``'s columns past the largest power of two
+    <= its width; unused when there are none)."""
+    if k_rope is None:
+        d1 = 1 << (k.shape[2].bit_length() - 1)  # largest power of two <= qk_dim
+        return d1, (k[:, :, d1:] if k.shape[2] > d1 else k), k.stride(0), k.stride(1)
+    return k.shape[2], k_rope, k_rope.stride(0), k_rope.stride(1) if k_rope.dim() == 3 else 0
+
+
+def _check_tma(parts: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> None:
     """TMA descriptors need 16-byte aligned bases and token / head strides (every (sequence,
-    head) base is the tensor's plus whole strides); host metadata only."""
-    parts = [("k", k.data_ptr(), k.stride()[:2], k.element_size()),
-             ("v", v.data_ptr(), v.stride()[:2], v.element_size())]
-    if k_rope is not None:
-        strides = (k_rope.stride(0), k_rope.stride(1) if k_rope.dim() == 3 else 0)
-        parts.append(("k_rope", k_rope.data_ptr(), strides, k_rope.element_size()))
-    else:
-        d1 = 1 << (k.shape[2].bit_length() - 1)  # the kernel's first QK part; the rest is rope
-        if d1 < k.shape[2]:
-            parts.append(("k's rope part", k.data_ptr() + d1 * k.element_size(),
-                          k.stride()[:2], k.element_size()))
-    for name, ptr, strides, size in parts:
+    head) base is the tensor's plus whole strides); ``(name, tensor, strides)`` per key / value
+    part the kernel reads through a descriptor. Host metadata only."""
+    for name, t, strides in parts:
+        ptr, size = t.data_ptr(), t.element_size()
         if ptr % 16 or any(st * size % 16 for st in strides):
             raise ValueError(f"config.tma needs {name} 16-byte aligned with token and head "
                              f"strides a multiple of 16 bytes (got address % 16 = {ptr % 16}, "
@@ -603,8 +606,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, k_rope)
     cfg = default_config(causal=causal, max_seqlen_q=max_seqlen_q) if config is None else config
     dense_args = _dense_args(dense, cfg, cu_seqlens_q.shape[0] - 1)
+    d1, rope, stride_pt, stride_ph = _key_parts(k, k_rope)
+    d2 = q.shape[2] - d1
     if cfg.tma:
-        _check_tma(k, k_rope, v)
+        parts = [("k", k, k.stride()[:2]), ("v", v, v.stride()[:2])]
+        if d2:
+            parts.append(("k_rope" if k_rope is not None else "k's rope part", rope,
+                          (stride_pt, stride_ph)))
+        _check_tma(parts)
+        ensure_allocator()
     v_dim = v.shape[2]
     if state is not None:
         state = _check_state(state, q, v_dim)
@@ -612,7 +622,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"varlen_attention runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got device {q.device}; on CPU use the 'math' "
                          f"backend")
-    num_tokens_q, num_heads, qk_dim = q.shape
+    num_tokens_q, num_heads = q.shape[:2]
     if state is None:
         out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
         lse = torch.empty(num_tokens_q, num_heads, dtype=torch.float32, device=q.device)
@@ -628,18 +638,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out.zero_()
             lse.fill_(float("-inf"))
         return out, lse
-    if k_rope is None:
-        d1 = 1 << (qk_dim.bit_length() - 1)  # largest power of two <= qk_dim
-        rope = k[:, :, d1:] if qk_dim > d1 else k  # (unused when d2 == 0)
-        stride_pt, stride_ph = k.stride(0), k.stride(1)
-    else:
-        d1 = k.shape[2]
-        rope = k_rope
-        stride_pt = k_rope.stride(0)
-        stride_ph = k_rope.stride(1) if k_rope.dim() == 3 else 0
-    d2 = qk_dim - d1
-    if cfg.tma:
-        ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](
         q, k, rope, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
