@@ -224,12 +224,11 @@ class MLAChunkedPrefill:
             raise RuntimeError(f"backend {self.backend_name!r} asked for split keys and padded V; "
                                f"split keys come with V unpadded")
         w_key, w_v = self._up_weights(rope, kv_c.dtype, kv_c.device, joined)
+        width = w_key.shape[0] // h
         if w_v is None:
-            width = w_key.shape[0] // h
             kv = buf[:n * h * width].view(n, h, width)
             torch.mm(kv_c, w_key.t(), out=kv.view(n, -1))  # [n, rank] x [rank, H*(nope+v)]
             return kv[..., :nope], kv[..., nope:]
-        width = w_key.shape[0] // h
         k = buf[:n * h * width].view(n, h, width)
         torch.mm(kv_c, w_key.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*(nope+rope)]
         broadcast_rope_(k, k_pe, nope)

@@ -100,7 +100,7 @@ def _floor(n: int, per_octave: int, align: int) -> int:
     # bucket_floor without the argument checks (the hot path passes the module's constants)
     if n < align:
         return 0
-    step = max(align, (1 << (n.bit_length() - 1)) // per_octave)
+    step = grid_step(n, per_octave=per_octave, align=align)
     return n // step * step
 
 
