@@ -122,6 +122,38 @@ def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
     }
 
 
+def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
+                  ) -> tuple[Any, Any, Any]:
+    """``(op, plan, fwd)``: the forward of ``x``'s requests on ``backend`` (``NAME+graphs``:
+    with ``iteration_graphs=True``) planned with the backend's auto policy, ``fwd()`` running
+    it once (plan uploaded once)."""
+    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.bench.engine import GRAPHS
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                           backend=backend.removesuffix(GRAPHS),
+                           iteration_graphs=backend.endswith(GRAPHS))
+    plan = ChunkPlanner(workspace, PAGE, policy=op.resolve_policy("auto")).plan(
+        PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE))
+    dplan = StagingRing(device).upload(plan)
+
+    def fwd() -> Any:
+        return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                          x["block_table"], dplan, return_lse=True)
+
+    return op, plan, fwd
+
+
+def _label(op: Any) -> str:
+    """The backend an :func:`_auto_forward` op runs, as results name it (``NAME+graphs``)."""
+    from mlaprefill.bench.engine import GRAPHS
+
+    return op.backend_name + (GRAPHS if op.iteration_graphs else "")
+
+
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
     (1, 4096, 4096), (1, 4096, 16384), (1, 4096, 65536),
     (4, 4096, 16384), (16, 4096, 65536), (16, 4096, 16384),
@@ -406,11 +438,6 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
     median ratio over rounds and its min / max (one round: the ratio of that round). A backend
     named ``NAME+graphs`` is ``NAME`` with ``iteration_graphs=True``.
     """
-    from mlaprefill.attention import MLAChunkedPrefill
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.plan import ChunkPlanner
-    from mlaprefill.staging import StagingRing
-
     rows = []
     for heads, nr, q, c in IDEAL_SHAPES:
         shape = {"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
@@ -419,18 +446,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
         setups: dict[str, dict[str, Any]] = {}
         for name in backends:  # build, first call, host enqueue: once per backend
             try:
-                base, graphs = name.removesuffix("+graphs"), name.endswith("+graphs")
-                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                                       backend=base, iteration_graphs=graphs)
-                policy = op.resolve_policy("auto")
-                plan = ChunkPlanner(IDEAL_WORKSPACE, PAGE, policy=policy).plan(
-                    PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
-                dplan = StagingRing(device).upload(plan)
-
-                def fwd(op: Any = op, dplan: Any = dplan, x: dict = x) -> Any:
-                    return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                      x["block_table"], dplan, return_lse=True)
-
+                op, plan, fwd = _auto_forward(x, name, IDEAL_WORKSPACE, device)
                 b0 = op.backend.builds()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -440,8 +456,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
                 b1 = op.backend.builds()
                 host = host_enqueue_ms(fwd)
                 setups[name] = {"op": op, "fwd": fwd, "b0": b0, "b1": b1, "rounds": [],
-                                "row": {**shape, "backend": op.backend_name + (
-                                    "+graphs" if graphs else ""), "policy": policy,
+                                "row": {**shape, "backend": _label(op), "policy": plan.policy,
                                         "iterations": plan.num_iterations,
                                         "first_call_host_ms": first_host_ms,
                                         "host_enqueue_ms_p50": host[10],

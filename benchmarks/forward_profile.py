@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from _common import host_enqueue_ms, kernel_ms, write_json
-from attention import NOPE, PAGE, VDIM, _forward_inputs
+from attention import _auto_forward, _forward_inputs, _label
 
 SHAPES = [(128, 1, 4096, 4096), (128, 4, 1024, 32768), (128, 16, 256, 8192),
           (128, 4, 1000, 30000), (16, 1, 4096, 4096), (16, 4, 1024, 32768),
@@ -55,27 +55,11 @@ def idle_gaps(prof: Any, forwards: int, top: int = 4) -> dict[str, Any]:
 
 
 def profile(backends: list[str]) -> list[dict[str, Any]]:
-
-    from mlaprefill.attention import MLAChunkedPrefill
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.plan import ChunkPlanner
-    from mlaprefill.staging import StagingRing
-
     rows = []
     for heads, nr, q, c in SHAPES:
         x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, "cuda")
         for name in backends:
-            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                                   backend=name)
-            policy = op.resolve_policy("auto")
-            plan = ChunkPlanner(WORKSPACE, PAGE, policy=policy).plan(
-                PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
-            dplan = StagingRing("cuda").upload(plan)
-
-            def fwd(op: Any = op, x: dict = x, dplan: Any = dplan) -> Any:
-                return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                  x["block_table"], dplan, return_lse=True)
-
+            op, plan, fwd = _auto_forward(x, name, WORKSPACE, "cuda")
             for _ in range(3):
                 fwd()
             torch.cuda.synchronize()
@@ -96,7 +80,7 @@ def profile(backends: list[str]) -> list[dict[str, Any]]:
                               for k in prof.key_averages() if k.device_time_total > 0),
                              key=lambda r: -r[1])
             rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
-                         "backend": op.backend_name, "policy": policy,
+                         "backend": _label(op), "policy": plan.policy,
                          "iterations": plan.num_iterations, "do_bench_ms": isolated,
                          "back_to_back_ms": start.elapsed_time(end) / 10,
                          "host_enqueue_ms_p50": host[10],
@@ -123,25 +107,11 @@ def host_profile(backends: list[str], shape: tuple[int, int, int, int] = (16, 16
     import cProfile
     import pstats
 
-    from mlaprefill.attention import MLAChunkedPrefill
-    from mlaprefill.batch import PrefillBatch
-    from mlaprefill.plan import ChunkPlanner
-    from mlaprefill.staging import StagingRing
-
     heads, nr, q, c = shape
     x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, "cuda")
     rows = []
     for name in backends:
-        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM, backend=name)
-        policy = op.resolve_policy("auto")
-        plan = ChunkPlanner(WORKSPACE, PAGE, policy=policy).plan(
-            PrefillBatch([q] * nr, [c] * nr, page_size=PAGE))
-        dplan = StagingRing("cuda").upload(plan)
-
-        def fwd(op: Any = op, dplan: Any = dplan) -> Any:
-            return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                              x["block_table"], dplan, return_lse=True)
-
+        op, plan, fwd = _auto_forward(x, name, WORKSPACE, "cuda")
         for _ in range(3):
             fwd()
         torch.cuda.synchronize()
@@ -155,7 +125,7 @@ def host_profile(backends: list[str], shape: tuple[int, int, int, int] = (16, 16
         total = sum(v[2] for v in stats.values())
         entries = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
         rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
-                     "backend": op.backend_name, "iterations": plan.num_iterations,
+                     "backend": _label(op), "iterations": plan.num_iterations,
                      "host_ms_per_forward": total * 1e3 / calls,
                      "top_own_time": [{"function": f"{k[0].rsplit('/', 2)[-1]}:{k[1]} {k[2]}",
                                        "calls_per_forward": v[1] / calls,
