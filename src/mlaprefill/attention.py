@@ -77,10 +77,11 @@ class MLAChunkedPrefill:
         Experimental, off by default. For a step of at least :data:`GRAPH_MIN_ITERATIONS`
         context iterations, the iterations whose attention takes split keys (``triton``;
         ``hybrid`` where a call has no cuDNN rectangle) run one fixed-size launch sequence —
-        gather padded to the workspace, one GEMM over it, the attention kernel, with the
-        iteration's offsets copied into fixed device buffers — captured once per forward as a
-        CUDA graph and replayed, instead of three launches from Python per iteration. On
-        devices without CUDA graphs the same padded iterations run eagerly.
+        gather padded to the workspace, one GEMM over it, the attention kernel, reading the
+        iteration's offsets through a device counter that the sequence advances — captured
+        once per forward as a CUDA graph and replayed: one graph launch per iteration from
+        Python instead of three kernel launches. On devices without CUDA graphs the same padded
+        iterations run eagerly.
 
     Notes
     -----
@@ -495,14 +496,17 @@ GRAPH_MIN_ITERATIONS = 4
 class _IterationReplay:
     """Runs split-key context iterations of one forward through one captured CUDA graph.
 
-    ``run(i)`` copies iteration ``i``'s offsets (``cu_seq_lens[i]``, ``chunk_starts[i]``) into
-    fixed device buffers, then: the first time, runs the padded iteration eagerly (real work,
-    and every kernel it launches is loaded before capture); the second time, captures it on a
-    side stream (capture records, it does not run) and replays it; after that, replays it. Each
-    replay is two small copies and one graph launch instead of three launches from Python.
-    Capture and replay never synchronize the host; the graph's memory comes from one pool per
-    forward object and device, shared by every forward's graph. Without CUDA graphs (CPU) every
-    iteration runs the padded launches eagerly.
+    The graph reads the iteration it runs from a one-element device counter: it selects that
+    row of the plan's ``cu_seq_lens`` and ``chunk_starts`` (``[num_iterations, ...]`` on the
+    device), runs the padded iteration and adds one to the counter. So a replay is one graph
+    launch from Python and nothing else; the host writes the counter (one fill) only when the
+    iteration it runs is not the one after the last (an iteration skipped: no rows, or joined
+    keys). ``run(i)``: the first time, the padded iteration runs eagerly (real work, and every
+    kernel it launches is loaded before capture); the second time it is captured on a side
+    stream (capture records, it does not run) and replayed; after that, replayed. Capture and
+    replay never synchronize the host; the graph's memory comes from one pool per forward object
+    and device, shared by every forward's graph. Without CUDA graphs (CPU) every iteration runs
+    the padded launches eagerly, through the same counter.
     """
 
     def __init__(self, op: MLAChunkedPrefill, device: torch.device, cu_seq_lens: torch.Tensor,
@@ -510,12 +514,19 @@ class _IterationReplay:
                  padded: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         self.op, self.device = op, device
         self.cu_seq_lens, self.chunk_starts = cu_seq_lens, chunk_starts
-        self.cu = torch.empty_like(cu_seq_lens[0])
-        self.starts = torch.empty_like(chunk_starts[0])
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.next: int | None = 0  # what the counter holds (host view), None: unknown
         self.padded = padded
         self.graph: Any = None
         self.warm = False
         self.use_graphs = device.type == "cuda"
+
+    def _iteration(self) -> None:
+        # Counter -> this iteration's offsets -> padded launches -> counter + 1; all on device.
+        cu = self.cu_seq_lens.index_select(0, self.counter)[0]
+        starts = self.chunk_starts.index_select(0, self.counter)[0]
+        self.padded(cu, starts)
+        self.counter.add_(1)
 
     def _capture(self) -> Any:
         # One side stream and one memory pool per forward object and device. The previous
@@ -531,7 +542,7 @@ class _IterationReplay:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                self.padded(self.cu, self.starts)
+                self._iteration()
             finally:
                 graph.capture_end()
         current.wait_stream(stream)
@@ -539,10 +550,11 @@ class _IterationReplay:
         return graph
 
     def run(self, i: int) -> None:
-        self.cu.copy_(self.cu_seq_lens[i], non_blocking=True)
-        self.starts.copy_(self.chunk_starts[i], non_blocking=True)
+        if self.next != i:
+            self.counter.fill_(i)
+        self.next = i + 1
         if not self.use_graphs or not self.warm:
-            self.padded(self.cu, self.starts)
+            self._iteration()
             self.warm = True
             return
         if self.graph is None:
