@@ -16,6 +16,8 @@
 #   determinism  benchmarks/determinism.py --probe --runs 16
 #   ideal        issue #11's whole-forward ratio to the ideal, 3 interleaved rounds per shape
 #                (hybrid, triton, cudnn, varlen), then the per-kernel profile (hybrid, triton)
+#   hostprof     where the forward's host time goes (forward_profile.py --host-only), eager and
+#                with iteration graphs
 # dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on
 # GPU 1 (on GPU 0 after the bench when there is one GPU); they share the host's cores, which every
 # JSON's run_context should say. NVLink multicast stays off (the lent machine's rule).
@@ -24,7 +26,7 @@ out=${1:?usage: benchmarks/run_h200.sh OUT_DIR [JOB ...]}
 shift
 jobs=("$@")
 [ ${#jobs[@]} -gt 0 ] || jobs=(dcp bench tests plan_upload audit)
-known=" dcp bench tests plan_upload audit attention determinism ideal "
+known=" dcp bench tests plan_upload audit attention determinism ideal hostprof "
 for j in "${jobs[@]}"; do
     case "$known" in
         *" $j "*) ;;
@@ -86,6 +88,12 @@ micro() {
         python3 benchmarks/forward_profile.py --backends hybrid,triton \
             --host-profile --out "$out/forward_profile_h200.json" 2>&1 | grep -v Warn | tail -n 50
         echo "== forward_profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
+    fi
+    if has hostprof; then
+        python3 benchmarks/forward_profile.py --host-only \
+            --backends hybrid,hybrid+graphs,triton,triton+graphs \
+            --out "$out/forward_host_profile_h200.json" 2>&1 | grep -v Warn | tail -n 80
+        echo "== host profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
 }
 
