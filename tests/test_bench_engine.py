@@ -174,3 +174,19 @@ def test_gpu_engine_ring_has_no_host_sync_and_pageable_is_seen():
     assert ring.first_tokens == pageable.first_tokens
     assert len(ring.first_tokens) == cfg.num_requests
     assert np.mean([s.device_end_ms - s.device_start_ms for s in ring.steps]) > 0
+
+
+def test_gc_clock_counts_collections_only_while_entered():
+    import gc
+
+    from mlaprefill.bench.engine import _GcClock
+
+    clock = _GcClock()
+    with clock:
+        assert clock._on_gc in gc.callbacks
+        gc.collect()
+    inside = clock.ms
+    assert inside > 0.0
+    assert clock._on_gc not in gc.callbacks
+    gc.collect()
+    assert clock.ms == inside

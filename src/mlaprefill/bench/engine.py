@@ -18,6 +18,7 @@ upload of step N+1 may block inside the copy until step N has finished: that is 
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import deque
@@ -51,6 +52,28 @@ TABLES = ("compact", "vllm")
 
 #: Suffix of a variant's backend that turns on ``MLAChunkedPrefill(iteration_graphs=True)``.
 GRAPHS = "+graphs"
+
+
+class _GcClock:
+    """Milliseconds Python's garbage collector ran while entered (``gc.callbacks``): says
+    whether a slow step's host time was the collector's, not the code's."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __enter__(self) -> _GcClock:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._on_gc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,7 +423,7 @@ class PrefillEngine:
             start, end = self._event(), self._event()
             start.record()
             slot = step_idx % state.pinned_tokens.shape[0]
-            forward_ms = self._launch(dplan, int(arrays["sample_index"].shape[0]),
+            forward_ms, forward_gc_ms = self._launch(dplan, int(arrays["sample_index"].shape[0]),
                                       state.pinned_tokens[slot], layers)
             end.record()
             td = time.perf_counter()
@@ -418,7 +441,8 @@ class PrefillEngine:
                 if "token_to_seq" in arrays else 0,
                 host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
                 host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark,
-                host_forward_ms_per_layer=forward_ms / cfg.num_layers))
+                host_forward_ms_per_layer=forward_ms / cfg.num_layers,
+                host_forward_gc_ms=forward_gc_ms))
             wait_mark = state.wait_ms
             step_idx += 1
             if progress is not None:
@@ -448,30 +472,35 @@ class PrefillEngine:
                      "pinned_bytes": ring.stats.pinned_bytes})
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
-                attention: list[Any]) -> float:
+                attention: list[Any]) -> tuple[float, float]:
         """Enqueue one step's device work; never synchronizes. Returns the host time (ms) spent
-        enqueuing the attention forwards of all layers."""
+        enqueuing the attention forwards of all layers, and how much of it was Python's garbage
+        collector."""
         slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
         block_table = dplan["block_table"]
         caches = self.cache.layers
-        forward_ms = 0.0
+        forward_ms = gc_ms = 0.0
+        clock = _GcClock()
 
         def attend(i: int, q: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor) -> torch.Tensor:
-            nonlocal forward_ms
+            nonlocal forward_ms, gc_ms
             # New latent rows go to the cache first; the forward reads only context rows
             # (positions < context_lens), so this write never races its own step's reads.
             PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
+            gc0 = clock.ms
             t = time.perf_counter()
             out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
             forward_ms += (time.perf_counter() - t) * 1e3
+            gc_ms += clock.ms - gc0
             return out
 
-        tokens = self.model.forward(dplan["token_ids"], dplan["positions"],
-                                    dplan["sample_index"] if num_sampled else None, attend)
+        with clock:
+            tokens = self.model.forward(dplan["token_ids"], dplan["positions"],
+                                        dplan["sample_index"] if num_sampled else None, attend)
         if tokens is not None:
             token_slot[:num_sampled].copy_(tokens, non_blocking=True)
-        return forward_ms
+        return forward_ms, gc_ms
 
     def _observe(self, state: _RunState, *, block: bool) -> None:
         """Retire completed steps (``event.query()``); with ``block`` wait for the oldest one."""

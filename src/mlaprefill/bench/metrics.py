@@ -56,6 +56,7 @@ class StepRecord:
     host_launch_ms: float
     host_wait_ms: float = 0.0
     host_forward_ms_per_layer: float = float("nan")  # attention forward enqueue, mean per layer
+    host_forward_gc_ms: float = 0.0  # of the forwards' host time (all layers): the collector's
     device_start_ms: float = float("nan")  # on the run's device timeline
     device_end_ms: float = float("nan")
 
@@ -100,7 +101,8 @@ METRIC_KEYS = (
     "host_blocked_ms_p50", "host_blocked_ms_p99", "host_blocked_ms_max", "host_blocked_ms_mean",
     "host_blocked_ms_total_per_run", "host_blocked_steps_over_1ms_fraction",
     "host_launch_ms_p50", "host_launch_ms_p99", "host_wait_ms_total_per_run",
-    "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99", "kernel_builds_per_run",
+    "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99",
+    "host_forward_gc_ms_total_per_run", "host_forward_gc_steps_fraction", "kernel_builds_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
@@ -158,6 +160,9 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "host_wait_ms_total_per_run": float(col("host_wait_ms").sum() / n),
         "host_forward_ms_per_layer_p50": percentile(col("host_forward_ms_per_layer"), 50),
         "host_forward_ms_per_layer_p99": percentile(col("host_forward_ms_per_layer"), 99),
+        # Python's garbage collector inside the timed forwards (part of the times above)
+        "host_forward_gc_ms_total_per_run": float(col("host_forward_gc_ms").sum() / n),
+        "host_forward_gc_steps_fraction": float(np.mean(col("host_forward_gc_ms") > 0)),
         # None where the backend cannot count its builds
         "kernel_builds_per_run": [r.kernel_builds for r in runs],
         "gpu_busy_fraction": float(np.mean(busy)),
@@ -184,10 +189,15 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
 
 
 def step_series(run: RunResult) -> dict[str, list[float]]:
-    """Per-step series of one run for plots/JSON: upload (blocked) ms and metadata bytes."""
+    """Per-step series of one run for plots/JSON: upload (blocked) ms, metadata bytes, device
+    time, and the attention forward's host time per layer beside the step's context
+    iterations (what that host time grows with)."""
     return {
         "host_blocked_ms": [s.host_upload_ms for s in run.steps],
         "metadata_bytes": [s.metadata_bytes for s in run.steps],
         "plan_bytes": [s.plan_bytes for s in run.steps],
         "device_step_ms": [s.device_end_ms - s.device_start_ms for s in run.steps],
+        "host_forward_ms_per_layer": [s.host_forward_ms_per_layer for s in run.steps],
+        "host_forward_gc_ms": [s.host_forward_gc_ms for s in run.steps],
+        "iterations": [s.num_iterations for s in run.steps],
     }
