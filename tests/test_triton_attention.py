@@ -225,7 +225,8 @@ _SCRIPT = textwrap.dedent("""
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
         runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
                 # padded iterations (what iteration_graphs captures; eager on CPU): many
-                # iterations, the last ones short, one with a cuDNN-sized rectangle (hybrid)
+                # iterations, the last ones short; hybrid's cuDNN-sized context rectangle is
+                # left to the padded split-key iteration too
                 ("triton", "balanced", 96, True), ("hybrid", "packed", 160, True)]
         padded = []
         real_padded = MLAChunkedPrefill._padded_iteration
@@ -250,12 +251,12 @@ _SCRIPT = textwrap.dedent("""
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
-            if graphs:  # every split-key iteration padded; hybrid's rectangle ones eager
-                split = [i for i in range(plan.num_iterations) if not op.backend.wants_joined_keys(
+            if graphs:  # every iteration padded, hybrid's rectangle ones too (split keys)
+                rect = [i for i in range(plan.num_iterations) if op.backend.wants_joined_keys(
                     VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
-                assert len(padded) == len(split) > 0, (name, len(padded), split)
-                assert name == "triton" or len(split) < plan.num_iterations
+                assert len(padded) == plan.num_iterations, (name, len(padded))
+                assert (name == "hybrid") == bool(rect), (name, rect)
             else:
                 assert not padded
 

@@ -150,6 +150,10 @@ class AttentionBackend(abc.ABC):
     #: ``attend`` reads ``seqs.seq_ids_q`` (else it would compute it per call): the forward then
     #: computes it once per step. Kernels that read ``cu_seqlens`` on the device do not need it.
     needs_seq_ids: bool = True
+    #: ``attend_into`` can always take split keys (``k_rope``), whatever :meth:`wants_joined_keys`
+    #: prefers: what ``MLAChunkedPrefill(iteration_graphs=True)`` needs to replay its context
+    #: iterations.
+    takes_split_keys: bool = False
 
     @abc.abstractmethod
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,

@@ -40,6 +40,7 @@ class TritonBackend(AttentionBackend):
     # query count that is fewer programs than the 132 SMs (e.g. 8 heads x 1k queries / 128 = 64).
     preferred_policy = "balanced"
     needs_seq_ids = False
+    takes_split_keys = True
 
     def __init__(self, config: AttentionConfig | None = None) -> None:
         self.config = config
