@@ -312,11 +312,15 @@ def test_plan_upload_forward_never_syncs(backend):
 
 @pytest.mark.parametrize("backend,policy", [("triton", "balanced"), ("hybrid", "equal"),
                                             ("hybrid", "packed")])
-def test_iteration_graphs_match_eager_and_reference(backend, policy):
+def test_iteration_graphs_match_eager_and_reference(backend, policy, monkeypatch):
     """iteration_graphs: the padded iterations captured once and replayed give the eager
     forward's result up to the GEMM's rounding (its row count is the workspace, not the
-    iteration), match the float64 reference, repeat bitwise, and never sync."""
+    iteration), match the float64 reference, repeat bitwise, and never sync. The fill gate is
+    off (GRAPH_MIN_FILL = 0), so short iterations are replayed too."""
+    import mlaprefill.attention as attention_module
     from mlaprefill.audit.cuda_check import check_step_async
+
+    monkeypatch.setattr(attention_module, "GRAPH_MIN_FILL", 0.0)
 
     query_lens, context_lens = [17, 1, 300, 64, 5], [0, 64, 5000, 1280, 129]
     x = _inputs(query_lens, context_lens, heads=16, seed=7)
@@ -336,6 +340,7 @@ def test_iteration_graphs_match_eager_and_reference(backend, policy):
             op._backend = HybridBackend(big_work=1 << 20, min_queries_per_key=0)
         runs = [op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                            x["block_table"], dp, return_lse=True) for _ in range(3)]
+        assert bool(op._graph_side) == graphs  # a graph was captured exactly when asked
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), graphs
         out, lse = results[graphs] = runs[0]

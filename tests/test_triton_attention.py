@@ -209,7 +209,7 @@ _SCRIPT = textwrap.dedent("""
         # and merge all in the interpreter; the hybrid's rectangles in torch on CPU) against the
         # float64 reference: zero context, one token, page boundaries, a rectangle-sized request.
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.attention import GRAPH_MIN_FILL, MLAChunkedPrefill
         from mlaprefill.backends.base import VarlenSeqs
         from mlaprefill.backends.hybrid import HybridBackend
         from mlaprefill.batch import PrefillBatch
@@ -225,10 +225,12 @@ _SCRIPT = textwrap.dedent("""
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
         runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
                 # padded iterations (what iteration_graphs captures; eager on CPU): many
-                # iterations, the last ones short; hybrid's cuDNN-sized context rectangle is
-                # left to the padded split-key iteration too
-                ("triton", "balanced", 96, True), ("hybrid", "packed", 160, True)]
-        padded = []
+                # iterations, the last ones short (fill 0.93); hybrid's cuDNN-sized context
+                # rectangle is left to the padded split-key iteration too; equal's fill of 0.42
+                # is below GRAPH_MIN_FILL, so it runs the plain loop
+                ("triton", "packed", 96, True), ("hybrid", "packed", 160, True),
+                ("triton", "equal", 96, True)]
+        padded, gated = [], []
         real_padded = MLAChunkedPrefill._padded_iteration
         MLAChunkedPrefill._padded_iteration = lambda self, *a: (padded.append(1),
                                                                 real_padded(self, *a))[1]
@@ -251,14 +253,20 @@ _SCRIPT = textwrap.dedent("""
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
-            if graphs:  # every iteration padded, hybrid's rectangle ones too (split keys)
+            fill = sum(plan.iteration_tokens) / (plan.num_iterations * plan.max_iteration_tokens)
+            if graphs and fill >= GRAPH_MIN_FILL:  # every iteration padded, split keys
                 rect = [i for i in range(plan.num_iterations) if op.backend.wants_joined_keys(
                     VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
                 assert len(padded) == plan.num_iterations, (name, len(padded))
                 assert (name == "hybrid") == bool(rect), (name, rect)
+                gated.append(False)
+            elif graphs:
+                assert not padded, (name, policy, fill)
+                gated.append(True)
             else:
                 assert not padded
+        assert sorted(gated) == [False, False, True], gated  # both sides of the fill gate ran
 
     def group_split_and_state():
         # k_rope: the key's last dims as one row per key shared by every head (MLA's rope key,
@@ -394,11 +402,15 @@ _SCRIPT = textwrap.dedent("""
     def group_graphs_random():
         # iteration_graphs' padded iterations (eager here) on random awkward batches: zero
         # context, one token, contexts at and one past page boundaries, many short iterations;
-        # against the float64 reference and the unpadded forward.
+        # against the float64 reference and the unpadded forward. The fill gate is off here
+        # (GRAPH_MIN_FILL = 0), so short last iterations are padded too.
         import random
 
+        import mlaprefill.attention as attention_module
         from conftest import paged_mla_inputs
         from mlaprefill.attention import MLAChunkedPrefill
+
+        attention_module.GRAPH_MIN_FILL = 0.0
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.plan import ChunkPlanner
         from mlaprefill.reference import mla_prefill_reference

@@ -235,11 +235,13 @@ class HybridBackend(TritonBackend):
     """
 
     name = "hybrid"
-    # equal: its chunks are W / n for every request with enough context, so in fair-share steps
-    # on-grid neighbours batch into one cuDNN call. Measured on the H200 (bench_uneven_h200.json,
-    # one repeat each): ring+equal 194.9k tok/s, ring+balanced 190.6k, ring+packed 155.8k (the
-    # previous run: 185.8k / 172.9k / 140.7k).
-    preferred_policy = "equal"
+    # balanced: with the 128-row default kernel config it led equal in every bench `uneven` run
+    # on the H200 (one repeat each, 2026-12-01): 210.8k / 209.0k, 223.1k / 217.7k, 208.1k /
+    # 206.2k tok/s, with fewer iterations (1,846 against 2,375 a run), and its iterations fill the
+    # workspace, which iteration graphs need (GRAPH_MIN_FILL). Before that config equal had led
+    # (194.9k / 190.6k, 185.8k / 172.9k): its W / n chunks batch on-grid neighbours into one cuDNN
+    # call.
+    preferred_policy = "balanced"
     # The same process-wide reasoning as CudnnBackend: torch's graph cache outlives this object.
     _graph_keys: ClassVar[set[tuple]] = set()
 
