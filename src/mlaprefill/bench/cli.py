@@ -105,8 +105,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
                                  "share": "fair", "max_concurrent": 8,
                                  "prompt_len_spread": 0.9}),
         variants=("pageable+equal+vllm", "ring+equal", "ring+packed", "ring+balanced",
-                  "ring+equal@hybrid+graphs", "ring+balanced@hybrid+graphs",
-                  "ring+balanced@varlen")),
+                  "ring+balanced@hybrid+graphs", "ring+balanced@varlen")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine=MappingProxyType({
