@@ -490,10 +490,13 @@ class MLAChunkedPrefill:
                                   softmax_scale=scale, k_rope=rows[:, rank:])
 
 
-#: Context iterations a step needs before ``iteration_graphs`` captures one: the first
-#: split-key iteration runs eagerly (it loads every kernel the capture records), the second is
-#: captured and replayed, so fewer would only add the capture.
-GRAPH_MIN_ITERATIONS = 4
+#: Context iterations a step needs before ``iteration_graphs`` captures one: the first runs
+#: eagerly (it loads every kernel the capture records), the second is captured and replayed,
+#: the rest replayed. A capture costs the host about one eager iteration and a replay ~10 us
+#: (forward_host_profile_h200.json), so from the third iteration on the graph saves host time;
+#: with two it would only add the capture. In the bench's ``uneven`` run with a floor of 4, the
+#: eager 3-iteration steps set the graph variant's host p99 (bench_uneven_h200.json).
+GRAPH_MIN_ITERATIONS = 3
 #: Least mean fill of a step's iterations (their rows over ``max_iteration_tokens``) for
 #: ``iteration_graphs`` to replay them: the replayed GEMM projects ``max_iteration_tokens`` rows
 #: every iteration, so a fill of 0.9 spends at most ~11 % more on it. ``balanced`` plans fill
