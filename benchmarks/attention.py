@@ -430,7 +430,22 @@ def _ideal_ms(heads: int, nr: int, q: int, c: int, device: str) -> dict[str, flo
             new["median_ms"], "ideal_ms": gemm + ctx["median_ms"] + new["median_ms"]}
 
 
-def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """``"128:4x1024:131072,16:1x4096:4096"`` -> [(heads, num_reqs, query_len, context_len)]."""
+    shapes = []
+    for item in filter(None, text.split(",")):
+        try:
+            heads, reqs, ctx = item.split(":")
+            nr, q = reqs.split("x")
+            shapes.append((int(heads), int(nr), int(q), int(ctx)))
+        except ValueError:
+            raise ValueError(f"--ideal-shapes item {item!r} is not HEADS:NREQSxQUERIES:CONTEXT "
+                             f"(e.g. 128:4x1024:131072)") from None
+    return shapes
+
+
+def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
+                   shapes: list[tuple[int, int, int, int]] | None = None) -> dict:
     """The whole forward per backend against the issue-#11 ideal on the same shape.
 
     ``repeats`` rounds per shape, each timing the ideal and then every backend's forward, so
@@ -439,7 +454,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1) -> dict:
     named ``NAME+graphs`` is ``NAME`` with ``iteration_graphs=True``.
     """
     rows = []
-    for heads, nr, q, c in IDEAL_SHAPES:
+    for heads, nr, q, c in shapes or IDEAL_SHAPES:
         shape = {"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
                  "workspace_tokens": IDEAL_WORKSPACE, "repeats": repeats}
         x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, device)
@@ -629,9 +644,15 @@ def main() -> int:
     parser.add_argument("--backends", default="hybrid,triton,cudnn,flex,varlen")
     parser.add_argument("--repeats", type=int, default=1,
                         help="vs_ideal: rounds per shape (ideal and every backend each round)")
+    parser.add_argument("--ideal-shapes", default="",
+                        help="vs_ideal: HEADS:NREQSxQUERIES:CONTEXT,... instead of IDEAL_SHAPES")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    try:
+        ideal_shapes = parse_shapes(args.ideal_shapes)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
@@ -657,7 +678,8 @@ def main() -> int:
     if "forward" not in skip:
         _section(results, "forward", lambda: bench_forward(device, backends), dump)
     if "vs_ideal" not in skip:
-        _section(results, "vs_ideal", lambda: bench_vs_ideal(device, backends, args.repeats),
+        _section(results, "vs_ideal", lambda: bench_vs_ideal(device, backends, args.repeats,
+                                                               ideal_shapes),
                  dump)
     if "policies" not in skip:
         _section(results, "policies", lambda: bench_policies(device, backends), dump)
