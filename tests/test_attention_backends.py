@@ -143,3 +143,4 @@ def test_hybrid_thresholds_are_checked():
         with pytest.raises(ValueError, match="big_work must be an int >= 0"):
             HybridBackend(big_work=bad)
     assert HybridBackend(big_work=0, min_queries_per_key=0).min_queries_per_key == 0
+    assert HybridBackend().min_queries_per_key is None  # by heads and causality, per call

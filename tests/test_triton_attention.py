@@ -225,9 +225,9 @@ _SCRIPT = textwrap.dedent("""
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
         runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
                 # padded iterations (what iteration_graphs captures; eager on CPU): many
-                # iterations, the last ones short (fill 0.93); hybrid's cuDNN-sized context
-                # rectangle is left to the padded split-key iteration too; equal's fill of 0.42
-                # is below GRAPH_MIN_FILL, so it runs the plain loop
+                # iterations, the last ones short (fill 0.93); hybrid's iteration with a
+                # cuDNN-sized rectangle stays eager; equal's fill of 0.42 is below
+                # GRAPH_MIN_FILL, so it runs the plain loop
                 ("triton", "packed", 96, True), ("hybrid", "packed", 160, True),
                 ("triton", "equal", 96, True)]
         padded, gated = [], []
@@ -254,12 +254,13 @@ _SCRIPT = textwrap.dedent("""
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
             fill = sum(plan.iteration_tokens) / (plan.num_iterations * plan.max_iteration_tokens)
-            if graphs and fill >= GRAPH_MIN_FILL:  # every iteration padded, split keys
-                rect = [i for i in range(plan.num_iterations) if op.backend.wants_joined_keys(
+            if graphs and fill >= GRAPH_MIN_FILL:  # split-key iterations padded, rectangle
+                # ones (hybrid) eager
+                split = [i for i in range(plan.num_iterations) if not op.backend.wants_joined_keys(
                     VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
-                assert len(padded) == plan.num_iterations, (name, len(padded))
-                assert (name == "hybrid") == bool(rect), (name, rect)
+                assert len(padded) == len(split) > 0, (name, len(padded), split)
+                assert name == "triton" or len(split) < plan.num_iterations
                 gated.append(False)
             elif graphs:
                 assert not padded, (name, policy, fill)
@@ -601,3 +602,17 @@ def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     assert be.wants_joined_keys(many, 128, False)
     assert [r.batch for r in be._rectangles(many, 128, False)] == [4]
     assert HybridBackend(min_queries_per_key=0).wants_joined_keys(few, 128, False)
+    # Fewer than MANY_HEADS heads: context calls need MIN_QUERIES_PER_KEY_FEW_HEADS; causal
+    # calls (the new tokens) keep MIN_QUERIES_PER_KEY; an explicit value applies to both.
+    from mlaprefill.backends.hybrid import MANY_HEADS, MIN_QUERIES_PER_KEY_FEW_HEADS
+
+    assert MIN_QUERIES_PER_KEY < 1024 < MIN_QUERIES_PER_KEY_FEW_HEADS <= 4096 and MANY_HEADS > 16
+    deep = seqs([4096], [65536])             # 4096 per key row
+    square = seqs([1024] * 4, [1024] * 4)    # 1024 x 1024: 512 pairs per key row causal
+    assert not be.wants_joined_keys(many, 16, False)
+    assert be.wants_joined_keys(deep, 16, False)
+    small = HybridBackend(big_work=1)        # any rectangle is big enough: the floor decides
+    assert small.wants_joined_keys(square, 16, True)        # causal: 512 >= 384
+    assert not small.wants_joined_keys(square, 16, False)   # context: 1024 < the few-heads floor
+    assert small.wants_joined_keys(square, 128, False)
+    assert HybridBackend(min_queries_per_key=384).wants_joined_keys(many, 16, False)

@@ -76,14 +76,14 @@ class MLAChunkedPrefill:
     iteration_graphs : bool
         Experimental, off by default. For a step of at least :data:`GRAPH_MIN_ITERATIONS`
         context iterations whose rows fill the largest one on average to at least
-        :data:`GRAPH_MIN_FILL` (``balanced`` plans do), on a backend that takes split keys
-        (``triton``, ``hybrid``), every context iteration runs one fixed-size launch sequence —
-        gather padded to the largest iteration, one GEMM over it, our attention kernel, reading
-        the iteration's offsets through a device counter that the sequence advances — captured
-        once per forward as a CUDA graph and replayed: one graph launch per iteration from
-        Python instead of three kernel launches (``hybrid`` then leaves its cuDNN rectangles to
-        the new tokens: a context rectangle on cuDNN costs several launches and its joined keys
-        per iteration). On devices without CUDA graphs the same padded iterations run eagerly.
+        :data:`GRAPH_MIN_FILL` (``balanced`` plans do), the iterations whose attention takes
+        split keys (``triton``; ``hybrid`` where an iteration has no cuDNN rectangle) run one
+        fixed-size launch sequence — gather padded to the largest iteration, one GEMM over it,
+        our attention kernel, reading the iteration's offsets through a device counter that the
+        sequence advances — captured once per forward as a CUDA graph and replayed: one graph
+        launch per iteration from Python instead of three kernel launches. Which kernel runs an
+        iteration does not change. On devices without CUDA graphs the same padded iterations
+        run eagerly.
 
     Notes
     -----
@@ -446,13 +446,13 @@ class MLAChunkedPrefill:
             num_rows = plan.iteration_tokens[i]
             if num_rows == 0:
                 continue
-            if replay is not None:
-                replay.run(i)  # gather, GEMM and attention, padded to the workspace
-                continue
             seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
                                 plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
                                 cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
             joined = backend.wants_joined_keys(seqs_i, h, False)
+            if replay is not None and not joined:
+                replay.run(i)  # gather, GEMM and attention, padded to the largest iteration
+                continue
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
                                            chunk_starts[i], workspace, num_rows)
@@ -512,7 +512,7 @@ class _IterationReplay:
     row of the plan's ``cu_seq_lens`` and ``chunk_starts`` (``[num_iterations, ...]`` on the
     device), runs the padded iteration and adds one to the counter. So a replay is one graph
     launch from Python and nothing else; the host writes the counter (one fill) only when the
-    iteration it runs is not the one after the last (an iteration skipped: it has no rows).
+    iteration it runs is not the one after the last (one was skipped: no rows, or joined keys).
     ``run(i)``: the first time, the padded iteration runs eagerly (real work, and every
     kernel it launches is loaded before capture); the second time it is captured on a side
     stream (capture records, it does not run) and replayed; after that, replayed. Capture and

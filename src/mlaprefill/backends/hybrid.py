@@ -55,7 +55,8 @@ from mlaprefill.backends.triton import TritonBackend
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
 
-__all__ = ["BIG_WORK", "MIN_QUERIES_PER_KEY", "HybridBackend", "Rectangle", "bucket_floor",
+__all__ = ["BIG_WORK", "MANY_HEADS", "MIN_QUERIES_PER_KEY", "MIN_QUERIES_PER_KEY_FEW_HEADS",
+           "HybridBackend", "Rectangle", "bucket_floor",
            "dense_rectangles"]
 
 #: A rectangle goes to cuDNN when ``batch * Qf * Kf * heads`` reaches this (2^28: about 0.3 ms
@@ -72,6 +73,16 @@ BIG_WORK = 1 << 28
 #: Since then our kernel's default config runs 450-505 TFLOP/s (triton_attention_split_h200.json),
 #: which moves the modelled break-even to ~560; not re-measured per shape, so the value stays.
 MIN_QUERIES_PER_KEY = 384
+#: The same for context (non-causal) calls below ``MANY_HEADS`` heads. Measured at 16 heads
+#: (H200, 2026-12-01), the time cuDNN's context rectangles saved against our kernel on split
+#: keys: none at 512 queries per key (bench ``uneven``: ring+balanced with rectangles and its
+#: ``+graphs`` run without them, equal tok/s in two runs), ~1 % at 1024 (4 x 1024 over 32k and
+#: over 128k, attention_vs_ideal*_h200.json), 18 % at 4096 (1 x 4096 over 128k). At 128 heads
+#: 2 x 2048 over 128k gained 11 %, 4 x 1024 over 32k 8 %, so 384 stays there. Each rectangle
+#: costs several launches and joined keys per iteration (~0.8 ms of host per iteration in
+#: ``uneven``).
+MIN_QUERIES_PER_KEY_FEW_HEADS = 2048
+MANY_HEADS = 64
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
 
@@ -229,9 +240,11 @@ class HybridBackend(TritonBackend):
     ----------
     big_work : int
         Threshold of ``Qf * Kf * heads`` for a cuDNN call (default :data:`BIG_WORK`).
-    min_queries_per_key : int
+    min_queries_per_key : int, optional
         A call uses cuDNN only when its rectangles hold at least this many query-key pairs per
-        key row and head (default :data:`MIN_QUERIES_PER_KEY`; 0: always).
+        key row and head (0: always). Default: :data:`MIN_QUERIES_PER_KEY`, and
+        :data:`MIN_QUERIES_PER_KEY_FEW_HEADS` for non-causal (context) calls of fewer than
+        :data:`MANY_HEADS` heads.
     """
 
     name = "hybrid"
@@ -246,8 +259,10 @@ class HybridBackend(TritonBackend):
     _graph_keys: ClassVar[set[tuple]] = set()
 
     def __init__(self, *, big_work: int = BIG_WORK,
-                 min_queries_per_key: int = MIN_QUERIES_PER_KEY) -> None:
+                 min_queries_per_key: int | None = None) -> None:
         for name, value in (("big_work", big_work), ("min_queries_per_key", min_queries_per_key)):
+            if name == "min_queries_per_key" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"HybridBackend {name} must be an int >= 0, got {value!r}")
         super().__init__()
@@ -282,7 +297,11 @@ class HybridBackend(TritonBackend):
             rects = dense_rectangles(cq, ck, num_heads=num_heads, causal=causal,
                                      big_work=self.big_work)
             num_keys = int(ck[-1]) - int(ck[0])
-            if sum(r.work for r in rects) < self.min_queries_per_key * num_heads * num_keys:
+            floor = self.min_queries_per_key
+            if floor is None:
+                floor = (MIN_QUERIES_PER_KEY if num_heads >= MANY_HEADS or causal
+                         else MIN_QUERIES_PER_KEY_FEW_HEADS)
+            if sum(r.work for r in rects) < floor * num_heads * num_keys:
                 rects = []  # cuDNN would not pay for the joined keys it needs
         self._memo = (seqs, num_heads, causal, rects)
         return rects
