@@ -150,9 +150,9 @@ class AttentionBackend(abc.ABC):
     #: ``attend`` reads ``seqs.seq_ids_q`` (else it would compute it per call): the forward then
     #: computes it once per step. Kernels that read ``cu_seqlens`` on the device do not need it.
     needs_seq_ids: bool = True
-    #: ``attend_into`` can always take split keys (``k_rope``), whatever :meth:`wants_joined_keys`
-    #: prefers: what ``MLAChunkedPrefill(iteration_graphs=True)`` needs to replay its context
-    #: iterations.
+    #: Some calls run on split keys (``k_rope``; :meth:`wants_joined_keys` False): only then can
+    #: ``MLAChunkedPrefill(iteration_graphs=True)`` replay context iterations, so it does not
+    #: set up a replay for backends without them.
     takes_split_keys: bool = False
 
     @abc.abstractmethod

@@ -56,8 +56,7 @@ from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels,
 from mlaprefill.kernels.merge import merge_attention_states
 
 __all__ = ["BIG_WORK", "MANY_HEADS", "MIN_QUERIES_PER_KEY", "MIN_QUERIES_PER_KEY_FEW_HEADS",
-           "HybridBackend", "Rectangle", "bucket_floor",
-           "dense_rectangles"]
+           "HybridBackend", "Rectangle", "bucket_floor", "dense_rectangles"]
 
 #: A rectangle goes to cuDNN when ``batch * Qf * Kf * heads`` reaches this (2^28: about 0.3 ms
 #: of cuDNN at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per launch).
@@ -249,11 +248,11 @@ class HybridBackend(TritonBackend):
 
     name = "hybrid"
     # balanced: with the 128-row default kernel config it led equal in every bench `uneven` run
-    # on the H200 (one repeat each, 2026-12-01): 210.8k / 209.0k, 223.1k / 217.7k, 208.1k /
-    # 206.2k tok/s, with fewer iterations (1,846 against 2,375 a run), and its iterations fill the
-    # workspace, which iteration graphs need (GRAPH_MIN_FILL). Before that config equal had led
-    # (194.9k / 190.6k, 185.8k / 172.9k): its W / n chunks batch on-grid neighbours into one cuDNN
-    # call.
+    # on the H200 (one repeat each, 2026-12-01; bench_uneven_h200*.json): 210.8k / 209.0k,
+    # 223.1k / 217.7k, 208.1k / 206.2k, 205.0k / 201.8k, 208.6k / 204.0k (beside GPU tests) tok/s,
+    # with fewer iterations (1,846 against 2,375 a run), and its iterations fill the workspace,
+    # which iteration graphs need (GRAPH_MIN_FILL). Before that config equal had led (194.9k /
+    # 190.6k, 185.8k / 172.9k): its W / n chunks batch on-grid neighbours into one cuDNN call.
     preferred_policy = "balanced"
     # The same process-wide reasoning as CudnnBackend: torch's graph cache outlives this object.
     _graph_keys: ClassVar[set[tuple]] = set()

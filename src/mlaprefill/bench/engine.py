@@ -423,8 +423,8 @@ class PrefillEngine:
             start, end = self._event(), self._event()
             start.record()
             slot = step_idx % state.pinned_tokens.shape[0]
-            forward_ms, forward_gc_ms = self._launch(dplan, int(arrays["sample_index"].shape[0]),
-                                      state.pinned_tokens[slot], layers)
+            forward_ms, forward_gc_ms = self._launch(
+                dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot], layers)
             end.record()
             td = time.perf_counter()
             events.append((start, end))
