@@ -40,7 +40,11 @@ def test_block_table_only_shape_and_dtype_read():
     (dict(query_lens=[1, -2], context_lens=[0, 3]), r"query_lens\[1\] = -2"),
     (dict(query_lens=[4, 0, 1], context_lens=[0, 3, 1]), r"query_lens\[1\] = 0.*Drop request 1"),
     (dict(query_lens=[1.0, 2.0], context_lens=[0, 0]), r"query_lens has dtype float64"),
-    (dict(query_lens=[1, 2], context_lens=[True, False]), r"context_lens has dtype bool"),
+    (dict(query_lens=[1, 2], context_lens=[True, False]), r"context_lens\[0\] is the bool True"),
+    # a bool among ints: np.asarray makes it an int array, so it is checked per element
+    (dict(query_lens=[1, 1, 1], context_lens=[0, 0, True]), r"context_lens\[2\] is the bool"),
+    (dict(query_lens=(1, np.bool_(True)), context_lens=[0, 0]), r"query_lens\[1\] is the bool"),
+    (dict(query_lens=np.array([True, False]), context_lens=[0, 0]), r"query_lens has dtype bool"),
     (dict(query_lens=torch.tensor([1.0]), context_lens=[0]), r"query_lens has dtype torch.float32"),
     (dict(query_lens=[[1, 2]], context_lens=[[0, 0]]), r"query_lens must be 1-D"),
     (dict(query_lens=[1, 1], context_lens=[2**31 - 1, 1]), r"context_lens sums to 2147483648"),

@@ -184,6 +184,7 @@ def _batch_valid(q, c, page) -> bool:
 @example(args=([1], [2**64], 4))
 @example(args=([2**31 - 1], [1], 64))
 @example(args=([1, 1], [2**31 - 1, 1], 64))
+@example(args=([1, 1, 1], [0, 0, True], 1))     # a bool among ints (np.asarray made it 1)
 def test_fuzz_prefill_batch(args):
     q, c, page = args
     valid = _batch_valid(q, c, page)

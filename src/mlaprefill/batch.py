@@ -42,6 +42,14 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
         shares = True
     else:
         shares = isinstance(value, np.ndarray)
+        if isinstance(value, list | tuple):
+            # np.asarray([0, True]) is an int array: a bool among ints must be caught here.
+            r = next((i for i, v in enumerate(value) if isinstance(v, bool | np.bool_)), None)
+            if r is not None:
+                raise ValueError(
+                    f"PrefillBatch.{name}[{r}] is the bool {value[r]!r}; expected an int length. "
+                    f"Pass ints, not floats/bools/objects."
+                )
         try:
             arr = np.asarray(value)
         except (OverflowError, ValueError, TypeError) as exc:
