@@ -144,3 +144,40 @@ def test_hybrid_thresholds_are_checked():
             HybridBackend(big_work=bad)
     assert HybridBackend(big_work=0, min_queries_per_key=0).min_queries_per_key == 0
     assert HybridBackend().min_queries_per_key is None  # by heads and causality, per call
+
+
+@settings(max_examples=150, deadline=None)
+@given(q_lens=st.lists(st.integers(1, 5000), min_size=1, max_size=9),
+       k_scale=st.integers(0, 40), heads=st.sampled_from([8, 16, 64, 128]),
+       causal=st.booleans(), floor=st.sampled_from([None, 0, 1, 384, 2048, 10**6]),
+       big_work=st.sampled_from([1, 1 << 20, 1 << 28]), slack=st.integers(0, 64))
+def test_hybrid_rectangle_choice_is_the_rule_with_or_without_the_shortcut(
+        q_lens, k_scale, heads, causal, floor, big_work, slack):
+    """HybridBackend._rectangles skips the per-sequence search when max_seqlen_q is below the
+    pairs-per-key floor; the result is still exactly the rule: dense_rectangles, then none
+    unless their work reaches floor x heads x keys (computed here without the shortcut)."""
+    import numpy as np
+
+    from mlaprefill.backends.base import VarlenSeqs
+    from mlaprefill.backends.hybrid import (
+        MANY_HEADS,
+        MIN_QUERIES_PER_KEY,
+        MIN_QUERIES_PER_KEY_FEW_HEADS,
+        HybridBackend,
+        dense_rectangles,
+    )
+
+    k_lens = q_lens if causal else [q * k_scale + 7 * i for i, q in enumerate(q_lens)]
+    cq = np.concatenate([[0], np.cumsum(q_lens)])
+    ck = np.concatenate([[0], np.cumsum(k_lens)])
+    # max_seqlen_q is an upper bound: exact or with slack
+    seqs = VarlenSeqs(None, None, max(q_lens) + slack, max(k_lens), cu_seqlens_q_host=cq,
+                      cu_seqlens_k_host=ck)
+    got = HybridBackend(big_work=big_work, min_queries_per_key=floor)._rectangles(
+        seqs, heads, causal)
+    need = floor if floor is not None else (
+        MIN_QUERIES_PER_KEY if heads >= MANY_HEADS or causal else MIN_QUERIES_PER_KEY_FEW_HEADS)
+    want = dense_rectangles(cq, ck, num_heads=heads, causal=causal, big_work=big_work)
+    if sum(r.work for r in want) < need * heads * int(ck[-1]):
+        want = []
+    assert got == want
