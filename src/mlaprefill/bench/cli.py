@@ -159,10 +159,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
-                   help="comma list of TRANSFER+POLICY[+vllm]: TRANSFER pageable|pin|ring, "
-                        "POLICY equal|packed|balanced, '+vllm' also ships vLLM's per-token "
-                        "token_to_seq (the pre-fix metadata layout); or 'all' (every "
-                        "TRANSFER+POLICY). Default: the scenario's, else "
+                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs]]: TRANSFER "
+                        "pageable|pin|ring, POLICY equal|packed|balanced, '+vllm' also ships "
+                        "vLLM's per-token token_to_seq (the pre-fix metadata layout), "
+                        "'@BACKEND' another attention backend than --backend (e.g. "
+                        "ring+balanced@varlen), '+graphs' with iteration graphs (e.g. "
+                        "ring+balanced@hybrid+graphs); or 'all' (every TRANSFER+POLICY). "
+                        "Default: the scenario's, else "
                         + ", ".join(DEFAULT_VARIANTS))
     p.add_argument("--repeats", type=int, help="interleaved repeats per variant")
     p.add_argument("--warmup-steps", type=int, help="unmeasured steps per variant first")
