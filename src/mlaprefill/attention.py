@@ -476,11 +476,11 @@ class MLAChunkedPrefill:
                           kv_buf: torch.Tensor, rope: int, cu_q: torch.Tensor, max_query_len: int,
                           max_rows: int, out: torch.Tensor, lse: torch.Tensor,
                           scale: float) -> None:
-        """One split-key context iteration with every launch sized to the workspace, not to the
-        iteration: the gather leaves rows past the iteration's total alone, the GEMM also
-        projects them (the attention never reads them), the attention reads its offsets from
-        ``cu_seq_lens_i`` on the device. So one captured launch sequence serves every iteration
-        whose offsets are copied into the same buffers."""
+        """One split-key context iteration with every launch sized to the largest iteration
+        (``max_rows``), not to this one: the gather leaves rows past the iteration's total alone,
+        the GEMM also projects them (the attention never reads them), the attention reads its
+        offsets from ``cu_seq_lens_i`` on the device. So one captured launch sequence serves
+        every iteration whose offset rows ``_IterationReplay`` selects into the same tensors."""
         rank = self.kv_lora_rank
         rows = gather_context_rows(kv_cache, block_table, cu_seq_lens_i, chunk_starts_i,
                                    workspace, max_rows, use_kernel=True)
@@ -527,7 +527,7 @@ class _IterationReplay:
         self.op, self.device = op, device
         self.cu_seq_lens, self.chunk_starts = cu_seq_lens, chunk_starts
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.next: int | None = 0  # what the counter holds (host view), None: unknown
+        self.next = 0  # the iteration the counter holds (the host's view of it)
         self.padded = padded
         self.graph: Any = None
         self.warm = False
