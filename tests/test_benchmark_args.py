@@ -1,0 +1,35 @@
+"""Command-line arguments of the GPU benchmarks that are checked before any GPU work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("shapes", ["128:4x1024", "16:1x4096:4k", "a:1x2:3", "16:4:1024:8"])
+def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "attention.py"), "--out",
+         str(tmp_path / "x.json"), "--ideal-shapes", f"16:1x4096:4096,{shapes}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--ideal-shapes item {shapes!r} is not HEADS:NREQSxQUERIES:CONTEXT" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_ideal_shapes_parse() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from attention import parse_shapes
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert parse_shapes("128:4x1024:131072,16:1x4096:4096,") == [(128, 4, 1024, 131072),
+                                                                 (16, 1, 4096, 4096)]
+    assert parse_shapes("") == []
