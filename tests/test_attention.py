@@ -323,23 +323,3 @@ def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, w
         assert result == "dcp"
         assert seen["process_group"] is group and seen["dcp_interleave"] == 4
         assert seen["workspace_tokens"] == 8 and seen["num_args"] == 8
-
-
-def test_iteration_replay_counter_selects_each_run_iteration_rows():
-    """iteration_graphs' replay reads iteration i's offsets through its device counter: runs
-    of consecutive iterations advance it themselves, a skipped iteration makes the host set it
-    (here on CPU, where every run executes the padded iteration eagerly)."""
-    from mlaprefill.attention import _IterationReplay
-
-    cu = torch.arange(6 * 4, dtype=torch.int32).reshape(6, 4)
-    starts = 100 + torch.arange(6 * 3, dtype=torch.int32).reshape(6, 3)
-    seen = []
-    replay = _IterationReplay(None, torch.device("cpu"), cu, starts,
-                              padded=lambda c, s: seen.append((c.clone(), s.clone())))
-    order = [0, 1, 3, 4, 5]  # iteration 2 skipped (no rows)
-    for i in order:
-        replay.run(i)
-    assert len(seen) == len(order)
-    for i, (c, s) in zip(order, seen, strict=True):
-        assert torch.equal(c, cu[i]) and torch.equal(s, starts[i]), i
-    assert int(replay.counter) == 6 and replay.next == 6

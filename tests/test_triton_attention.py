@@ -213,6 +213,7 @@ _SCRIPT = textwrap.dedent("""
         from mlaprefill.backends.base import VarlenSeqs
         from mlaprefill.backends.hybrid import HybridBackend
         from mlaprefill.batch import PrefillBatch
+        from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner
         from mlaprefill.reference import mla_prefill_reference
         from mlaprefill.staging import StagingRing
@@ -230,14 +231,11 @@ _SCRIPT = textwrap.dedent("""
                 # GRAPH_MIN_FILL, so it runs the plain loop
                 ("triton", "packed", 96, True), ("hybrid", "packed", 160, True),
                 ("triton", "equal", 96, True)]
-        padded, gated = [], []
-        real_padded = MLAChunkedPrefill._padded_iteration
-        MLAChunkedPrefill._padded_iteration = lambda self, *a: (padded.append(1),
-                                                                real_padded(self, *a))[1]
+        gated = []
         for name, policy, workspace, graphs in runs:
-            padded.clear()
+            shared = IterationGraphs()  # on CPU it counts every padded iteration as a warm run
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                   backend=name, iteration_graphs=graphs)
+                                   backend=name, iteration_graphs=shared if graphs else False)
             if name == "hybrid":
                 # rectangles even at this size
                 op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
@@ -259,14 +257,13 @@ _SCRIPT = textwrap.dedent("""
                 split = [i for i in range(plan.num_iterations) if not op.backend.wants_joined_keys(
                     VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
-                assert len(padded) == len(split) > 0, (name, len(padded), split)
+                assert shared.warm_runs == len(split) > 0, (name, shared.warm_runs, split)
                 assert name == "triton" or len(split) < plan.num_iterations
+                assert shared.captures == shared.replays == 0  # no CUDA graphs on CPU
                 gated.append(False)
             elif graphs:
-                assert not padded, (name, policy, fill)
+                assert shared.warm_runs == 0, (name, policy, fill)
                 gated.append(True)
-            else:
-                assert not padded
         assert sorted(gated) == [False, False, True], gated  # both sides of the fill gate ran
 
     def group_split_and_state():
@@ -404,7 +401,9 @@ _SCRIPT = textwrap.dedent("""
         # iteration_graphs' padded iterations (eager here) on random awkward batches: zero
         # context, one token, contexts at and one past page boundaries, many short iterations;
         # against the float64 reference and the unpadded forward. The fill gate is off here
-        # (GRAPH_MIN_FILL = 0), so short last iterations are padded too.
+        # (GRAPH_MIN_FILL = 0), so short last iterations are padded too. One IterationGraphs
+        # serves every case and two layers: its static buffers keep the previous case's
+        # values (more sequences, other offsets) where this one pads, and grow when it is bigger.
         import random
 
         import mlaprefill.attention as attention_module
@@ -413,13 +412,16 @@ _SCRIPT = textwrap.dedent("""
 
         attention_module.GRAPH_MIN_FILL = 0.0
         from mlaprefill.batch import PrefillBatch
+        from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner
         from mlaprefill.reference import mla_prefill_reference
         from mlaprefill.staging import StagingRing
 
         rnd = random.Random(11)
-        for case in range(6):
-            n = rnd.randint(1, 4)
+        shared = IterationGraphs()
+        generations = set()
+        for case in range(7):
+            n = rnd.randint(2, 4) if case else 1  # the first case small: later ones grow it
             query_lens = [rnd.choice([1, 2, 7, 16, 17]) for _ in range(n)]
             context_lens = [rnd.choice([0, 1, 15, 16, 17, 32, 33, 90]) for _ in range(n)]
             workspace = max(16 * n, 16 * rnd.randint(1, 3))
@@ -435,16 +437,24 @@ _SCRIPT = textwrap.dedent("""
             what = (query_lens, context_lens, workspace, policy, plan.num_iterations)
             assert plan.num_iterations >= 4, what
             got = []
-            for graphs in (False, True):
-                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                       backend="triton", iteration_graphs=graphs)
+            ops = [MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                                     backend="triton", iteration_graphs=g)
+                   for g in (False, shared, shared)]
+            for op in ops:
+                runs_before = shared.warm_runs
                 got.append(op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                       x["block_table"], StagingRing("cpu").upload(plan),
                                       return_lse=True))
                 out, lse = got[-1]
                 assert (out.double() - ref_out).abs().max() < 1e-4, what
                 assert (lse.double() - ref_lse).abs().max() < 1e-4, what
-            assert (got[0][0] - got[1][0]).abs().max() < 1e-5, what
+                padded = shared.warm_runs - runs_before
+                assert padded == (0 if op.iteration_graphs is None else sum(
+                    1 for t in plan.iteration_tokens if t)), (what, padded)
+            generations.update(a.generation for a in shared._arenas.values())
+            for eager_or_graph in got[1:]:
+                assert (got[0][0] - eager_or_graph[0]).abs().max() < 1e-5, what
+        assert len(shared._arenas) == 1 and len(generations) >= 2  # one arena, grown
 
     {"small_dims": group_small_dims, "tma": group_tma, "graphs_random": group_graphs_random,
      "split_and_state": group_split_and_state, "deepseek_dims": group_deepseek_dims,

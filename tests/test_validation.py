@@ -138,7 +138,8 @@ def test_one_call_argument_checks(x, monkeypatch):
         _one_call(x, backend=["math"])
     with pytest.raises(TypeError, match=r"backend must be a str \('auto', .*\), got list"):
         _op(x, backend=["math"])
-    with pytest.raises(TypeError, match=r"iteration_graphs must be a bool, got int"):
+    with pytest.raises(TypeError,
+                       match=r"iteration_graphs must be a bool or an IterationGraphs, got int"):
         _op(x, iteration_graphs=1)
     import torch.distributed as dist
 

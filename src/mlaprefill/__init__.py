@@ -19,6 +19,7 @@ from mlaprefill.config import PRESETS, MLAConfig
 # for importing torch and Triton.
 _LAZY = {
     "MLAChunkedPrefill": "mlaprefill.attention",
+    "IterationGraphs": "mlaprefill.graphs",
     "mla_chunked_prefill": "mlaprefill.api",
     "PrefillBatch": "mlaprefill.batch",
     "ChunkPlan": "mlaprefill.plan",
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.audit import HostSyncError, no_host_sync
     from mlaprefill.batch import PrefillBatch
+    from mlaprefill.graphs import IterationGraphs
     from mlaprefill.plan import ChunkPlan, ChunkPlanner
     from mlaprefill.reference import mla_prefill_reference
     from mlaprefill.staging import DevicePlan, StagingRing, StagingStats
@@ -56,6 +58,7 @@ __all__ = [
     "ChunkPlanner",
     "DevicePlan",
     "HostSyncError",
+    "IterationGraphs",
     "MLAChunkedPrefill",
     "MLAConfig",
     "PrefillBatch",

@@ -82,6 +82,9 @@ MIN_QUERIES_PER_KEY = 384
 #: ``uneven``).
 MIN_QUERIES_PER_KEY_FEW_HEADS = 2048
 MANY_HEADS = 64
+#: Rectangle decisions the backend remembers (a forward asks about each of its context
+#: iterations once before running them; a step has at most a few dozen).
+_MEMO_SIZE = 256
 Q_ALIGN, Q_PER_OCTAVE = 256, 8     # Qf: a multiple of every default Triton block_m
 K_ALIGN, K_PER_OCTAVE = 128, 16    # Kf: a multiple of every block_n
 
@@ -267,7 +270,9 @@ class HybridBackend(TritonBackend):
         super().__init__()
         self.big_work = big_work
         self.min_queries_per_key = min_queries_per_key
-        self._memo: tuple | None = None
+        # id(seqs) -> (seqs, num_heads, causal, rectangles): the forward asks about every
+        # context iteration (wants_joined_keys) before it runs them (attend_into)
+        self._memo: dict[int, tuple] = {}
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -287,7 +292,7 @@ class HybridBackend(TritonBackend):
         return cudnn_dense if device.type == "cuda" else torch_dense
 
     def _rectangles(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> list[Rectangle]:
-        memo = self._memo
+        memo = self._memo.get(id(seqs))
         if memo is not None and memo[0] is seqs and memo[1:3] == (num_heads, causal):
             return memo[3]  # asked by wants_joined_keys, then by attend: decide once
         cq, ck = seqs.cu_seqlens_q_host, seqs.cu_seqlens_k_host
@@ -306,7 +311,9 @@ class HybridBackend(TritonBackend):
             num_keys = int(ck[-1]) - int(ck[0])
             if sum(r.work for r in rects) < floor * num_heads * num_keys:
                 rects = []  # cuDNN would not pay for the joined keys it needs
-        self._memo = (seqs, num_heads, causal, rects)
+        if len(self._memo) >= _MEMO_SIZE:
+            self._memo.clear()
+        self._memo[id(seqs)] = (seqs, num_heads, causal, rects)  # keeps seqs: its id stays its own
         return rects
 
     def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:

@@ -1,0 +1,236 @@
+"""Context iterations as CUDA graphs, captured once and replayed across forwards and layers.
+
+A context iteration of :class:`mlaprefill.attention.MLAChunkedPrefill` is a gather from the paged
+cache, one up-projection GEMM and one attention launch merged into the forward's running
+``(out, lse)``. ``MLAChunkedPrefill(iteration_graphs=...)`` runs it as one CUDA graph launch. A
+graph records device addresses and launch grids, so for one graph to serve every forward (each
+layer, each step) the tensors it touches live at fixed addresses: an :class:`IterationGraphs`
+owns, per device and model shape, one set of static buffers (an *arena*) for the step's queries,
+the running ``(out, lse)``, the plan's offsets, the block table, the workspace and the key/value
+buffer. A forward copies its inputs in (a handful of device copies), replays, and copies
+``(out, lse)`` back; the layers that share an :class:`IterationGraphs` share one arena, so its
+memory does not grow with the layer count.
+
+Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
+two (the padded sequences have no queries and no keys, so their programs return at once) and
+the longest query run to a power of two of at least 64, and the rows of an iteration (the
+gather's and the GEMM's size) to a sixteenth of the workspace (:func:`row_bucket`).
+
+Everything here runs in stream order on the current stream; forwards that share an
+:class:`IterationGraphs` must not run concurrently on different streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["IterationGraphs"]
+
+#: Least bucket of the longest query run (one or a few of the attention kernel's query blocks).
+MIN_QUERY_BUCKET = 64
+#: Row buckets per workspace: an iteration's launches are sized to ``max_iteration_tokens``
+#: rounded up to a multiple of ``workspace_tokens / ROW_BUCKETS``. On the bench's ``uneven``
+#: workload (balanced plans, 292 steps of >= 2 iterations) exact row counts would make 214
+#: graph keys (168 row counts), sixteenths make 31 (8), and every such step still fills the
+#: rounded rows to >= 0.9 (eighths: 17 keys, but 40 steps below 0.9).
+ROW_BUCKETS = 16
+_GENERATIONS = itertools.count(1)  # arena generations, unique over the process
+
+
+def pow2_at_least(n: int, least: int = 1) -> int:
+    """The least power of two that is ``>= max(n, least)``."""
+    n = max(int(n), int(least), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def row_bucket(max_rows: int, workspace_tokens: int) -> int:
+    """``max_rows`` rounded up to a multiple of ``workspace_tokens / ROW_BUCKETS`` (at least 1),
+    never above ``max(max_rows, workspace_tokens)``."""
+    step = max(workspace_tokens // ROW_BUCKETS, 1)
+    return max(max_rows, min(workspace_tokens, -(-max_rows // step) * step))
+
+
+@dataclass(eq=False)
+class Arena:
+    """Static device buffers of one (device, dtype, head count, head dims, latent dim).
+
+    Attributes
+    ----------
+    generation : int
+        Unique over the process; a graph captured against an arena is valid only while its
+        generation is current (the buffers never move within one).
+    q : [token_cap, H, qk]; out : [token_cap, H, v]; lse : float32 [token_cap, H]
+    cu_q : int32 [seq_cap + 1]; cu_k : int32 [iter_cap, seq_cap + 1]
+    starts : int32 [iter_cap, seq_cap]; block_table : int32 [seq_cap, block_cap]
+    workspace : [row_cap, latent] in the cache's dtype; kv_buf : [kv_cap] in q's dtype (flat)
+    counter : int64 [1], the iteration a replay runs (it adds one to it)
+    next : int, the host's view of ``counter``
+    """
+
+    generation: int
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    starts: torch.Tensor
+    block_table: torch.Tensor
+    workspace: torch.Tensor
+    kv_buf: torch.Tensor
+    counter: torch.Tensor
+    next: int = 0
+
+    def fits(self, need: dict[str, int]) -> bool:
+        return all(have >= need[k] for k, have in self.caps().items())
+
+    def caps(self) -> dict[str, int]:
+        return {"tokens": self.q.shape[0], "seqs": self.cu_q.shape[0] - 1,
+                "iters": self.cu_k.shape[0], "blocks": self.block_table.shape[1],
+                "rows": self.workspace.shape[0], "kv": self.kv_buf.shape[0]}
+
+
+@dataclass
+class _Side:
+    stream: Any
+    pool: Any
+    keeper: Any = None  # the last graph captured: keeps the memory pool joinable
+
+
+@dataclass
+class IterationGraphs:
+    """Captured context iterations and the static buffers they read, shared by forward objects.
+
+    Pass one instance to every layer's ``MLAChunkedPrefill(iteration_graphs=graphs)`` so that
+    the layers share one set of static buffers (``iteration_graphs=True`` gives a layer its own).
+    Each forward object keeps its own graphs (they record its weights and its cache), at most
+    ``max_graphs_per_layer``, the least recently used dropped first.
+
+    Parameters
+    ----------
+    max_graphs_per_layer : int
+        Graphs a forward object keeps (>= 1).
+
+    Attributes
+    ----------
+    captures : int
+        CUDA graphs captured so far by the forward objects that share this instance.
+    replays : int
+        Graph launches so far.
+    warm_runs : int
+        Iterations run eagerly through the static buffers the first time their graph key was
+        seen (this loads every kernel the capture then records), or on devices without CUDA
+        graphs (always).
+    """
+
+    max_graphs_per_layer: int = 64
+    captures: int = 0
+    replays: int = 0
+    warm_runs: int = 0
+    _arenas: dict[tuple[Any, ...], Arena] = field(default_factory=dict, repr=False)
+    _side: dict[Any, _Side] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        m = self.max_graphs_per_layer
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_graphs_per_layer must be an int >= 1, got {m!r}")
+
+    def arena(self, key: tuple[Any, ...], need: dict[str, int], *, device: torch.device,
+              dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, qk: int, v: int,
+              latent: int) -> Arena:
+        """The arena for ``key`` with at least the capacities ``need`` (tokens, seqs, iters,
+        blocks, rows, kv), grown (to new buffers and a new generation) when it has less."""
+        old = self._arenas.get(key)
+        if old is not None and old.fits(need):
+            return old
+        caps = dict(need)
+        if old is not None:  # grow: at least double what ran out, keep the rest
+            for k, have in old.caps().items():
+                caps[k] = max(need[k], have) if have >= need[k] else max(need[k], 2 * have)
+            self._arenas.pop(key)
+            del old  # its buffers go back to the allocator before the new ones are made
+        tokens = pow2_at_least(caps["tokens"], 16)
+        seqs, iters = caps["seqs"], pow2_at_least(caps["iters"], 4)
+        blocks = -(-max(caps["blocks"], 1) // 64) * 64
+        rows, kv = max(caps["rows"], 1), max(caps["kv"], 1)
+
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        arena = Arena(
+            generation=next(_GENERATIONS),
+            q=torch.zeros(tokens, heads, qk, dtype=dtype, device=device),
+            out=torch.zeros(tokens, heads, v, dtype=dtype, device=device),
+            lse=torch.zeros(tokens, heads, dtype=torch.float32, device=device),
+            cu_q=ints(seqs + 1), cu_k=ints(iters, seqs + 1), starts=ints(iters, seqs),
+            block_table=ints(seqs, blocks),
+            workspace=torch.zeros(rows, latent, dtype=kv_dtype, device=device),
+            kv_buf=torch.empty(kv, dtype=dtype, device=device),
+            counter=torch.zeros(1, dtype=torch.int64, device=device))
+        self._arenas[key] = arena
+        return arena
+
+    def capture(self, device: torch.device, fn: Callable[[], None]) -> Any:
+        """``fn``'s launches captured as a CUDA graph on a side stream (recorded, not run)."""
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = _Side(torch.cuda.Stream(device),
+                                              torch.cuda.graph_pool_handle())
+        current = torch.cuda.current_stream(device)
+        side.stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        # One memory pool for every graph here: torch lets a capture join a pool only while a
+        # graph holds it, so the last graph is kept. Graphs replay one after another on one
+        # stream, so the temporaries one frees at its end are free during the next.
+        with torch.cuda.stream(side.stream):
+            graph.capture_begin(pool=side.pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        current.wait_stream(side.stream)
+        side.keeper = graph
+        self.captures += 1
+        return graph
+
+    def release(self) -> None:
+        """Drop the static buffers (the forward objects drop their graphs when they next see
+        that the arena changed). Counters are kept."""
+        self._arenas.clear()
+        self._side.clear()
+
+    def memory_bytes(self) -> int:
+        """Bytes the static buffers hold (every arena)."""
+        return sum(t.numel() * t.element_size() for a in self._arenas.values()
+                   for t in (a.q, a.out, a.lse, a.cu_q, a.cu_k, a.starts, a.block_table,
+                             a.workspace, a.kv_buf, a.counter))
+
+
+class LayerGraphs:
+    """One forward object's graphs, keyed by (arena generation, launch shape, cache)."""
+
+    def __init__(self, shared: IterationGraphs) -> None:
+        self.shared = shared
+        self.graphs: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.generation = -1
+
+    def lookup(self, key: tuple[Any, ...], generation: int) -> tuple[bool, Any]:
+        """(seen before, its graph or None when seen once and not yet captured)."""
+        if generation != self.generation:  # the arena moved: every graph here is stale
+            self.graphs.clear()
+            self.generation = generation
+        if key not in self.graphs:
+            return False, None
+        self.graphs.move_to_end(key)
+        return True, self.graphs[key]
+
+    def store(self, key: tuple[Any, ...], graph: Any) -> None:
+        self.graphs[key] = graph
+        self.graphs.move_to_end(key)
+        while len(self.graphs) > self.shared.max_graphs_per_layer:
+            self.graphs.popitem(last=False)
