@@ -145,7 +145,9 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     # @BACKEND+graphs: the same backend with iteration_graphs on (math: never used, same result)
     graphs_run = engine.run(Variant.parse("ring+packed@math+graphs"))
     assert engine.backend_name("math+graphs") == "math+graphs"
-    assert all(layer.iteration_graphs for layer in engine.attention_layers("math+graphs"))
+    layers = engine.attention_layers("math+graphs")
+    assert all(layer.iteration_graphs for layer in layers)
+    assert len({id(layer.iteration_graphs) for layer in layers}) == 1  # one shared arena
     assert not any(layer.iteration_graphs for layer in engine.attention_layers("math"))
     assert graphs_run.first_tokens == default.first_tokens
 

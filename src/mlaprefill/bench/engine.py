@@ -35,6 +35,7 @@ from mlaprefill.bench.metrics import RunResult, StepRecord
 from mlaprefill.bench.model import BenchModel, model_dims
 from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
+from mlaprefill.graphs import IterationGraphs
 from mlaprefill.plan import POLICIES, ChunkPlanner
 from mlaprefill.staging import MODES, HostEvent, StagingRing
 
@@ -315,7 +316,9 @@ class PrefillEngine:
         backend = self.config.backend if backend is None else backend
         if backend not in self._attention:
             m = self.dims.mla
-            graphs = {"iteration_graphs": True} if backend.endswith(GRAPHS) else {}
+            # +graphs: one IterationGraphs for the layers, so they share its static buffers
+            graphs = ({"iteration_graphs": IterationGraphs()} if backend.endswith(GRAPHS)
+                      else {})
             self._attention[backend] = [
                 self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
                                         v_head_dim=m.v_head_dim,
@@ -335,6 +338,13 @@ class PrefillEngine:
         :meth:`mlaprefill.backends.AttentionBackend.builds`), None when the backend cannot tell."""
         be = getattr(self.attention_layers(backend)[0], "backend", None)
         return None if be is None else be.builds()
+
+    def graph_counts(self, backend: str | None = None) -> tuple[int, int] | None:
+        """(CUDA graphs captured, graph replays) so far by the layers of ``backend`` (one
+        :class:`~mlaprefill.graphs.IterationGraphs` for all of them), None without
+        ``+graphs``."""
+        graphs = getattr(self.attention_layers(backend)[0], "iteration_graphs", None)
+        return None if graphs is None else (graphs.captures, graphs.replays)
 
     def prompt(self, req_id: int) -> np.ndarray:
         """Token ids of request ``req_id``'s prompt, int32 [prompt_len]."""
@@ -379,6 +389,7 @@ class PrefillEngine:
         base = _staging_counters(ring)
         layers = self.attention_layers(variant.backend)
         builds_before = self.kernel_builds(variant.backend)
+        graphs_before = self.graph_counts(variant.backend)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -467,6 +478,10 @@ class PrefillEngine:
             truncated=truncated,
             kernel_builds=None if builds_before is None
             else self.kernel_builds(variant.backend) - builds_before,
+            graph_captures=None if graphs_before is None
+            else self.graph_counts(variant.backend)[0] - graphs_before[0],
+            graph_replays=None if graphs_before is None
+            else self.graph_counts(variant.backend)[1] - graphs_before[1],
             # this run's share of the engine ring's counters; pinned_bytes is the ring's total
             staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
                      "pinned_bytes": ring.stats.pinned_bytes})

@@ -75,6 +75,9 @@ class RunResult:
     wall_ms: float  # host wall time of the whole run loop
     truncated: bool = False  # stopped at a deadline before every request finished
     kernel_builds: int | None = None  # attention graphs built / kernels compiled during the run
+    # iteration_graphs (+graphs variants): CUDA graphs captured / replayed during the run
+    graph_captures: int | None = None
+    graph_replays: int | None = None
     staging: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -103,6 +106,7 @@ METRIC_KEYS = (
     "host_launch_ms_p50", "host_launch_ms_p99", "host_wait_ms_total_per_run",
     "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99",
     "host_forward_gc_ms_total_per_run", "host_forward_gc_steps_fraction", "kernel_builds_per_run",
+    "graph_captures_per_run", "graph_replays_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
@@ -165,6 +169,9 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "host_forward_gc_steps_fraction": float(np.mean(col("host_forward_gc_ms") > 0)),
         # None where the backend cannot count its builds
         "kernel_builds_per_run": [r.kernel_builds for r in runs],
+        # None without iteration graphs (variants without +graphs)
+        "graph_captures_per_run": [r.graph_captures for r in runs],
+        "graph_replays_per_run": [r.graph_replays for r in runs],
         "gpu_busy_fraction": float(np.mean(busy)),
         "device_step_ms_p50": percentile(dev, 50),
         "step_time_ms_p50": percentile(periods, 50),

@@ -35,16 +35,18 @@ _COLUMNS: tuple[_Column, ...] = (
     ("blocked max", "ms", 11, lambda m, b: f"{m['host_blocked_ms_max']:.1f}"),
     ("fwd host p99", "ms", 12, lambda m, b: f"{m['host_forward_ms_per_layer_p99']:.3f}"),
     ("builds", "", 6, lambda m, b: _builds(m["kernel_builds_per_run"])),
+    ("captures", "", 8, lambda m, b: _builds(m["graph_captures_per_run"], none="-")),
     ("GPU busy", "", 8, lambda m, b: f"{m['gpu_busy_fraction']:.3f}"),
     ("step p50", "ms", 8, lambda m, b: f"{m['step_time_ms_p50']:.2f}"),
     ("meta max", "MiB", 8, lambda m, b: f"{m['metadata_bytes_max'] / 2**20:.2f}"),
 )
 
 
-def _builds(per_run: list[int | None]) -> str:
-    """Kernel builds in the measured runs: the largest per run, ``?`` when not countable."""
+def _builds(per_run: list[int | None], none: str = "?") -> str:
+    """Kernel builds (or graph captures) in the measured runs: the largest per run, ``none``
+    when not counted."""
     known = [n for n in per_run if n is not None]
-    return str(max(known)) if known else "?"
+    return str(max(known)) if known else none
 
 
 def _columns(doc: dict[str, Any]) -> tuple[_Column, ...]:

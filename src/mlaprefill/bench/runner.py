@@ -101,6 +101,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
                         + (len(warm_runs) if warmup_run else 0))
     cb: ProgressFn | None = line if progress else None
     warmup_builds: dict[str, int | None] = {}
+    warmup_captures: dict[str, int | None] = {}
     if warmup_run:
         for warm in warm_runs.values():
             if progress:
@@ -109,6 +110,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
             cap = None if max_seconds is None else time.perf_counter() + max_seconds / 2
             res = engine.run(warm, deadline=cap, progress=cb)
             warmup_builds[warm.name] = res.kernel_builds
+            warmup_captures[warm.name] = res.graph_captures
             if progress:
                 line.end_run(res)
     if warmup_steps:
@@ -173,6 +175,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "dtype": str(engine.dtype).removeprefix("torch."),
         "attention_backend": engine.backend_name(),
         "warmup_kernel_builds": warmup_builds,
+        "warmup_graph_captures": warmup_captures,
         "config": cfg,
         "model": {"num_heads": dims.mla.num_heads, "kv_lora_rank": dims.mla.kv_lora_rank,
                   "qk_nope_head_dim": dims.mla.qk_nope_head_dim,
