@@ -122,7 +122,8 @@ def _doc(ran_on="cpu", repeats=3, spread=(900.0, 1100.0)):
         m.update(throughput_tok_s=tput, throughput_tok_s_min=lo, throughput_tok_s_max=hi,
                  repeats=repeats, ttft_ms_mean=1000.0, metadata_bytes_max=2**20,
                  kernel_builds_per_run=[0] * repeats, graph_captures_per_run=[None] * repeats,
-                 graph_replays_per_run=[None] * repeats)
+                 graph_replays_per_run=[None] * repeats,
+                 graph_capture_ms_per_run=[None] * repeats)
         return m
     return {"ran_on": ran_on, "scenario": "cpu-tiny",
             "machine": {"device_name": "AMD EPYC" if ran_on == "cpu" else "NVIDIA H200"},

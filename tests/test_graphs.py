@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from mlaprefill.attention import MLAChunkedPrefill, _ArenaReplay
-from mlaprefill.graphs import IterationGraphs, LayerGraphs, pow2_at_least
+from mlaprefill.graphs import (
+    MIN_ROW_BUCKET,
+    IterationGraphs,
+    LayerGraphs,
+    pow2_at_least,
+    row_bucket,
+)
 
 CPU = torch.device("cpu")
 DIMS = dict(device=CPU, dtype=torch.float16, kv_dtype=torch.float16, heads=2, qk=24, v=16,
@@ -26,6 +32,17 @@ def _need(**over):
 def test_pow2_at_least():
     assert [pow2_at_least(n) for n in (0, 1, 2, 3, 4, 5, 1000)] == [1, 1, 2, 4, 4, 8, 1024]
     assert pow2_at_least(3, 64) == 64 and pow2_at_least(65, 64) == 128
+
+
+def test_row_bucket_pads_at_most_a_32nd_to_multiples_of_16():
+    assert [row_bucket(n) for n in (0, 1, 512, 513, 1024, 1025, 61441, 65536, 65537)] == [
+        512, 512, 512, 544, 1024, 1088, 63488, 65536, 69632]
+    last = 0
+    for n in range(1, 300_000, 997):
+        b = row_bucket(n)
+        assert b >= n and b % 16 == 0 and b >= last, n
+        assert b == MIN_ROW_BUCKET or b - n < pow2_at_least(n) / 32, n
+        last = b
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8", None])
@@ -89,24 +106,70 @@ def test_layer_graphs_lru_and_stale_generation():
     assert not layer.graphs
 
 
-def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration():
+def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypatch):
     """A run of consecutive iterations advances the device counter itself; after a skipped
     iteration (no rows, or joined keys run eagerly) the host sets it."""
+    import mlaprefill.attention as attention_module
+
     shared = IterationGraphs()
     arena = shared.arena(("k",), _need(), **DIMS)
     arena.counter.fill_(7)  # left by another forward
     arena.next = 7
-    seen, fills = [], []
+    seen, fills, rows_seen = [], [], []
+
+    class Padded:  # stands for _PaddedIteration: reads the counter, adds one
+        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, rope, scale):
+            self.arena = arena
+            rows_seen.append(rows)
+
+        def __call__(self):
+            seen.append(int(self.arena.counter))
+            self.arena.counter.add_(1)
+
+    monkeypatch.setattr(attention_module, "_PaddedIteration", Padded)
     replay = _ArenaReplay.__new__(_ArenaReplay)
     replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, False
     replay.op = types.SimpleNamespace(_graphs=LayerGraphs(shared))
-    replay.key = ("key",)
-    replay._iteration = lambda: (seen.append(int(arena.counter)), arena.counter.add_(1))
+    replay.key, replay.kv_cache, replay.launch = ("key",), None, (4, 64, 8, 1.0)
     real_fill = arena.counter.fill_
     arena.counter.fill_ = lambda i: (fills.append(i), real_fill(i))
     order = [0, 1, 3, 4, 5]  # iteration 2 skipped
     for i in order:
-        replay.run(i)
+        replay.run(i, 512 + 32 * i)
     assert seen == order and fills == [0, 3]
+    assert rows_seen == [512 + 32 * i for i in order]
     assert int(arena.counter) == 6 and arena.next == 6
     assert shared.warm_runs == len(order) and shared.captures == shared.replays == 0
+
+
+def test_capture_pending_captures_first_sights_only_while_they_are_current(monkeypatch):
+    """What capture_pending skips: a key captured at its second sight meanwhile, a key evicted
+    from its layer, a key whose arena has grown since; the rest is captured, once."""
+    shared = IterationGraphs(max_graphs_per_layer=3)
+    captured = []
+    monkeypatch.setattr(shared, "capture", lambda device, fn: captured.append(fn) or f"g{fn}")
+    arena = shared.arena(("k",), _need(), **DIMS)
+    layer = LayerGraphs(shared)
+
+    def first_sight(key, arena):
+        seen, graph = layer.lookup(key, arena.generation)
+        assert (seen, graph) == (False, None)
+        layer.store(key, None)
+        shared.defer(layer, key, CPU, types.SimpleNamespace(arena=arena, name=key))
+
+    for key in ("a", "b", "c"):
+        first_sight(key, arena)
+    layer.store("b", "graph-b")  # b: captured at its second sight inside a forward
+    assert shared.capture_pending() == 2  # a and c
+    assert [fn.name for fn in captured] == ["a", "c"]
+    assert layer.graphs["a"] == f"g{captured[0]}" and layer.graphs["b"] == "graph-b"
+    assert shared.capture_pending() == 0  # nothing left
+    first_sight("d", arena)
+    first_sight("e", arena)  # evicts the least recently used (a, then b)
+    first_sight("f", arena)
+    assert "a" not in layer.graphs and "b" not in layer.graphs
+    assert shared.capture_pending(limit=1) == 1  # d
+    grown = shared.arena(("k",), _need(tokens=10_000), **DIMS)
+    assert grown is not arena
+    assert shared.capture_pending() == 0  # e and f belong to the old buffers
+    assert [fn.name for fn in captured] == ["a", "c", "d"]

@@ -209,7 +209,7 @@ _SCRIPT = textwrap.dedent("""
         # and merge all in the interpreter; the hybrid's rectangles in torch on CPU) against the
         # float64 reference: zero context, one token, page boundaries, a rectangle-sized request.
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import GRAPH_MIN_FILL, MLAChunkedPrefill
+        from mlaprefill.attention import MLAChunkedPrefill
         from mlaprefill.backends.base import VarlenSeqs
         from mlaprefill.backends.hybrid import HybridBackend
         from mlaprefill.batch import PrefillBatch
@@ -226,12 +226,11 @@ _SCRIPT = textwrap.dedent("""
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
         runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
                 # padded iterations (what iteration_graphs captures; eager on CPU): many
-                # iterations, the last ones short (fill 0.93); hybrid's iteration with a
-                # cuDNN-sized rectangle stays eager; equal's fill of 0.42 is below
-                # GRAPH_MIN_FILL, so it runs the plain loop
+                # iterations, the last ones short; hybrid's iteration with a cuDNN-sized
+                # rectangle stays eager; equal's part-filled iterations padded to their own
+                # row buckets
                 ("triton", "packed", 96, True), ("hybrid", "packed", 160, True),
                 ("triton", "equal", 96, True)]
-        gated = []
         for name, policy, workspace, graphs in runs:
             shared = IterationGraphs()  # on CPU it counts every padded iteration as a warm run
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
@@ -251,20 +250,15 @@ _SCRIPT = textwrap.dedent("""
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
-            fill = sum(plan.iteration_tokens) / (plan.num_iterations * plan.max_iteration_tokens)
-            if graphs and fill >= GRAPH_MIN_FILL:  # split-key iterations padded, rectangle
-                # ones (hybrid) eager
+            if graphs:  # split-key iterations padded, rectangle ones (hybrid) eager
                 split = [i for i in range(plan.num_iterations) if not op.backend.wants_joined_keys(
                     VarlenSeqs(None, None, 0, 0, cu_seqlens_q_host=plan.cu_query_lens,
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
                 assert shared.warm_runs == len(split) > 0, (name, shared.warm_runs, split)
                 assert name == "triton" or len(split) < plan.num_iterations
                 assert shared.captures == shared.replays == 0  # no CUDA graphs on CPU
-                gated.append(False)
-            elif graphs:
-                assert shared.warm_runs == 0, (name, policy, fill)
-                gated.append(True)
-        assert sorted(gated) == [False, False, True], gated  # both sides of the fill gate ran
+            else:
+                assert op.iteration_graphs is None
 
     def group_split_and_state():
         # k_rope: the key's last dims as one row per key shared by every head (MLA's rope key,
@@ -400,17 +394,13 @@ _SCRIPT = textwrap.dedent("""
     def group_graphs_random():
         # iteration_graphs' padded iterations (eager here) on random awkward batches: zero
         # context, one token, contexts at and one past page boundaries, many short iterations;
-        # against the float64 reference and the unpadded forward. The fill gate is off here
-        # (GRAPH_MIN_FILL = 0), so short last iterations are padded too. One IterationGraphs
+        # against the float64 reference and the unpadded forward. One IterationGraphs
         # serves every case and two layers: its static buffers keep the previous case's
         # values (more sequences, other offsets) where this one pads, and grow when it is bigger.
         import random
 
-        import mlaprefill.attention as attention_module
         from conftest import paged_mla_inputs
         from mlaprefill.attention import MLAChunkedPrefill
-
-        attention_module.GRAPH_MIN_FILL = 0.0
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner

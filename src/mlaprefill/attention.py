@@ -41,6 +41,7 @@ import torch
 from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
 from mlaprefill.graphs import (
     MIN_QUERY_BUCKET,
+    Arena,
     IterationGraphs,
     LayerGraphs,
     pow2_at_least,
@@ -81,18 +82,17 @@ class MLAChunkedPrefill:
         Only used to pick the backend before the first forward (default 64); the forward reads
         the real rope dim from ``k_pe_new`` and re-checks.
     iteration_graphs : bool or IterationGraphs
-        Experimental, off by default. For a step with at least :data:`GRAPH_MIN_ITERATIONS`
-        context iterations whose attention takes split keys (``triton``; ``hybrid`` where an
-        iteration has no cuDNN rectangle) and whose rows fill the largest iteration (rounded up to
-        a sixteenth of the workspace) on average to at least :data:`GRAPH_MIN_FILL`
-        (``balanced`` plans do), each of those iterations is one replay of a CUDA graph (gather
-        padded to that row count, one GEMM over it, our attention kernel) instead of three
-        kernel launches from Python. Graphs are captured once per launch shape and replayed in
-        later forwards (see :mod:`mlaprefill.graphs`): their inputs live in static buffers
-        that each such forward fills with a few device copies. Pass one
-        :class:`~mlaprefill.graphs.IterationGraphs` to every layer to share those buffers
-        (``True``: this object gets its own). Which kernel runs an iteration
-        does not change. On devices without CUDA graphs the same padded iterations run eagerly.
+        Experimental, off by default. Each context iteration whose attention takes split keys
+        (``triton``; ``hybrid`` where an iteration has no cuDNN rectangle) runs as one replay
+        of a CUDA graph (gather, one GEMM, our attention kernel, sized to the iteration's row
+        bucket: at most 1/32 more rows) instead of three kernel launches from Python. Graphs
+        are captured once per launch shape and layer and replayed in later forwards (see
+        :mod:`mlaprefill.graphs`): their inputs live in static buffers that each such forward
+        fills with a few device copies. Pass one :class:`~mlaprefill.graphs.IterationGraphs`
+        to every layer to share those buffers (``True``: this object gets its own), and call
+        its ``capture_pending()`` where the host would otherwise wait, so that new shapes are
+        captured there rather than inside a forward. Which kernel runs an iteration does not
+        change. On devices without CUDA graphs the same padded iterations run eagerly.
         Attribute ``iteration_graphs``: the :class:`~mlaprefill.graphs.IterationGraphs` in
         use, or None.
 
@@ -455,13 +455,12 @@ class MLAChunkedPrefill:
                 iterations.append((i, plan.iteration_tokens[i], seqs_i,
                                    backend.wants_joined_keys(seqs_i, h, False)))
         replay = None
-        graph_rows = row_bucket(max_rows, plan.workspace_tokens)  # a replayed iteration's rows
+        graphed = [row_bucket(num_rows) for _, num_rows, _, joined in iterations if not joined]
         if (self._graphs is not None and context_source is None and backend.takes_split_keys
-                and sum(not joined for *_, joined in iterations) >= GRAPH_MIN_ITERATIONS
-                and sum(plan.iteration_tokens)
-                >= GRAPH_MIN_FILL * plan.num_iterations * graph_rows):
+                and len(graphed) >= GRAPH_MIN_ITERATIONS):
+            # the arena also holds the eager iterations' rows (joined keys), so at least max_rows
             replay = _ArenaReplay(self, q, out, lse, kv_cache, block_table, tensors, plan, rope,
-                                  scale, graph_rows)
+                                  scale, max(*graphed, max_rows))
             out_run, lse_run = replay.arena.out[:num_tokens], replay.arena.lse[:num_tokens]
             workspace, kv_buf = replay.arena.workspace, replay.arena.kv_buf
         else:
@@ -470,7 +469,7 @@ class MLAChunkedPrefill:
             kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
         for i, num_rows, seqs_i, joined in iterations:
             if replay is not None and not joined:
-                replay.run(i)  # gather, GEMM and attention, padded, one graph launch
+                replay.run(i, row_bucket(num_rows))  # gather, GEMM, attention: one graph
                 continue
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
@@ -494,21 +493,44 @@ class MLAChunkedPrefill:
 
 
 #: Split-key context iterations a step needs for ``iteration_graphs`` to replay them. A graph
-#: key's first sight runs eagerly and its second is captured (about one eager iteration of host
-#: time each), after that it is replayed (~10-25 us of host) in every later forward of the same
-#: object (layer) that meets the key again, in this step and later ones. Against that, a
-#: replaying forward copies its queries and ``(out, lse)`` into the static buffers and back. One
-#: iteration is left eager: its row count (the key's GEMM size) is the step's whole context, which
-#: rarely repeats; from two on, a balanced plan's row count is the workspace.
-GRAPH_MIN_ITERATIONS = 2
-#: Least mean fill of a step's iterations (their rows over the replayed row count,
-#: ``max_iteration_tokens`` rounded up by :func:`mlaprefill.graphs.row_bucket`) for
-#: ``iteration_graphs`` to replay them: the replayed GEMM projects that many rows every
-#: iteration, so a fill of 0.9 spends at most ~11 % more on it. ``balanced`` plans fill every
-#: iteration but the last (each of the bench's ``uneven`` steps of >= 2 iterations reaches 0.9);
-#: ``equal`` had a median fill of 0.77 there, and replaying all its iterations cost 6.6 % more
-#: device time.
-GRAPH_MIN_FILL = 0.9
+#: key's first sight runs eagerly, its capture happens at the second sight or earlier in idle
+#: host time (:meth:`mlaprefill.graphs.IterationGraphs.capture_pending`), after that it is
+#: replayed (~10-25 us of host) in every later forward of the same object (layer) that meets
+#: the key again. Against that, a replaying forward copies its queries and ``(out, lse)`` into
+#: the static buffers and back (a few device copies). Each iteration is padded to its own row
+#: bucket (:func:`mlaprefill.graphs.row_bucket`, at most 1/32 more rows), so even one iteration
+#: replays.
+GRAPH_MIN_ITERATIONS = 1
+
+
+class _PaddedIteration:
+    """One context iteration's launches, sized to a graph key and reading only static buffers:
+    the arena's offsets row ``counter`` -> gather of ``rows`` rows -> one GEMM over them -> our
+    attention kernel over ``seqs`` sequences (grid of ``max_q`` queries) merging into the
+    arena's ``(out, lse)`` -> counter + 1. What a graph of the key records; eager on first sight.
+    """
+
+    __slots__ = ("arena", "kv_cache", "launch", "op")
+
+    def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
+                 max_q: int, rows: int, rope: int, scale: float) -> None:
+        self.op, self.arena, self.kv_cache = op, arena, kv_cache
+        self.launch = (seqs, max_q, rows, rope, scale)
+
+    def __call__(self) -> None:
+        arena, op, kv_cache = self.arena, self.op, self.kv_cache
+        seqs, max_q, rows, rope, scale = self.launch
+        cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
+        starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
+        rank = op.kv_lora_rank
+        latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
+                                     arena.workspace, rows, use_kernel=True)
+        k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, False)
+        op._backend.attend_into(arena.q, k_i, v_i,
+                                VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows),
+                                arena.out, arena.lse, causal=False, softmax_scale=scale,
+                                k_rope=latent[:, rank:])
+        arena.counter.add_(1)
 
 
 class _ArenaReplay:
@@ -516,14 +538,13 @@ class _ArenaReplay:
 
     On construction, copies the forward's queries, running ``(out, lse)``, the plan's offsets
     (padded to the bucketed sequence count: padded sequences get no queries and no keys) and
-    its block table into the :class:`~mlaprefill.graphs.IterationGraphs` arena. ``run(i)``
-    runs iteration ``i`` as one padded launch sequence that reads everything from the arena:
-    the row ``counter`` of the offsets (gather, one GEMM over ``max_iteration_tokens`` rows,
-    our attention kernel merging into the arena's ``(out, lse)``), then adds one to the counter.
-    The first time a forward object meets a graph key the iteration runs eagerly (that loads
-    every kernel), the second time it is captured, then replayed, in this forward and the next
-    ones with the same key. The caller copies the arena's ``(out, lse)`` back at the end. On a
-    device without CUDA graphs the padded sequence always runs eagerly (same arithmetic).
+    its block table into the :class:`~mlaprefill.graphs.IterationGraphs` arena. ``run(i,
+    rows)`` runs iteration ``i`` as a :class:`_PaddedIteration` of ``rows`` rows (its row
+    bucket). The first time a forward object meets a graph key the iteration runs eagerly (that
+    loads every kernel) and the key is queued for capture; it is captured at the next
+    ``capture_pending`` or at its second sight, whichever comes first, then replayed, in this
+    forward and the next ones with the same key. The caller copies the arena's ``(out, lse)``
+    back at the end. On a device without CUDA graphs the padded launches always run eagerly.
     """
 
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, out: torch.Tensor,
@@ -559,42 +580,31 @@ class _ArenaReplay:
         arena.block_table[:block_table.shape[0], :block_table.shape[1]].copy_(block_table)
         self.op, self.shared, self.device = op, shared, device
         self.use_graphs = device.type == "cuda"
-        self.key = (seqs, max_q, max_rows, rope, scale, op._backend.name, kv_cache.data_ptr(),
+        self.kv_cache, self.launch = kv_cache, (seqs, max_q, rope, scale)
+        self.key = (seqs, max_q, rope, scale, op._backend.name, kv_cache.data_ptr(),
                     tuple(kv_cache.shape), tuple(kv_cache.stride()))
-        self.launch = (kv_cache, seqs, max_q, max_rows, rope, scale)
 
-    def _iteration(self) -> None:
-        # Counter -> this iteration's offsets -> padded launches -> counter + 1; all on device.
-        arena, op = self.arena, self.op
-        kv_cache, seqs, max_q, max_rows, rope, scale = self.launch
-        cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
-        starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
-        rank = op.kv_lora_rank
-        rows = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
-                                   arena.workspace, max_rows, use_kernel=True)
-        k_i, v_i = op._up_project(rows[:, :rank], rows[:, rank:], arena.kv_buf, rope, False)
-        op._backend.attend_into(arena.q, k_i, v_i,
-                                VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, max_rows),
-                                arena.out, arena.lse, causal=False, softmax_scale=scale,
-                                k_rope=rows[:, rank:])
-        arena.counter.add_(1)
-
-    def run(self, i: int) -> None:
+    def run(self, i: int, rows: int) -> None:
         arena = self.arena
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = i + 1
         layer = self.op._graphs
-        seen, graph = layer.lookup(self.key, arena.generation)
-        if not self.use_graphs or not seen:
-            self._iteration()  # first sight of this key: real work, and loads every kernel
-            self.shared.warm_runs += 1
-            if self.use_graphs:
-                layer.store(self.key, None)
-            return
+        key = (*self.key, rows)
+        seen, graph = layer.lookup(key, arena.generation)
         if graph is None:
-            graph = self.shared.capture(self.device, self._iteration)
-            layer.store(self.key, graph)
+            seqs, max_q, rope, scale = self.launch
+            padded = _PaddedIteration(self.op, arena, self.kv_cache, seqs, max_q, rows, rope,
+                                      scale)
+            if not self.use_graphs or not seen:
+                padded()  # first sight of this key: real work, and loads every kernel
+                self.shared.warm_runs += 1
+                if self.use_graphs:
+                    layer.store(key, None)
+                    self.shared.defer(layer, key, self.device, padded)
+                return
+            graph = self.shared.capture(self.device, padded)
+            layer.store(key, graph)
         graph.replay()
         self.shared.replays += 1
 

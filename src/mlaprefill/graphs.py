@@ -14,7 +14,12 @@ memory does not grow with the layer count.
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and
 the longest query run to a power of two of at least 64, and the rows of an iteration (the
-gather's and the GEMM's size) to a sixteenth of the workspace (:func:`row_bucket`).
+gather's and the GEMM's size) to 32 buckets per octave (:func:`row_bucket`).
+
+A graph key's first sight runs its iteration eagerly (that loads every kernel the capture will
+record) and queues the key; :meth:`IterationGraphs.capture_pending` captures the queued keys,
+meant for where the host would otherwise wait (an engine waiting for a step's event); a key seen
+again before that is captured inside the forward.
 
 Everything here runs in stream order on the current stream; forwards that share an
 :class:`IterationGraphs` must not run concurrently on different streams.
@@ -23,6 +28,7 @@ Everything here runs in stream order on the current stream; forwards that share 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +40,17 @@ __all__ = ["IterationGraphs"]
 
 #: Least bucket of the longest query run (one or a few of the attention kernel's query blocks).
 MIN_QUERY_BUCKET = 64
-#: Row buckets per workspace: an iteration's launches are sized to ``max_iteration_tokens``
-#: rounded up to a multiple of ``workspace_tokens / ROW_BUCKETS``. On the bench's ``uneven``
-#: workload (balanced plans, 292 steps of >= 2 iterations) exact row counts would make 214
-#: graph keys (168 row counts), sixteenths make 31 (8), and every such step still fills the
-#: rounded rows to >= 0.9 (eighths: 17 keys, but 40 steps below 0.9).
-ROW_BUCKETS = 16
+#: Row buckets per octave: an iteration's launches are sized to its row count rounded up to a
+#: multiple of 1/32 of the power of two above it (at most 1/32 more GEMM rows, ~1.6 % on average
+#: on the bench's ``uneven`` workload; at least :data:`MIN_ROW_BUCKET`). Dry runs of the bench
+#: scenarios with balanced plans: 61 keys (row bucket x sequence bucket x query bucket) over 311
+#: ``uneven`` steps, 80 over 320 ``stall`` steps, 18 over 320 ``vllm-default`` steps; 16 per
+#: octave gave 39 / 48 / 16 keys but 3.0 / 4.4 / 1.1 % more rows.
+ROWS_PER_OCTAVE = 32
+#: Least row bucket (a multiple of 16 rows, whatever ROWS_PER_OCTAVE).
+MIN_ROW_BUCKET = 512
+#: First sights waiting for :meth:`IterationGraphs.capture_pending` (the oldest dropped first).
+MAX_PENDING = 256
 _GENERATIONS = itertools.count(1)  # arena generations, unique over the process
 
 
@@ -49,11 +60,12 @@ def pow2_at_least(n: int, least: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def row_bucket(max_rows: int, workspace_tokens: int) -> int:
-    """``max_rows`` rounded up to a multiple of ``workspace_tokens / ROW_BUCKETS`` (at least 1),
-    never above ``max(max_rows, workspace_tokens)``."""
-    step = max(workspace_tokens // ROW_BUCKETS, 1)
-    return max(max_rows, min(workspace_tokens, -(-max_rows // step) * step))
+def row_bucket(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``pow2_at_least(rows) / ROWS_PER_OCTAVE`` (at least
+    :data:`MIN_ROW_BUCKET`): the row count of the launches that run an iteration of ``rows``."""
+    rows = max(int(rows), MIN_ROW_BUCKET)
+    step = pow2_at_least(rows) // ROWS_PER_OCTAVE
+    return -(-rows // step) * step
 
 
 @dataclass(eq=False)
@@ -126,12 +138,16 @@ class IterationGraphs:
         Iterations run eagerly through the static buffers the first time their graph key was
         seen (this loads every kernel the capture then records), or on devices without CUDA
         graphs (always).
+    capture_seconds : float
+        Host time spent capturing, in forwards and in :meth:`capture_pending` together.
     """
 
     max_graphs_per_layer: int = 64
     captures: int = 0
     replays: int = 0
     warm_runs: int = 0
+    capture_seconds: float = 0.0
+    _pending: list[tuple[Any, ...]] = field(default_factory=list, repr=False)
     _arenas: dict[tuple[Any, ...], Arena] = field(default_factory=dict, repr=False)
     _side: dict[Any, _Side] = field(default_factory=dict, repr=False)
 
@@ -177,6 +193,7 @@ class IterationGraphs:
 
     def capture(self, device: torch.device, fn: Callable[[], None]) -> Any:
         """``fn``'s launches captured as a CUDA graph on a side stream (recorded, not run)."""
+        t0 = time.perf_counter()
         side = self._side.get(device)
         if side is None:
             side = self._side[device] = _Side(torch.cuda.Stream(device),
@@ -196,13 +213,43 @@ class IterationGraphs:
         current.wait_stream(side.stream)
         side.keeper = graph
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
         return graph
+
+    def defer(self, layer: LayerGraphs, key: tuple[Any, ...], device: torch.device,
+              fn: Any) -> None:
+        """Queue ``layer``'s key (seen once, its kernels loaded) for :meth:`capture_pending`;
+        ``fn`` is its padded iteration, reading only static buffers (``fn.arena``)."""
+        self._pending.append((layer, key, device, fn))
+        if len(self._pending) > MAX_PENDING:
+            del self._pending[0]
+
+    def capture_pending(self, limit: int | None = None) -> int:
+        """Capture the graphs of keys seen once and not captured yet, here rather than at their
+        next sight inside a forward; at most ``limit`` (all by default). Returns how many.
+
+        Never synchronizes and runs nothing on the device (a capture only records): call it
+        where the host would otherwise wait, e.g. before blocking on an earlier step's event.
+        A key whose arena has since grown, or that was evicted or captured meanwhile, is
+        skipped."""
+        done = 0
+        live = {a.generation for a in self._arenas.values()}
+        while self._pending and (limit is None or done < limit):
+            layer, key, device, fn = self._pending.pop(0)
+            if fn.arena.generation not in live or layer.generation != fn.arena.generation:
+                continue
+            if layer.graphs.get(key, "absent") is not None:
+                continue  # evicted ("absent") or captured at its second sight
+            layer.store(key, self.capture(device, fn))
+            done += 1
+        return done
 
     def release(self) -> None:
         """Drop the static buffers (the forward objects drop their graphs when they next see
         that the arena changed). Counters are kept."""
         self._arenas.clear()
         self._side.clear()
+        self._pending.clear()
 
     def memory_bytes(self) -> int:
         """Bytes the static buffers hold (every arena)."""

@@ -230,6 +230,9 @@ class _RunState:
     first_tokens: dict = field(default_factory=dict)
     finish_step: dict = field(default_factory=dict)
     wait_ms: float = 0.0
+    # +graphs: captures the graph keys the forwards met for the first time, where the host
+    # would otherwise block on an event (counted in wait_ms: it is that idle time)
+    idle: Callable[[], int] | None = None
 
 
 def _staging_counters(ring: StagingRing) -> dict[str, int]:
@@ -339,12 +342,13 @@ class PrefillEngine:
         be = getattr(self.attention_layers(backend)[0], "backend", None)
         return None if be is None else be.builds()
 
-    def graph_counts(self, backend: str | None = None) -> tuple[int, int] | None:
-        """(CUDA graphs captured, graph replays) so far by the layers of ``backend`` (one
-        :class:`~mlaprefill.graphs.IterationGraphs` for all of them), None without
-        ``+graphs``."""
+    def graph_counts(self, backend: str | None = None) -> tuple[int, int, float] | None:
+        """(CUDA graphs captured, graph replays, host ms spent capturing) so far by the layers
+        of ``backend`` (one :class:`~mlaprefill.graphs.IterationGraphs` for all of them), None
+        without ``+graphs``."""
         graphs = getattr(self.attention_layers(backend)[0], "iteration_graphs", None)
-        return None if graphs is None else (graphs.captures, graphs.replays)
+        return None if graphs is None else (graphs.captures, graphs.replays,
+                                            graphs.capture_seconds * 1e3)
 
     def prompt(self, req_id: int) -> np.ndarray:
         """Token ids of request ``req_id``'s prompt, int32 [prompt_len]."""
@@ -394,6 +398,9 @@ class PrefillEngine:
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
                                                  pin_memory=self.cuda))
+        graphs = getattr(layers[0], "iteration_graphs", None)
+        if graphs is not None and self.cuda:
+            state.idle = graphs.capture_pending
         records: list[StepRecord] = []
         events: list[tuple[Any, Any]] = []
         if self.cuda:
@@ -482,6 +489,8 @@ class PrefillEngine:
             else self.graph_counts(variant.backend)[0] - graphs_before[0],
             graph_replays=None if graphs_before is None
             else self.graph_counts(variant.backend)[1] - graphs_before[1],
+            graph_capture_ms=None if graphs_before is None
+            else self.graph_counts(variant.backend)[2] - graphs_before[2],
             # this run's share of the engine ring's counters; pinned_bytes is the ring's total
             staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
                      "pinned_bytes": ring.stats.pinned_bytes})
@@ -522,6 +531,8 @@ class PrefillEngine:
         pending = state.pending
         if block and pending:
             t = time.perf_counter()
+            if state.idle is not None and not pending[0].event.query():
+                state.idle()
             pending[0].event.synchronize()
             state.wait_ms += (time.perf_counter() - t) * 1e3
         while pending and pending[0].event.query():

@@ -78,6 +78,7 @@ class RunResult:
     # iteration_graphs (+graphs variants): CUDA graphs captured / replayed during the run
     graph_captures: int | None = None
     graph_replays: int | None = None
+    graph_capture_ms: float | None = None  # host time of those captures (in forwards or idle)
     staging: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,7 +107,7 @@ METRIC_KEYS = (
     "host_launch_ms_p50", "host_launch_ms_p99", "host_wait_ms_total_per_run",
     "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99",
     "host_forward_gc_ms_total_per_run", "host_forward_gc_steps_fraction", "kernel_builds_per_run",
-    "graph_captures_per_run", "graph_replays_per_run",
+    "graph_captures_per_run", "graph_replays_per_run", "graph_capture_ms_per_run",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
@@ -172,6 +173,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         # None without iteration graphs (variants without +graphs)
         "graph_captures_per_run": [r.graph_captures for r in runs],
         "graph_replays_per_run": [r.graph_replays for r in runs],
+        "graph_capture_ms_per_run": [r.graph_capture_ms for r in runs],
         "gpu_busy_fraction": float(np.mean(busy)),
         "device_step_ms_p50": percentile(dev, 50),
         "step_time_ms_p50": percentile(periods, 50),
