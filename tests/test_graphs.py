@@ -160,7 +160,9 @@ def test_capture_pending_captures_first_sights_only_while_they_are_current(monke
     for key in ("a", "b", "c"):
         first_sight(key, arena)
     layer.store("b", "graph-b")  # b: captured at its second sight inside a forward
+    assert shared.captures_in_forward
     assert shared.capture_pending() == 2  # a and c
+    assert not shared.captures_in_forward  # from now on forwards leave captures to it
     assert [fn.name for fn in captured] == ["a", "c"]
     assert layer.graphs["a"] == f"g{captured[0]}" and layer.graphs["b"] == "graph-b"
     assert shared.capture_pending() == 0  # nothing left

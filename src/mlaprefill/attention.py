@@ -542,8 +542,8 @@ class _ArenaReplay:
     rows)`` runs iteration ``i`` as a :class:`_PaddedIteration` of ``rows`` rows (its row
     bucket). The first time a forward object meets a graph key the iteration runs eagerly (that
     loads every kernel) and the key is queued for capture; it is captured at the next
-    ``capture_pending`` or at its second sight, whichever comes first, then replayed, in this
-    forward and the next ones with the same key. The caller copies the arena's ``(out, lse)``
+    ``capture_pending`` (until that is first called: at its second sight), then replayed, in
+    this forward and the next ones with the same key. The caller copies the arena's ``(out, lse)``
     back at the end. On a device without CUDA graphs the padded launches always run eagerly.
     """
 
@@ -596,8 +596,10 @@ class _ArenaReplay:
             seqs, max_q, rope, scale = self.launch
             padded = _PaddedIteration(self.op, arena, self.kv_cache, seqs, max_q, rows, rope,
                                       scale)
-            if not self.use_graphs or not seen:
-                padded()  # first sight of this key: real work, and loads every kernel
+            if not self.use_graphs or not seen or not self.shared.captures_in_forward:
+                # first sight of this key (real work, and loads every kernel), or its capture
+                # is left to capture_pending
+                padded()
                 self.shared.warm_runs += 1
                 if self.use_graphs:
                     layer.store(key, None)
