@@ -40,6 +40,7 @@ from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import INT32_MAX, PrefillBatch
 from mlaprefill.cli import main
+from mlaprefill.graphs import IterationGraphs
 from mlaprefill.kernels import gather_context_rows_torch, merge_attention_states_torch
 from mlaprefill.plan import POLICIES, ChunkPlanner
 from mlaprefill.reference import mla_prefill_reference
@@ -419,6 +420,46 @@ def _check_against_reference(case, x, out, lse):
     assert err_out <= tol, f"output relative error {err_out:.2e}"
     lse_err = (lse.double().cpu() - ref_lse)[ok].abs()
     assert not lse_err.numel() or lse_err.max() <= tol * 10
+
+
+@settings(max_examples=30 * SCALE, **SETTINGS)
+@given(limit=st.one_of(INT_ATOMS, st.sampled_from([1.5, True, None, "4"])),
+       graphs=st.sampled_from(["shared", "shared", True, False, 1, 0, None, "yes", [True]]),
+       ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3))
+def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
+    """IterationGraphs' cap and MLAChunkedPrefill's iteration_graphs: a clear error naming the
+    field, or an object whose forward matches the reference (on the CPU the backend takes
+    joined keys, so the graphs never run: they must not change the result)."""
+    try:
+        IterationGraphs(max_graphs_per_layer=limit)
+    except Exception as exc:
+        clear_error("IterationGraphs", exc, "max_graphs_per_layer")
+        assert isinstance(limit, bool) or not isinstance(limit, int) or limit < 1, limit
+    else:
+        assert not isinstance(limit, bool) and isinstance(limit, int) and limit >= 1, limit
+        correct("IterationGraphs")
+    arg = IterationGraphs() if graphs == "shared" else graphs
+    cl = ctx[:len(ql)]
+    x = paged_mla_inputs(ql, cl, heads=2, rank=8, nope=4, rope=4, v=4, page_size=4)
+    try:
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
+                               iteration_graphs=arg)
+    except Exception as exc:
+        clear_error("MLAChunkedPrefill.iteration_graphs", exc, "iteration_graphs")
+        assert not isinstance(arg, bool | IterationGraphs), arg
+        return
+    assert isinstance(arg, bool | IterationGraphs), arg
+    assert (op.iteration_graphs is None) == (arg is False)
+    plan = ChunkPlanner(16, 4).plan(PrefillBatch(ql, cl, page_size=4))
+    out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                          StagingRing("cpu").upload(plan), return_lse=True)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], ql, cl,
+        x["weight"], qk_nope_head_dim=4, v_head_dim=4)
+    assert (out.double() - ref_out).abs().max() <= 1e-4
+    assert (lse.double() - ref_lse).abs().max() <= 1e-4
+    correct("MLAChunkedPrefill.iteration_graphs")
 
 
 @settings(max_examples=150 * SCALE, **SETTINGS)
