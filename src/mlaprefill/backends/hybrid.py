@@ -253,8 +253,7 @@ class HybridBackend(TritonBackend):
     # balanced: with the 128-row default kernel config it led equal in every bench `uneven` run
     # on the H200 (one repeat each, 2026-12-01; bench_uneven_h200*.json): 210.8k / 209.0k,
     # 223.1k / 217.7k, 208.1k / 206.2k, 205.0k / 201.8k, 208.6k / 204.0k (beside GPU tests) tok/s,
-    # with fewer iterations (1,846 against 2,375 a run), and its iterations fill the workspace,
-    # which iteration graphs need (GRAPH_MIN_FILL). Before that config equal had led (194.9k /
+    # with fewer iterations (1,846 against 2,375 a run). Before that config equal had led (194.9k /
     # 190.6k, 185.8k / 172.9k): its W / n chunks batch on-grid neighbours into one cuDNN call.
     preferred_policy = "balanced"
     # The same process-wide reasoning as CudnnBackend: torch's graph cache outlives this object.

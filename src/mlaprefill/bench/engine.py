@@ -111,7 +111,8 @@ class Variant:
     def parse(cls, text: str) -> Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
         vLLM-shaped per-token tables too; ``"ring+balanced@varlen"`` runs that attention backend;
-        ``"ring+balanced@hybrid+graphs"`` runs it with ``iteration_graphs=True``."""
+        ``"ring+balanced@hybrid+graphs"`` runs it with iteration graphs (one
+        :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers)."""
         body, at, backend = text.strip().partition("@")
         parts = body.split("+")
         if len(parts) not in (2, 3) or (at and not backend):
