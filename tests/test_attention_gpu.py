@@ -313,9 +313,10 @@ def test_plan_upload_forward_never_syncs(backend):
 @pytest.mark.parametrize("backend,policy", [("triton", "balanced"), ("hybrid", "equal"),
                                             ("hybrid", "packed")])
 def test_iteration_graphs_match_eager_and_reference(backend, policy):
-    """iteration_graphs: the padded iterations captured once and replayed give the eager
-    forward's result up to the GEMM's rounding (its row count is the workspace, not the
-    iteration), match the float64 reference, repeat bitwise, and never sync."""
+    """iteration_graphs: the padded iterations (the hybrid's rectangle ones with joined keys and
+    cuDNN calls too) captured once and replayed give the eager forward's result up to the GEMM's
+    rounding (its row count is the row bucket, not the iteration's), match the float64
+    reference, repeat bitwise, and never sync."""
     from mlaprefill.audit.cuda_check import check_step_async
 
     query_lens, context_lens = [17, 1, 300, 64, 5], [0, 64, 5000, 1280, 129]
@@ -336,8 +337,10 @@ def test_iteration_graphs_match_eager_and_reference(backend, policy):
             op._backend = HybridBackend(big_work=1 << 20, min_queries_per_key=0)
         runs = [op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                            x["block_table"], dp, return_lse=True) for _ in range(3)]
-        # a graph was captured exactly when asked
+        # a graph was captured exactly when asked, the hybrid's cuDNN rectangle iterations too
         assert (op.iteration_graphs is not None and op.iteration_graphs.captures > 0) == graphs
+        if graphs:
+            assert op.iteration_graphs.capture_failures == 0, op.iteration_graphs.last_capture_error
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), graphs
         out, lse = results[graphs] = runs[0]

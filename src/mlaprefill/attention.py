@@ -40,6 +40,7 @@ import torch
 
 from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
 from mlaprefill.graphs import (
+    EAGER,
     MIN_QUERY_BUCKET,
     Arena,
     IterationGraphs,
@@ -455,12 +456,10 @@ class MLAChunkedPrefill:
                 iterations.append((i, plan.iteration_tokens[i], seqs_i,
                                    backend.wants_joined_keys(seqs_i, h, False)))
         replay = None
-        graphed = [row_bucket(num_rows) for _, num_rows, _, joined in iterations if not joined]
         if (self._graphs is not None and context_source is None and backend.takes_split_keys
-                and len(graphed) >= GRAPH_MIN_ITERATIONS):
-            # the arena also holds the eager iterations' rows (joined keys), so at least max_rows
+                and len(iterations) >= GRAPH_MIN_ITERATIONS):
             replay = _ArenaReplay(self, q, out, lse, kv_cache, block_table, tensors, plan, rope,
-                                  scale, max(*graphed, max_rows))
+                                  scale, max(row_bucket(n) for _, n, _, _ in iterations))
             out_run, lse_run = replay.arena.out[:num_tokens], replay.arena.lse[:num_tokens]
             workspace, kv_buf = replay.arena.workspace, replay.arena.kv_buf
         else:
@@ -468,8 +467,8 @@ class MLAChunkedPrefill:
             workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
             kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
         for i, num_rows, seqs_i, joined in iterations:
-            if replay is not None and not joined:
-                replay.run(i, row_bucket(num_rows))  # gather, GEMM, attention: one graph
+            if replay is not None:  # gather, up-projection, attention: one graph
+                replay.run(i, row_bucket(num_rows), seqs_i if joined else None)
                 continue
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
@@ -505,31 +504,37 @@ GRAPH_MIN_ITERATIONS = 1
 
 class _PaddedIteration:
     """One context iteration's launches, sized to a graph key and reading only static buffers:
-    the arena's offsets row ``counter`` -> gather of ``rows`` rows -> one GEMM over them -> our
-    attention kernel over ``seqs`` sequences (grid of ``max_q`` queries) merging into the
-    arena's ``(out, lse)`` -> counter + 1. What a graph of the key records; eager on first sight.
+    the arena's offsets row ``counter`` -> gather of ``rows`` rows -> the up-projection of them
+    -> the backend's attention over ``seqs`` sequences (grid of ``max_q`` queries) merging into
+    the arena's ``(out, lse)`` -> counter + 1. What a graph of the key records; eager on first
+    sight. ``host`` (joined keys only): the iteration's host offsets ``(cu_q, cu_k)``, from
+    which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
     """
 
-    __slots__ = ("arena", "kv_cache", "launch", "op")
+    __slots__ = ("arena", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
-                 max_q: int, rows: int, rope: int, scale: float) -> None:
-        self.op, self.arena, self.kv_cache = op, arena, kv_cache
+                 max_q: int, rows: int, rope: int, scale: float,
+                 host: tuple[Any, Any] | None) -> None:
+        self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
         self.launch = (seqs, max_q, rows, rope, scale)
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
         seqs, max_q, rows, rope, scale = self.launch
+        joined = self.host is not None
         cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
         starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
         rank = op.kv_lora_rank
         latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
                                      arena.workspace, rows, use_kernel=True)
-        k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, False)
+        k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, joined)
+        cq, ck = self.host if joined else (None, None)
         op._backend.attend_into(arena.q, k_i, v_i,
-                                VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows),
+                                VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
+                                           cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
                                 arena.out, arena.lse, causal=False, softmax_scale=scale,
-                                k_rope=latent[:, rank:])
+                                k_rope=None if joined else latent[:, rank:])
         arena.counter.add_(1)
 
 
@@ -584,29 +589,38 @@ class _ArenaReplay:
         self.key = (seqs, max_q, rope, scale, op._backend.name, kv_cache.data_ptr(),
                     tuple(kv_cache.shape), tuple(kv_cache.stride()))
 
-    def run(self, i: int, rows: int) -> None:
-        arena = self.arena
+    def run(self, i: int, rows: int, joined: VarlenSeqs | None = None) -> None:
+        """Iteration ``i`` padded to ``rows`` rows; ``joined``: its VarlenSeqs (with the plan's
+        host offsets) when the backend wants joined keys for it."""
+        arena, op = self.arena, self.op
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = i + 1
-        layer = self.op._graphs
-        key = (*self.key, rows)
+        layer = op._graphs
+        key = (*self.key, rows) if joined is None else (
+            *self.key, rows, "joined", op._backend.launch_key(joined, op.num_heads, False))
         seen, graph = layer.lookup(key, arena.generation)
-        if graph is None:
+        if graph is None or graph is EAGER:
             seqs, max_q, rope, scale = self.launch
-            padded = _PaddedIteration(self.op, arena, self.kv_cache, seqs, max_q, rows, rope,
-                                      scale)
-            if not self.use_graphs or not seen or not self.shared.captures_in_forward:
-                # first sight of this key (real work, and loads every kernel), or its capture
-                # is left to capture_pending
+            padded = _PaddedIteration(
+                op, arena, self.kv_cache, seqs, max_q, rows, rope, scale,
+                None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host))
+            if (not self.use_graphs or not seen or graph is EAGER
+                    or not self.shared.captures_in_forward):
+                # first sight of this key (real work, and loads every kernel), its capture left
+                # to capture_pending, or a key that cannot be captured
                 padded()
                 self.shared.warm_runs += 1
-                if self.use_graphs:
+                if self.use_graphs and graph is not EAGER:
                     layer.store(key, None)
                     self.shared.defer(layer, key, self.device, padded)
                 return
             graph = self.shared.capture(self.device, padded)
             layer.store(key, graph)
+            if graph is EAGER:
+                padded()
+                self.shared.warm_runs += 1
+                return
         graph.replay()
         self.shared.replays += 1
 

@@ -53,6 +53,8 @@ MIN_ROW_BUCKET = 512
 #: First sights waiting for :meth:`IterationGraphs.capture_pending` (the oldest dropped first).
 MAX_PENDING = 256
 _GENERATIONS = itertools.count(1)  # arena generations, unique over the process
+#: What a layer stores for a key whose capture failed: it runs eagerly from then on.
+EAGER = "eager"
 
 
 def pow2_at_least(n: int, least: int = 1) -> int:
@@ -143,6 +145,8 @@ class IterationGraphs:
         graphs (always).
     capture_seconds : float
         Host time spent capturing, in forwards and in :meth:`capture_pending` together.
+    capture_failures, last_capture_error
+        Captures that raised (the key then runs eagerly) and the last such error.
     """
 
     max_graphs_per_layer: int = 256
@@ -150,6 +154,8 @@ class IterationGraphs:
     replays: int = 0
     warm_runs: int = 0
     capture_seconds: float = 0.0
+    capture_failures: int = 0
+    last_capture_error: str | None = None
     # (id(layer), key) -> (layer, key, device, padded iteration), oldest first
     _pending: OrderedDict[tuple[int, Any], tuple[Any, ...]] = field(
         default_factory=OrderedDict, repr=False)
@@ -198,7 +204,9 @@ class IterationGraphs:
         return arena
 
     def capture(self, device: torch.device, fn: Callable[[], None]) -> Any:
-        """``fn``'s launches captured as a CUDA graph on a side stream (recorded, not run)."""
+        """``fn``'s launches captured as a CUDA graph on a side stream (recorded, not run), or
+        :data:`EAGER` when the capture failed (``capture_failures``, ``last_capture_error``):
+        that key then runs eagerly."""
         t0 = time.perf_counter()
         side = self._side.get(device)
         if side is None:
@@ -210,12 +218,18 @@ class IterationGraphs:
         # One memory pool for every graph here: torch lets a capture join a pool only while a
         # graph holds it, so the last graph is kept. Graphs replay one after another on one
         # stream, so the temporaries one frees at its end are free during the next.
-        with torch.cuda.stream(side.stream):
-            graph.capture_begin(pool=side.pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.stream(side.stream):
+                graph.capture_begin(pool=side.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:  # an op that cannot be captured: leave this key eager
+            self.capture_failures += 1
+            self.last_capture_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            current.wait_stream(side.stream)
+            return EAGER
         current.wait_stream(side.stream)
         side.keeper = graph
         self.captures += 1
@@ -255,8 +269,9 @@ class IterationGraphs:
                 continue
             if layer.graphs.get(key, "absent") is not None:
                 continue  # evicted ("absent") or captured at its second sight
-            layer.store(key, self.capture(device, fn))
-            done += 1
+            graph = self.capture(device, fn)
+            layer.store(key, graph)
+            done += graph is not EAGER
         return done
 
     def release(self) -> None:

@@ -187,6 +187,13 @@ class AttentionBackend(abc.ABC):
         key into every head. Default: joined keys (every kernel but our own needs them)."""
         return True
 
+    def launch_key(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> tuple:
+        """What, besides the tensors' shapes and the grid's host ints (``max_seqlen_q``, the
+        sequence count), a call's launches depend on: host values a CUDA graph of the call
+        records. ``MLAChunkedPrefill``'s iteration graphs put it in their key. Default: nothing
+        (one launch whose arguments are the shapes)."""
+        return ()
+
     def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                     out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
                     softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:

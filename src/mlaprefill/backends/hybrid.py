@@ -319,6 +319,10 @@ class HybridBackend(TritonBackend):
         # cuDNN needs whole keys; a call without rectangles is our kernel's alone.
         return bool(self._rectangles(seqs, num_heads, causal))
 
+    def launch_key(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> tuple:
+        # The rectangles: each cuDNN call's offsets and sizes, and the Triton kernel's dense=.
+        return tuple(self._rectangles(seqs, num_heads, causal))
+
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
              state: tuple[torch.Tensor, torch.Tensor] | None, causal: bool,
              softmax_scale: float, k_rope: torch.Tensor | None
