@@ -83,16 +83,17 @@ class MLAChunkedPrefill:
         Only used to pick the backend before the first forward (default 64); the forward reads
         the real rope dim from ``k_pe_new`` and re-checks.
     iteration_graphs : bool or IterationGraphs
-        Experimental, off by default. Each context iteration whose attention takes split keys
-        (``triton``; ``hybrid`` where an iteration has no cuDNN rectangle) runs as one replay
-        of a CUDA graph (gather, one GEMM, our attention kernel, sized to the iteration's row
-        bucket: at most 1/32 more rows) instead of three kernel launches from Python. Graphs
-        are captured once per launch shape and layer and replayed in later forwards (see
-        :mod:`mlaprefill.graphs`): their inputs live in static buffers that each such forward
-        fills with a few device copies. Pass one :class:`~mlaprefill.graphs.IterationGraphs`
-        to every layer to share those buffers (``True``: this object gets its own), and call
-        its ``capture_pending()`` where the host would otherwise wait, so that new shapes are
-        captured there rather than inside a forward. Which kernel runs an iteration does not
+        Experimental, off by default; for the ``triton`` and ``hybrid`` backends. Each context
+        iteration runs as one replay of a CUDA graph (gather, up-projection, the backend's
+        attention: our kernel, and ``hybrid``'s cuDNN rectangles where it places them; sized
+        to the iteration's row bucket, at most 1/32 more rows) instead of three or more kernel
+        launches from Python. Graphs are captured once per launch shape and layer and
+        replayed in later forwards (see :mod:`mlaprefill.graphs`): their inputs live in static
+        buffers that each such forward fills with a few device copies. Pass one
+        :class:`~mlaprefill.graphs.IterationGraphs` to every layer to share those buffers
+        (``True``: this object gets its own), and call its ``capture_pending()`` where the
+        host would otherwise wait, so that new shapes are captured there rather than inside a
+        forward. Which kernel runs an iteration does not
         change. On devices without CUDA graphs the same padded iterations run eagerly.
         Attribute ``iteration_graphs``: the :class:`~mlaprefill.graphs.IterationGraphs` in
         use, or None.
@@ -491,7 +492,7 @@ class MLAChunkedPrefill:
     __call__ = forward
 
 
-#: Split-key context iterations a step needs for ``iteration_graphs`` to replay them. A graph
+#: Context iterations a step needs for ``iteration_graphs`` to replay them. A graph
 #: key's first sight runs eagerly, its capture happens at the second sight or earlier in idle
 #: host time (:meth:`mlaprefill.graphs.IterationGraphs.capture_pending`), after that it is
 #: replayed (~10-25 us of host) in every later forward of the same object (layer) that meets
@@ -539,7 +540,7 @@ class _PaddedIteration:
 
 
 class _ArenaReplay:
-    """One forward's split-key context iterations, run as replays of cached CUDA graphs.
+    """One forward's context iterations, run as replays of cached CUDA graphs.
 
     On construction, copies the forward's queries, running ``(out, lse)``, the plan's offsets
     (padded to the bucketed sequence count: padded sequences get no queries and no keys) and

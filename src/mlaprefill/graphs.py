@@ -1,10 +1,11 @@
 """Context iterations as CUDA graphs, captured once and replayed across forwards and layers.
 
 A context iteration of :class:`mlaprefill.attention.MLAChunkedPrefill` is a gather from the paged
-cache, one up-projection GEMM and one attention launch merged into the forward's running
+cache, the up-projection GEMM(s) and the backend's attention merged into the forward's running
 ``(out, lse)``. ``MLAChunkedPrefill(iteration_graphs=...)`` runs it as one CUDA graph launch. A
-graph records device addresses and launch grids, so for one graph to serve every forward (each
-layer, each step) the tensors it touches live at fixed addresses: an :class:`IterationGraphs`
+graph records device addresses, launch grids and host arguments, so for one graph to serve many
+forwards (every step in which a layer meets that launch shape) the tensors it touches live at
+fixed addresses: an :class:`IterationGraphs`
 owns, per device and model shape, one set of static buffers (an *arena*) for the step's queries,
 the running ``(out, lse)``, the plan's offsets, the block table, the workspace and the key/value
 buffer. A forward copies its inputs in (a handful of device copies), replays, and copies
@@ -14,7 +15,10 @@ memory does not grow with the layer count.
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and
 the longest query run to a power of two of at least 64, and the rows of an iteration (the
-gather's and the GEMM's size) to 32 buckets per octave (:func:`row_bucket`).
+gather's and the GEMM's size) to 32 buckets per octave (:func:`row_bucket`). A graph's key is
+those buckets, the layer's cache address, and what the backend's launches depend on besides
+(``AttentionBackend.launch_key``: ``hybrid``'s cuDNN rectangles); each layer keeps its own graphs
+(they record its weights).
 
 A graph key's first sight runs its iteration eagerly (that loads every kernel the capture will
 record) and queues the key; :meth:`IterationGraphs.capture_pending` captures the queued keys,

@@ -150,9 +150,10 @@ class AttentionBackend(abc.ABC):
     #: ``attend`` reads ``seqs.seq_ids_q`` (else it would compute it per call): the forward then
     #: computes it once per step. Kernels that read ``cu_seqlens`` on the device do not need it.
     needs_seq_ids: bool = True
-    #: Some calls run on split keys (``k_rope``; :meth:`wants_joined_keys` False): only then can
-    #: ``MLAChunkedPrefill(iteration_graphs=True)`` replay context iterations, so it does not
-    #: set up a replay for backends without them.
+    #: Some calls run on split keys (``k_rope``; :meth:`wants_joined_keys` False), through our
+    #: own kernels, which a CUDA graph captures: ``MLAChunkedPrefill(iteration_graphs=True)``
+    #: replays context iterations for such backends only (``triton``, ``hybrid``; with
+    #: ``hybrid`` its joined-key iterations too, keyed by :meth:`launch_key`).
     takes_split_keys: bool = False
 
     @abc.abstractmethod
