@@ -118,7 +118,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     seen, fills, rows_seen = [], [], []
 
     class Padded:  # stands for _PaddedIteration: reads the counter, adds one
-        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, rope, scale):
+        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, rope, scale, host):
             self.arena = arena
             rows_seen.append(rows)
 
@@ -173,5 +173,6 @@ def test_capture_pending_captures_first_sights_only_while_they_are_current(monke
     assert shared.capture_pending(limit=1) == 1  # d
     grown = shared.arena(("k",), _need(tokens=10_000), **DIMS)
     assert grown is not arena
-    assert shared.capture_pending() == 0  # e and f belong to the old buffers
+    assert not shared._pending  # e and f belonged to the old buffers: dropped with them
+    assert shared.capture_pending() == 0
     assert [fn.name for fn in captured] == ["a", "c", "d"]

@@ -93,8 +93,8 @@ class MLAChunkedPrefill:
         :class:`~mlaprefill.graphs.IterationGraphs` to every layer to share those buffers
         (``True``: this object gets its own), and call its ``capture_pending()`` where the
         host would otherwise wait, so that new shapes are captured there rather than inside a
-        forward. Which kernel runs an iteration does not
-        change. On devices without CUDA graphs the same padded iterations run eagerly.
+        forward. Which kernel runs an iteration does not change. On devices without CUDA
+        graphs the same padded iterations run eagerly.
         Attribute ``iteration_graphs``: the :class:`~mlaprefill.graphs.IterationGraphs` in
         use, or None.
 

@@ -185,7 +185,12 @@ class IterationGraphs:
             for k, have in old.caps().items():
                 caps[k] = max(need[k], have) if have >= need[k] else max(need[k], 2 * have)
             self._arenas.pop(key)
-            del old  # its buffers go back to the allocator before the new ones are made
+            # Captures queued against it would never replay (the layers drop graphs of an old
+            # generation) and would keep its buffers alive: its memory goes back to the
+            # allocator before the new buffers are made.
+            self._pending = OrderedDict((k, p) for k, p in self._pending.items()
+                                        if p[3].arena is not old)
+            del old
         tokens = pow2_at_least(caps["tokens"], 16)
         seqs, iters = caps["seqs"], pow2_at_least(caps["iters"], 4)
         blocks = -(-max(caps["blocks"], 1) // 64) * 64
