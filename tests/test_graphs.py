@@ -176,3 +176,41 @@ def test_capture_pending_captures_first_sights_only_while_they_are_current(monke
     assert not shared._pending  # e and f belonged to the old buffers: dropped with them
     assert shared.capture_pending() == 0
     assert [fn.name for fn in captured] == ["a", "c", "d"]
+
+
+def test_arena_load_pads_sequences_over_stale_values():
+    """What a forward copies into the static buffers: its queries and running (out, lse) at
+    the front, the plan's offsets with the padded sequences empty (cu_q and each cu_k row repeat
+    their last value), the block table's rows; a bigger step's values left behind in the
+    buffers do not leak into a smaller one's offsets."""
+    from conftest import paged_mla_inputs
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    shared = IterationGraphs()
+    steps = [([3, 1, 4, 2, 5], [40, 0, 70, 16, 33]), ([2, 6, 1], [9, 64, 50])]
+    for query_lens, context_lens in steps:
+        x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=8, nope=4, rope=4, v=4,
+                             page_size=4)
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
+                               iteration_graphs=shared)
+        plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
+        tensors = StagingRing("cpu").upload(plan).tensors
+        t, n, iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
+        out = torch.randn(t, 2, 4)
+        lse = torch.randn(t, 2)
+        replay = _ArenaReplay(op, x["q"], out, lse, x["kv_cache"], x["block_table"], tensors,
+                              plan, 4, 0.5, 64)
+        a, seqs = replay.arena, pow2_at_least(n)
+        assert torch.equal(a.q[:t], x["q"]) and torch.equal(a.out[:t], out)
+        assert torch.equal(a.lse[:t], lse)
+        cu_q = torch.tensor(plan.cu_query_lens, dtype=torch.int32)
+        assert torch.equal(a.cu_q[:seqs + 1], torch.cat([cu_q, cu_q[-1:].repeat(seqs - n)]))
+        cu_k = torch.tensor(plan.cu_seq_lens, dtype=torch.int32)
+        padded_k = torch.cat([cu_k, cu_k[:, -1:].repeat(1, seqs - n)], dim=1)
+        assert torch.equal(a.cu_k[:iters, :seqs + 1], padded_k)
+        assert torch.equal(a.starts[:iters, :n], torch.tensor(plan.chunk_starts))
+        w = x["block_table"].shape[1]
+        assert torch.equal(a.block_table[:n, :w], x["block_table"])
+        assert int(a.cu_q[seqs]) == t  # every padded sequence: no queries
