@@ -84,10 +84,10 @@ class MLAChunkedPrefill:
         the real rope dim from ``k_pe_new`` and re-checks.
     iteration_graphs : bool or IterationGraphs
         Experimental, off by default; for the ``triton`` and ``hybrid`` backends and forwards
-        without ``context_source`` (a DCP forward runs eagerly). Each context
-        iteration runs as one replay of a CUDA graph (gather, up-projection, the backend's
-        attention: our kernel, and ``hybrid``'s cuDNN rectangles where it places them; sized
-        to the iteration's row bucket, at most 1/32 more rows) instead of three or more kernel
+        without ``context_source`` (a DCP forward runs eagerly). Each context iteration runs as
+        one replay of a CUDA graph (gather, up-projection, the backend's attention: our
+        kernel, and ``hybrid``'s cuDNN rectangles where it places them; sized to the
+        iteration's row bucket, at most 1/32 more rows) instead of three or more kernel
         launches from Python. Graphs are captured once per launch shape and layer and
         replayed in later forwards (see :mod:`mlaprefill.graphs`): their inputs live in static
         buffers that each such forward fills with a few device copies. Pass one
