@@ -214,3 +214,52 @@ def test_arena_load_pads_sequences_over_stale_values():
         w = x["block_table"].shape[1]
         assert torch.equal(a.block_table[:n, :w], x["block_table"])
         assert int(a.cu_q[seqs]) == t  # every padded sequence: no queries
+
+
+def test_a_capture_that_raises_leaves_the_key_eager(monkeypatch):
+    """IterationGraphs.capture: an op that cannot be captured (RuntimeError inside the capture)
+    returns EAGER, counts the failure, keeps the message, and the streams are joined again;
+    a key stored as EAGER is never queued or captured again. (CUDA faked: the control flow.)"""
+    import contextlib
+
+    from mlaprefill.graphs import EAGER
+
+    class Stream:
+        def __init__(self, *a):
+            self.waited = 0
+
+        def wait_stream(self, other):
+            self.waited += 1
+
+    current = Stream()
+
+    class Graph:
+        def capture_begin(self, **kw):
+            pass
+
+        def capture_end(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    shared = IterationGraphs()
+
+    def bad():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert shared.capture(CPU, bad) is EAGER
+    assert shared.capture_failures == 1 and shared.captures == 0
+    assert "not permitted" in shared.last_capture_error
+    assert current.waited == 1  # the current stream waits for the side stream again
+    good = shared.capture(CPU, lambda: None)
+    assert isinstance(good, Graph) and shared.captures == 1 and current.waited == 2
+    layer = LayerGraphs(shared)
+    arena = shared.arena(("k",), _need(), **DIMS)
+    layer.lookup("k", arena.generation)
+    layer.store("k", EAGER)
+    shared.defer(layer, "k", CPU, types.SimpleNamespace(arena=arena))
+    assert shared.capture_pending() == 0  # an EAGER key is not captured again
+    assert layer.graphs["k"] is EAGER
