@@ -116,6 +116,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     arena.counter.fill_(7)  # left by another forward
     arena.next = 7
     seen, fills, rows_seen = [], [], []
+    fail = False
 
     class Padded:  # stands for _PaddedIteration: reads the counter, adds one
         def __init__(self, op, arena, kv_cache, seqs, max_q, rows, rope, scale, host):
@@ -123,6 +124,8 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
             rows_seen.append(rows)
 
         def __call__(self):
+            if fail:
+                raise RuntimeError("launch failed")
             seen.append(int(self.arena.counter))
             self.arena.counter.add_(1)
 
@@ -140,6 +143,12 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     assert rows_seen == [512 + 32 * i for i in order]
     assert int(arena.counter) == 6 and arena.next == 6
     assert shared.warm_runs == len(order) and shared.captures == shared.replays == 0
+    fail = True  # iteration 6 raises before its counter + 1: the host no longer knows it
+    with pytest.raises(RuntimeError, match="launch failed"):
+        replay.run(6, 512)
+    fail = False
+    replay.run(7, 512)  # so the next run sets the counter, though 7 would follow 6
+    assert seen[-1] == 7 and fills[-1] == 7
 
 
 def test_capture_pending_captures_first_sights_only_while_they_are_current(monkeypatch):

@@ -594,10 +594,15 @@ class _ArenaReplay:
     def run(self, i: int, rows: int, joined: VarlenSeqs | None = None) -> None:
         """Iteration ``i`` padded to ``rows`` rows; ``joined``: its VarlenSeqs (with the plan's
         host offsets) when the backend wants joined keys for it."""
-        arena, op = self.arena, self.op
+        arena = self.arena
         if arena.next != i:
             arena.counter.fill_(i)
-        arena.next = i + 1
+        arena.next = -1  # unknown, should the launches below raise
+        self._launch(rows, joined)
+        arena.next = i + 1  # the iteration added one to the counter
+
+    def _launch(self, rows: int, joined: VarlenSeqs | None) -> None:
+        arena, op = self.arena, self.op
         layer = op._graphs
         key = (*self.key, rows) if joined is None else (
             *self.key, rows, "joined", op._backend.launch_key(joined, op.num_heads, False))
