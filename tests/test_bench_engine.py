@@ -150,6 +150,11 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     assert len({id(layer.iteration_graphs) for layer in layers}) == 1  # one shared arena
     assert not any(layer.iteration_graphs for layer in engine.attention_layers("math"))
     assert graphs_run.first_tokens == default.first_tokens
+    # graph counters: this run's share, 0 here (math takes no graphs); None without +graphs
+    assert (graphs_run.graph_captures, graphs_run.graph_replays,
+            graphs_run.graph_capture_ms) == (0, 0, 0.0)
+    assert (math_run.graph_captures, math_run.graph_replays, math_run.graph_capture_ms) == (
+        None, None, None)
 
 
 @pytest.mark.gpu

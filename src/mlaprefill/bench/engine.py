@@ -478,6 +478,9 @@ class PrefillEngine:
         finished = sorted(state.first_tokens)
         ttft = np.array([records[state.finish_step[r]].device_end_ms - self.arrivals_s[r] * 1e3
                          for r in finished], dtype=np.float64)
+        # this run's share of the layers' graph counters (None without +graphs)
+        graphs_run = (None,) * 3 if graphs_before is None else tuple(
+            a - b for a, b in zip(self.graph_counts(variant.backend), graphs_before, strict=True))
         return RunResult(
             variant=variant.name, repeat=repeat, steps=records, ttft_ms=ttft,
             first_tokens=dict(state.first_tokens),
@@ -486,12 +489,8 @@ class PrefillEngine:
             truncated=truncated,
             kernel_builds=None if builds_before is None
             else self.kernel_builds(variant.backend) - builds_before,
-            graph_captures=None if graphs_before is None
-            else self.graph_counts(variant.backend)[0] - graphs_before[0],
-            graph_replays=None if graphs_before is None
-            else self.graph_counts(variant.backend)[1] - graphs_before[1],
-            graph_capture_ms=None if graphs_before is None
-            else self.graph_counts(variant.backend)[2] - graphs_before[2],
+            graph_captures=graphs_run[0], graph_replays=graphs_run[1],
+            graph_capture_ms=graphs_run[2],
             # this run's share of the engine ring's counters; pinned_bytes is the ring's total
             staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
                      "pinned_bytes": ring.stats.pinned_bytes})
