@@ -475,9 +475,31 @@ def test_step_check_sees_a_pageable_upload():
     assert check.pageable_htod >= 2 and not check.passed
 
 
+def _graph_launches(plan, row_bucket):
+    """The launches iteration_graphs makes for a plan (split keys only), in order: the new
+    tokens' stage, then per run of consecutive iterations of one row bucket, its length split
+    into powers of two, largest first."""
+    launches = [("new", row_bucket(plan.num_query_tokens))]
+    runs = []  # [first iteration, bucket, length]
+    for i, rows in enumerate(plan.iteration_tokens):
+        if not rows:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] == row_bucket(rows):
+            runs[-1][2] += 1
+        else:
+            runs.append([i, row_bucket(rows), 1])
+    for _, bucket, length in runs:
+        while length:
+            part = 1 << (length.bit_length() - 1)
+            launches.append((bucket, part))
+            length -= part
+    return launches
+
+
 def test_iteration_graphs_replayed_across_forwards_and_layers():
     """One IterationGraphs shared by two layers over steps of changing shapes (3, 4 and 2
-    requests, so padded sequences; other query and row counts): per layer, a launch shape's
+    requests, so padded sequences; other query and row counts; runs of equal iterations share a
+    launch): per layer, a launch shape's
     first sight runs eagerly, it is captured at its second sight (before capture_pending is first
     called; after that it runs eagerly again) or by capture_pending between steps, and replayed
     from then on, in later steps too; a third round only replays. Every
@@ -510,7 +532,7 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
         for s, (query_lens, context_lens) in enumerate(steps):
             plan = planner.plan(PrefillBatch(query_lens, context_lens, page_size=PAGE))
             base = (pow2_at_least(plan.num_reqs), pow2_at_least(plan.max_query_len, 64))
-            keys = [(*base, row_bucket(t)) for t in plan.iteration_tokens if t]
+            keys = [(*base, key) for key in _graph_launches(plan, row_bucket)]
             dp = ring.upload(plan)
             for li, (op, eager) in enumerate(layers):
                 x = _inputs(query_lens, context_lens, heads=heads, seed=10 * s + li)

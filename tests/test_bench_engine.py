@@ -155,6 +155,9 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
             graphs_run.graph_capture_ms) == (0, 0, 0.0)
     assert (math_run.graph_captures, math_run.graph_replays, math_run.graph_capture_ms) == (
         None, None, None)
+    # per step: launches run eagerly at a key's first sight (none: math never uses the graphs)
+    assert [s.graph_first_sights for s in graphs_run.steps] == [0] * len(graphs_run.steps)
+    assert all(s.graph_first_sights is None for s in math_run.steps)
 
 
 @pytest.mark.gpu

@@ -107,27 +107,29 @@ def test_layer_graphs_lru_and_stale_generation():
 
 
 def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypatch):
-    """A run of consecutive iterations advances the device counter itself; after a skipped
-    iteration (no rows, or joined keys run eagerly) the host sets it."""
+    """A run of consecutive iterations advances the device counter itself (one launch of
+    ``count`` iterations adds ``count``); after a skipped iteration (no rows, or joined keys run
+    eagerly) the host sets it."""
     import mlaprefill.attention as attention_module
 
     shared = IterationGraphs()
     arena = shared.arena(("k",), _need(), **DIMS)
     arena.counter.fill_(7)  # left by another forward
     arena.next = 7
-    seen, fills, rows_seen = [], [], []
+    seen, fills, launches = [], [], []
     fail = False
 
-    class Padded:  # stands for _PaddedIteration: reads the counter, adds one
-        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, rope, scale, host):
-            self.arena = arena
-            rows_seen.append(rows)
+    class Padded:  # stands for _PaddedIteration: reads the counter, adds one per iteration
+        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, count, rope, scale, host):
+            self.arena, self.count = arena, count
+            launches.append((rows, count))
 
         def __call__(self):
             if fail:
                 raise RuntimeError("launch failed")
-            seen.append(int(self.arena.counter))
-            self.arena.counter.add_(1)
+            for _ in range(self.count):
+                seen.append(int(self.arena.counter))
+                self.arena.counter.add_(1)
 
     monkeypatch.setattr(attention_module, "_PaddedIteration", Padded)
     replay = _ArenaReplay.__new__(_ArenaReplay)
@@ -136,19 +138,19 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     replay.key, replay.kv_cache, replay.launch = ("key",), None, (4, 64, 8, 1.0)
     real_fill = arena.counter.fill_
     arena.counter.fill_ = lambda i: (fills.append(i), real_fill(i))
-    order = [0, 1, 3, 4, 5]  # iteration 2 skipped
-    for i in order:
-        replay.run(i, 512 + 32 * i)
-    assert seen == order and fills == [0, 3]
-    assert rows_seen == [512 + 32 * i for i in order]
-    assert int(arena.counter) == 6 and arena.next == 6
+    order = [(0, 1), (1, 1), (3, 2), (5, 1), (6, 4)]  # iteration 2 skipped
+    for i, count in order:
+        replay.run(i, 512 + 32 * i, count)
+    assert seen == [0, 1, 3, 4, 5, 6, 7, 8, 9] and fills == [0, 3]
+    assert launches == [(512 + 32 * i, count) for i, count in order]
+    assert int(arena.counter) == 10 and arena.next == 10
     assert shared.warm_runs == len(order) and shared.captures == shared.replays == 0
-    fail = True  # iteration 6 raises before its counter + 1: the host no longer knows it
+    fail = True  # iteration 10 raises before its counter + 1: the host no longer knows it
     with pytest.raises(RuntimeError, match="launch failed"):
-        replay.run(6, 512)
+        replay.run(10, 512)
     fail = False
-    replay.run(7, 512)  # so the next run sets the counter, though 7 would follow 6
-    assert seen[-1] == 7 and fills[-1] == 7
+    replay.run(11, 512)  # so the next run sets the counter, though 11 would follow 10
+    assert seen[-1] == 11 and fills[-1] == 11
 
 
 def test_capture_pending_captures_first_sights_only_while_they_are_current(monkeypatch):
@@ -188,7 +190,7 @@ def test_capture_pending_captures_first_sights_only_while_they_are_current(monke
 
 
 def test_arena_load_pads_sequences_over_stale_values():
-    """What a forward copies into the static buffers: its queries and running (out, lse) at
+    """What a forward copies into the static buffers: its queries and new latent rows at
     the front, the plan's offsets with the padded sequences empty (cu_q and each cu_k row repeat
     their last value), the block table's rows; a bigger step's values left behind in the
     buffers do not leak into a smaller one's offsets."""
@@ -205,15 +207,13 @@ def test_arena_load_pads_sequences_over_stale_values():
         op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
                                iteration_graphs=shared)
         plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
-        tensors = StagingRing("cpu").upload(plan).tensors
+        dp = StagingRing("cpu").upload(plan)
         t, n, iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
-        out = torch.randn(t, 2, 4)
-        lse = torch.randn(t, 2)
-        replay = _ArenaReplay(op, x["q"], out, lse, x["kv_cache"], x["block_table"], tensors,
-                              plan, 4, 0.5, 64)
+        replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                              x["block_table"], dp, plan, 4, 0.5, 512, 512)
         a, seqs = replay.arena, pow2_at_least(n)
-        assert torch.equal(a.q[:t], x["q"]) and torch.equal(a.out[:t], out)
-        assert torch.equal(a.lse[:t], lse)
+        assert torch.equal(a.q[:t], x["q"])
+        assert torch.equal(a.workspace[:t], torch.cat([x["kv_c_new"], x["k_pe_new"]], dim=1))
         cu_q = torch.tensor(plan.cu_query_lens, dtype=torch.int32)
         assert torch.equal(a.cu_q[:seqs + 1], torch.cat([cu_q, cu_q[-1:].repeat(seqs - n)]))
         cu_k = torch.tensor(plan.cu_seq_lens, dtype=torch.int32)
@@ -223,6 +223,65 @@ def test_arena_load_pads_sequences_over_stale_values():
         w = x["block_table"].shape[1]
         assert torch.equal(a.block_table[:n, :w], x["block_table"])
         assert int(a.cu_q[seqs]) == t  # every padded sequence: no queries
+
+
+def test_arena_keeps_offsets_of_the_same_device_plan_and_recopies_changed_ones():
+    """A forward whose DevicePlan tensors are the ones the arena's offsets came from, unchanged
+    since (same objects, same version counters), skips copying them (a step's later layers); an
+    in-place write to them, a new upload, or a block table the DevicePlan does not hold is copied
+    again."""
+    from conftest import paged_mla_inputs
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.staging import StagingRing
+
+    shared = IterationGraphs()
+    query_lens, context_lens = [3, 1, 4], [40, 9, 70]
+    x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=8, nope=4, rope=4, v=4,
+                         page_size=4)
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4, iteration_graphs=shared)
+    plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
+    class WithTable:  # a StagedPlan that ships the block table too, like the bench's steps
+        chunk_plan = plan
+
+        def device_arrays(self, *, token_tables=False):
+            return {**plan.device_arrays(), "block_table": x["block_table"].numpy()}
+
+    ring = StagingRing("cpu")
+    dp = ring.upload(WithTable())
+
+    def load(dp, block_table):
+        return _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], block_table,
+                            dp, plan, 4, 0.5, 512, 512).arena
+
+    staged_table = dp["block_table"]
+    arena = load(dp, staged_table)
+    n, w, iters = plan.num_reqs, x["block_table"].shape[1], plan.num_iterations
+
+    def used():  # what a forward copies: cu_q (padded to 4 sequences), cu_k, the table's rows
+        return arena.cu_q[:5], arena.cu_k[:iters, :5], arena.block_table[:n, :w]
+
+    good = [t.clone() for t in used()]
+
+    def mark():
+        for t in used():
+            t.fill_(-7)
+
+    def holds(*which):
+        return [torch.equal(t, g) for t, g in zip(used(), good, strict=True)] == list(which)
+
+    mark()
+    load(dp, staged_table)  # the same DevicePlan tensors, unchanged: nothing copied
+    assert holds(False, False, False)
+    load(dp, x["block_table"])  # a caller's block table: always copied
+    assert holds(False, False, True)
+    mark()
+    dp["cu_query_lens"].add_(0)  # an in-place write bumps the version counter: copied again
+    load(dp, staged_table)
+    assert holds(True, True, True)
+    mark()
+    load(ring.upload(WithTable()), staged_table)  # a new upload: new tensors
+    assert holds(True, True, True)
 
 
 def test_a_capture_that_raises_leaves_the_key_eager(monkeypatch):

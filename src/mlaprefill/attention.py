@@ -418,6 +418,10 @@ class MLAChunkedPrefill:
             return (out, lse) if return_lse else out
 
         tensors = plan_tensors(plan, device_plan)
+        if (self._graphs is not None and context_source is None
+                and backend.takes_split_keys):
+            return self._forward_graphs(q, kv_c_new, k_pe_new, kv_cache, block_table,
+                                        device_plan, rope, scale, lse_dtype, return_lse)
         cu_q = tensors["cu_query_lens"]
         # int64 [T], for backends that read it (computed once per step, not per iteration)
         seq_ids_q = seq_ids_from_cu(cu_q, num_tokens) if backend.needs_seq_ids else None
@@ -449,29 +453,16 @@ class MLAChunkedPrefill:
             return (out, lse) if return_lse else out
         max_rows = plan.max_iteration_tokens
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
-        iterations = []  # (i, rows, VarlenSeqs, joined keys) of every iteration with rows
+        workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
+        kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
         for i in range(plan.num_iterations):
-            if plan.iteration_tokens[i]:
-                seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
-                                    plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
-                                    cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
-                iterations.append((i, plan.iteration_tokens[i], seqs_i,
-                                   backend.wants_joined_keys(seqs_i, h, False)))
-        replay = None
-        if (self._graphs is not None and context_source is None and backend.takes_split_keys
-                and len(iterations) >= GRAPH_MIN_ITERATIONS):
-            replay = _ArenaReplay(self, q, out, lse, kv_cache, block_table, tensors, plan, rope,
-                                  scale, max(row_bucket(n) for _, n, _, _ in iterations))
-            out_run, lse_run = replay.arena.out[:num_tokens], replay.arena.lse[:num_tokens]
-            workspace, kv_buf = replay.arena.workspace, replay.arena.kv_buf
-        else:
-            out_run, lse_run = out, lse
-            workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
-            kv_buf = torch.empty(self._kv_numel(max_rows, qk), dtype=dtype, device=device)
-        for i, num_rows, seqs_i, joined in iterations:
-            if replay is not None:  # gather, up-projection, attention: one graph
-                replay.run(i, row_bucket(num_rows), seqs_i if joined else None)
+            num_rows = plan.iteration_tokens[i]
+            if not num_rows:
                 continue
+            seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
+                                plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
+                                cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+            joined = backend.wants_joined_keys(seqs_i, h, False)
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
                                            chunk_starts[i], workspace, num_rows)
@@ -483,135 +474,230 @@ class MLAChunkedPrefill:
                 if rows.stride(1) != 1:
                     rows = rows.contiguous()
             k_i, v_i = self._up_project(rows[:, :rank], rows[:, rank:], kv_buf, rope, joined)
-            backend.attend_into(q, k_i, v_i, seqs_i, out_run, lse_run, causal=False,
+            backend.attend_into(q, k_i, v_i, seqs_i, out, lse, causal=False,
                                 softmax_scale=scale, k_rope=None if joined else rows[:, rank:])
-        if replay is not None:
-            out.copy_(out_run)
-            lse.copy_(lse_run)
         return (out, lse) if return_lse else out
+
+    def _forward_graphs(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        device_plan: DevicePlan, rope: int, scale: float,
+                        lse_dtype: torch.dtype, return_lse: bool,
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through the static buffers of ``iteration_graphs``: the new tokens'
+        stage, then runs of context iterations, each a replay of a cached CUDA graph (or, at a
+        launch shape's first sight, the same launches run eagerly); see :class:`_ArenaReplay`."""
+        backend, h, plan = self._backend, self.num_heads, device_plan.chunk_plan
+        cu_q_host, cu_k_host = plan.cu_query_lens, plan.cu_seq_lens
+        # (i, row bucket, host offsets of joined keys or None) of every iteration with rows
+        units = []
+        for i, num_rows in enumerate(plan.iteration_tokens):
+            if num_rows:
+                host = VarlenSeqs(None, None, plan.max_query_len, plan.max_chunk_lens[i],
+                                  cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+                units.append((i, row_bucket(num_rows),
+                              host if backend.wants_joined_keys(host, h, False) else None))
+        new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
+                         cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
+        tokens = row_bucket(plan.num_query_tokens)
+        replay = _ArenaReplay(self, q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
+                              plan, rope, scale, tokens,
+                              max([tokens, *(rows for _, rows, _ in units)]))
+        replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
+        k = 0
+        while k < len(units):  # consecutive split-key iterations of one bucket: one launch
+            i, rows, joined = units[k]
+            run = 1
+            if joined is None:
+                while (k + run < len(units) and units[k + run][1] == rows
+                       and units[k + run][0] == i + run and units[k + run][2] is None):
+                    run += 1
+                run = 1 << (run.bit_length() - 1)  # a power of two: few keys
+            replay.run(i, rows, run, joined)
+            k += run
+        return replay.result(lse_dtype, return_lse)
 
     __call__ = forward
 
 
-#: Context iterations a step needs for ``iteration_graphs`` to replay them. A graph
-#: key's first sight runs eagerly, its capture happens at the second sight or earlier in idle
-#: host time (:meth:`mlaprefill.graphs.IterationGraphs.capture_pending`), after that it is
-#: replayed (~10-25 us of host) in every later forward of the same object (layer) that meets
-#: the key again. Against that, a replaying forward copies its queries and ``(out, lse)`` into
-#: the static buffers and back (a few device copies). Each iteration is padded to its own row
-#: bucket (:func:`mlaprefill.graphs.row_bucket`, at most 1/32 more rows), so even one iteration
-#: replays.
-GRAPH_MIN_ITERATIONS = 1
+class _NewTokens:
+    """The new tokens' stage, sized to a graph key and reading only static buffers: the
+    up-projection of the arena's first ``tokens`` latent rows (the step's ``kv_c_new | k_pe_new``,
+    then rows of no sequence) and the backend's causal attention of the arena's queries over
+    them (``seqs`` sequences, grid of ``max_q`` queries), written as the arena's running
+    ``(out, lse)``. ``host``: the plan's host ``cu_query_lens`` when the backend wants joined
+    keys (``hybrid``'s cuDNN rectangles are placed from them; part of the key), else None.
+    """
+
+    __slots__ = ("arena", "host", "launch", "op")
+
+    def __init__(self, op: MLAChunkedPrefill, arena: Arena, seqs: int, max_q: int, tokens: int,
+                 rope: int, scale: float, host: Any) -> None:
+        self.op, self.arena, self.host = op, arena, host
+        self.launch = (seqs, max_q, tokens, rope, scale)
+
+    def __call__(self) -> None:
+        arena, op = self.arena, self.op
+        seqs, max_q, tokens, rope, scale = self.launch
+        joined, rank = self.host is not None, op.kv_lora_rank
+        latent = arena.workspace[:tokens]
+        k, v = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, joined)
+        cu = arena.cu_q[:seqs + 1]
+        out, lse = op._backend.attend(
+            arena.q[:tokens], k, v, VarlenSeqs(cu, cu, max_q, max_q, cu_seqlens_q_host=self.host,
+                                               cu_seqlens_k_host=self.host),
+            causal=True, softmax_scale=scale, k_rope=None if joined else latent[:, rank:])
+        arena.out[:tokens].copy_(out[..., :op.v_head_dim])
+        arena.lse[:tokens].copy_(lse)
 
 
 class _PaddedIteration:
-    """One context iteration's launches, sized to a graph key and reading only static buffers:
-    the arena's offsets row ``counter`` -> gather of ``rows`` rows -> the up-projection of them
-    -> the backend's attention over ``seqs`` sequences (grid of ``max_q`` queries) merging into
-    the arena's ``(out, lse)`` -> counter + 1. What a graph of the key records; eager on first
-    sight. ``host`` (joined keys only): the iteration's host offsets ``(cu_q, cu_k)``, from
-    which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
+    """``count`` consecutive context iterations' launches, sized to a graph key and reading only
+    static buffers; per iteration: the arena's offsets row ``counter`` -> gather of ``rows`` rows
+    -> the up-projection of them -> the backend's attention over ``seqs`` sequences (grid of
+    ``max_q`` queries) merging into the arena's ``(out, lse)`` -> counter + 1. What a graph of the
+    key records; eager on first sight. ``host`` (joined keys only, ``count`` 1): the iteration's
+    host offsets ``(cu_q, cu_k)``, from which the backend places its cuDNN rectangles (part of
+    the key: ``launch_key``).
     """
 
     __slots__ = ("arena", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
-                 max_q: int, rows: int, rope: int, scale: float,
+                 max_q: int, rows: int, count: int, rope: int, scale: float,
                  host: tuple[Any, Any] | None) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
-        self.launch = (seqs, max_q, rows, rope, scale)
+        self.launch = (seqs, max_q, rows, count, rope, scale)
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
-        seqs, max_q, rows, rope, scale = self.launch
+        seqs, max_q, rows, count, rope, scale = self.launch
         joined = self.host is not None
-        cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
-        starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
         rank = op.kv_lora_rank
-        latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
-                                     arena.workspace, rows, use_kernel=True)
-        k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, joined)
         cq, ck = self.host if joined else (None, None)
-        op._backend.attend_into(arena.q, k_i, v_i,
-                                VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
-                                           cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
-                                arena.out, arena.lse, causal=False, softmax_scale=scale,
-                                k_rope=None if joined else latent[:, rank:])
-        arena.counter.add_(1)
+        for _ in range(count):
+            cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
+            starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
+            latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
+                                         arena.workspace, rows, use_kernel=True)
+            k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope,
+                                      joined)
+            op._backend.attend_into(arena.q, k_i, v_i,
+                                    VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
+                                               cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
+                                    arena.out, arena.lse, causal=False, softmax_scale=scale,
+                                    k_rope=None if joined else latent[:, rank:])
+            arena.counter.add_(1)
 
 
 class _ArenaReplay:
-    """One forward's context iterations, run as replays of cached CUDA graphs.
+    """One forward's launches, run as replays of cached CUDA graphs.
 
-    On construction, copies the forward's queries, running ``(out, lse)``, the plan's offsets
-    (padded to the bucketed sequence count: padded sequences get no queries and no keys) and
-    its block table into the :class:`~mlaprefill.graphs.IterationGraphs` arena. ``run(i,
-    rows)`` runs iteration ``i`` as a :class:`_PaddedIteration` of ``rows`` rows (its row
-    bucket). The first time a forward object meets a graph key the iteration runs eagerly (that
-    loads every kernel) and the key is queued for capture; it is captured at the next
-    ``capture_pending`` (until that is first called: at its second sight), then replayed, in
-    this forward and the next ones with the same key. The caller copies the arena's ``(out, lse)``
-    back at the end. On a device without CUDA graphs the padded launches always run eagerly.
+    On construction, copies the forward's queries and new latent rows into the
+    :class:`~mlaprefill.graphs.IterationGraphs` arena, and the plan's offsets (padded to the
+    bucketed sequence count: padded sequences get no queries and no keys) and block table unless
+    the arena holds them already (the previous forward, e.g. the previous layer of the step,
+    passed the same DevicePlan tensors, unmodified since: same objects and version counters;
+    the block table only when it is one of the DevicePlan's tensors too, whose contents change
+    only through a new upload). ``new_tokens(tokens, host)`` runs the new tokens' stage
+    (:class:`_NewTokens`), ``run(i, rows, count)`` iterations ``i .. i + count - 1`` as one
+    :class:`_PaddedIteration` of ``rows`` rows each (their row bucket). The first time a forward
+    object meets a graph key its launches run eagerly (that loads every kernel) and the key is
+    queued for capture; it is captured at the next ``capture_pending`` (until that is first
+    called: at its second sight), then replayed, in this forward and the next ones with the same
+    key. ``result()`` copies the arena's ``(out, lse)`` out. On a device without CUDA graphs the
+    padded launches always run eagerly.
     """
 
-    def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 tensors: dict[str, torch.Tensor], plan: ChunkPlan, rope: int,
-                 scale: float, max_rows: int) -> None:
+    def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
+                 k_pe_new: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 device_plan: DevicePlan, plan: ChunkPlan, rope: int, scale: float,
+                 tokens: int, max_rows: int) -> None:
         assert op._graphs is not None
         shared = op._graphs.shared
         num_tokens, num_seqs, num_iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
         seqs = pow2_at_least(num_seqs)
         max_q = pow2_at_least(plan.max_query_len, MIN_QUERY_BUCKET)
-        h, qk, latent = op.num_heads, op.qk_nope_head_dim + rope, op.kv_lora_rank + rope
+        h, qk, rank = op.num_heads, op.qk_nope_head_dim + rope, op.kv_lora_rank
         device = q.device
         arena = self.arena = shared.arena(
-            (device, q.dtype, kv_cache.dtype, h, qk, op.v_head_dim, latent),
-            {"tokens": num_tokens, "seqs": seqs, "iters": num_iters,
+            (device, q.dtype, kv_cache.dtype, h, qk, op.v_head_dim, rank + rope),
+            {"tokens": tokens, "seqs": seqs, "iters": num_iters,
              "blocks": block_table.shape[1], "rows": max_rows,
              "kv": op._kv_numel(max_rows, qk)},
             device=device, dtype=q.dtype, kv_dtype=kv_cache.dtype, heads=h, qk=qk,
-            v=op.v_head_dim, latent=latent)
+            v=op.v_head_dim, latent=rank + rope)
         # Inputs in (device copies, stream ordered after the previous forward's replays).
-        cu_k, starts = tensors["cu_seq_lens"], tensors["chunk_starts"]
         arena.q[:num_tokens].copy_(q)
-        arena.out[:num_tokens].copy_(out)
-        arena.lse[:num_tokens].copy_(lse)
-        arena.cu_q[:num_seqs + 1].copy_(tensors["cu_query_lens"])
-        arena.cu_k[:num_iters, :num_seqs + 1].copy_(cu_k)
-        if seqs > num_seqs:  # padded sequences: empty, at the end of the queries and keys
-            arena.cu_q[num_seqs + 1:seqs + 1].fill_(num_tokens)
-            arena.cu_k[:num_iters, num_seqs + 1:seqs + 1].copy_(
-                cu_k[:, num_seqs:].expand(num_iters, seqs - num_seqs))
-        arena.starts[:num_iters, :num_seqs].copy_(starts)
-        arena.block_table[:block_table.shape[0], :block_table.shape[1]].copy_(block_table)
+        arena.workspace[:num_tokens, :rank].copy_(kv_c_new)
+        arena.workspace[:num_tokens, rank:].copy_(k_pe_new)
+        staged = device_plan.tensors
+        cu_q, cu_k, starts = staged["cu_query_lens"], staged["cu_seq_lens"], staged["chunk_starts"]
+        src = (cu_q, cu_k, starts, cu_q._version, cu_k._version, starts._version, seqs)
+        if not _same_sources(arena.offsets_from, src):
+            arena.offsets_from = src
+            arena.cu_q[:num_seqs + 1].copy_(cu_q)
+            arena.cu_k[:num_iters, :num_seqs + 1].copy_(cu_k)
+            if seqs > num_seqs:  # padded sequences: empty, at the end of the queries and keys
+                arena.cu_q[num_seqs + 1:seqs + 1].fill_(num_tokens)
+                arena.cu_k[:num_iters, num_seqs + 1:seqs + 1].copy_(
+                    cu_k[:, num_seqs:].expand(num_iters, seqs - num_seqs))
+            arena.starts[:num_iters, :num_seqs].copy_(starts)
+        # The block table's contents are known unchanged only when the DevicePlan holds it.
+        table = ((block_table, block_table._version)
+                 if any(t is block_table for t in staged.values()) else None)
+        if table is None or not _same_sources(arena.table_from, table):
+            arena.table_from = table
+            arena.block_table[:block_table.shape[0], :block_table.shape[1]].copy_(block_table)
         self.op, self.shared, self.device = op, shared, device
         self.use_graphs = device.type == "cuda"
+        self.num_tokens = num_tokens
         self.kv_cache, self.launch = kv_cache, (seqs, max_q, rope, scale)
         self.key = (seqs, max_q, rope, scale, op._backend.name, kv_cache.data_ptr(),
                     tuple(kv_cache.shape), tuple(kv_cache.stride()))
 
-    def run(self, i: int, rows: int, joined: VarlenSeqs | None = None) -> None:
-        """Iteration ``i`` padded to ``rows`` rows; ``joined``: its VarlenSeqs (with the plan's
-        host offsets) when the backend wants joined keys for it."""
-        arena = self.arena
+    def new_tokens(self, tokens: int, joined: VarlenSeqs | None) -> None:
+        """The new tokens' stage over ``tokens`` rows (their bucket); ``joined``: their
+        VarlenSeqs (the plan's host offsets) when the backend wants joined keys for it."""
+        op = self.op
+        seqs, max_q, rope, scale = self.launch
+        host = None if joined is None else joined.cu_seqlens_q_host
+        key = (*self.key, "new", tokens) if joined is None else (
+            *self.key, "new", tokens, op._backend.launch_key(joined, op.num_heads, True))
+        self._launch(key, lambda: _NewTokens(op, self.arena, seqs, max_q, tokens, rope, scale,
+                                             host))
+
+    def run(self, i: int, rows: int, count: int = 1, joined: VarlenSeqs | None = None) -> None:
+        """Iterations ``i .. i + count - 1`` padded to ``rows`` rows each; ``joined`` (``count``
+        1 only): the iteration's VarlenSeqs (with the plan's host offsets) when the backend
+        wants joined keys for it."""
+        arena, op = self.arena, self.op
+        seqs, max_q, rope, scale = self.launch
+        key = (*self.key, rows, count) if joined is None else (
+            *self.key, rows, count, "joined", op._backend.launch_key(joined, op.num_heads, False))
+        host = None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host)
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
-        self._launch(rows, joined)
-        arena.next = i + 1  # the iteration added one to the counter
+        self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, seqs, max_q, rows,
+                                                   count, rope, scale, host))
+        arena.next = i + count  # each iteration added one to the counter
 
-    def _launch(self, rows: int, joined: VarlenSeqs | None) -> None:
-        arena, op = self.arena, self.op
-        layer = op._graphs
-        key = (*self.key, rows) if joined is None else (
-            *self.key, rows, "joined", op._backend.launch_key(joined, op.num_heads, False))
-        seen, graph = layer.lookup(key, arena.generation)
+    def result(self, lse_dtype: torch.dtype, return_lse: bool
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward's ``out`` (and ``lse``): new tensors, copied from the arena."""
+        t = self.num_tokens
+        out = self.arena.out[:t].clone()
+        if not return_lse:
+            return out
+        return out, self.arena.lse[:t].to(lse_dtype, copy=True)
+
+    def _launch(self, key: tuple[Any, ...], make: Callable[[], Any]) -> None:
+        """Replay ``key``'s graph; at its first sight run ``make()``'s launches eagerly and
+        queue the key (or capture it here, at its second sight, until capture_pending runs)."""
+        layer = self.op._graphs
+        seen, graph = layer.lookup(key, self.arena.generation)
         if graph is None or graph is EAGER:
-            seqs, max_q, rope, scale = self.launch
-            padded = _PaddedIteration(
-                op, arena, self.kv_cache, seqs, max_q, rows, rope, scale,
-                None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host))
+            padded = make()
             if (not self.use_graphs or not seen or graph is EAGER
                     or not self.shared.captures_in_forward):
                 # first sight of this key (real work, and loads every kernel), its capture left
@@ -630,6 +716,13 @@ class _ArenaReplay:
                 return
         graph.replay()
         self.shared.replays += 1
+
+
+def _same_sources(held: tuple[Any, ...] | None, now: tuple[Any, ...]) -> bool:
+    """Whether the arena's copy ``held`` came from the very tensors (objects, held alive by the
+    arena, so no other tensor can take their memory) of ``now`` at the same version counter."""
+    return held is not None and len(held) == len(now) and all(
+        a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held, now, strict=True))
 
 
 def check_softmax_scale(softmax_scale: Any) -> float | None:

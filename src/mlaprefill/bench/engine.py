@@ -395,6 +395,7 @@ class PrefillEngine:
         layers = self.attention_layers(variant.backend)
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
+        iteration_graphs = getattr(layers[0], "iteration_graphs", None)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -442,6 +443,7 @@ class PrefillEngine:
             start, end = self._event(), self._event()
             start.record()
             slot = step_idx % state.pinned_tokens.shape[0]
+            warm0 = None if iteration_graphs is None else iteration_graphs.warm_runs
             forward_ms, forward_gc_ms = self._launch(
                 dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot], layers)
             end.record()
@@ -461,7 +463,9 @@ class PrefillEngine:
                 host_prep_ms=(tb - ta) * 1e3, host_upload_ms=(tc - tb) * 1e3,
                 host_launch_ms=(td - tc) * 1e3, host_wait_ms=state.wait_ms - wait_mark,
                 host_forward_ms_per_layer=forward_ms / cfg.num_layers,
-                host_forward_gc_ms=forward_gc_ms))
+                host_forward_gc_ms=forward_gc_ms,
+                graph_first_sights=None if warm0 is None
+                else iteration_graphs.warm_runs - warm0))
             wait_mark = state.wait_ms
             step_idx += 1
             if progress is not None:

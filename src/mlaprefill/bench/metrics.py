@@ -57,6 +57,9 @@ class StepRecord:
     host_wait_ms: float = 0.0
     host_forward_ms_per_layer: float = float("nan")  # attention forward enqueue, mean per layer
     host_forward_gc_ms: float = 0.0  # of the forwards' host time (all layers): the collector's
+    # launches run eagerly at a graph key's first sight in this step (all layers); None
+    # without +graphs
+    graph_first_sights: int | None = None
     device_start_ms: float = float("nan")  # on the run's device timeline
     device_end_ms: float = float("nan")
 
@@ -108,6 +111,7 @@ METRIC_KEYS = (
     "host_forward_ms_per_layer_p50", "host_forward_ms_per_layer_p99",
     "host_forward_gc_ms_total_per_run", "host_forward_gc_steps_fraction", "kernel_builds_per_run",
     "graph_captures_per_run", "graph_replays_per_run", "graph_capture_ms_per_run",
+    "graph_first_sight_steps_per_run", "graph_replay_only_host_forward_ms_per_layer_p99",
     "gpu_busy_fraction", "device_step_ms_p50", "step_time_ms_p50", "step_time_ms_p99",
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
@@ -141,6 +145,8 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     ttft = np.concatenate([r.ttft_ms for r in runs])
     ttft_mean = float(ttft.mean()) if ttft.size else float("nan")
     n = len(runs)
+    first = (None if any(s.graph_first_sights is None for s in steps)
+             else np.array([s.graph_first_sights for s in steps]))
     return {
         "throughput_tok_s": float(np.median(tput)),
         "throughput_tok_s_mean": float(tput.mean()),
@@ -174,6 +180,13 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "graph_captures_per_run": [r.graph_captures for r in runs],
         "graph_replays_per_run": [r.graph_replays for r in runs],
         "graph_capture_ms_per_run": [r.graph_capture_ms for r in runs],
+        # steps in which some launch shape was met for the first time (run eagerly), and the
+        # forward's host p99 over the other steps (every launch a replay); None without graphs
+        "graph_first_sight_steps_per_run": [
+            None if first is None else int(sum(1 for s in r.steps if s.graph_first_sights))
+            for r in runs],
+        "graph_replay_only_host_forward_ms_per_layer_p99": None if first is None else percentile(
+            col("host_forward_ms_per_layer")[first == 0], 99),
         "gpu_busy_fraction": float(np.mean(busy)),
         "device_step_ms_p50": percentile(dev, 50),
         "step_time_ms_p50": percentile(periods, 50),
@@ -209,4 +222,5 @@ def step_series(run: RunResult) -> dict[str, list[float]]:
         "host_forward_ms_per_layer": [s.host_forward_ms_per_layer for s in run.steps],
         "host_forward_gc_ms": [s.host_forward_gc_ms for s in run.steps],
         "iterations": [s.num_iterations for s in run.steps],
+        "graph_first_sights": [s.graph_first_sights for s in run.steps],
     }
