@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue #11's host-side checks in one call on one H200, writing JSON/PNG/logs under OUT_DIR:
+#
+#   benchmarks/graphs_h200.sh OUT_DIR [tests] [uneven] [stall] [hostprof]   (default: all four)
+#
+# tests     the iteration-graph and no-sync GPU tests (tests/test_attention_gpu.py -k ...)
+# uneven    `mlaprefill bench --scenario uneven`: varlen (the old default), hybrid eager and
+#           hybrid+graphs in one run (balanced plans, 2 repeats, <= BENCH_MAX_SECONDS of measuring)
+# stall     the same on the stall scenario (equal plans)
+# hostprof  where one forward's host time goes (forward_profile.py --host-only), eager and graphs
+set -uo pipefail
+out=${1:?usage: benchmarks/graphs_h200.sh OUT_DIR [tests] [uneven] [stall] [hostprof]}
+shift
+jobs=("$@")
+[ ${#jobs[@]} -gt 0 ] || jobs=(tests uneven stall hostprof)
+has() { local j; for j in "${jobs[@]}"; do [ "$j" = "$1" ] && return 0; done; return 1; }
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+mkdir -p "$out"
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) jobs: ${jobs[*]}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if has tests; then
+    timeout 240 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
+        tests/test_attention_gpu.py tests/test_bench_engine.py \
+        -k "iteration_graphs or never_syncs or gpu_engine" 2>&1 | tail -n 15
+    echo "== tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
+bench() {  # scenario policy
+    timeout 330 python3 -m mlaprefill bench --scenario "$1" \
+        --variants "ring+$2@varlen,ring+$2,ring+$2@hybrid+graphs" \
+        --max-seconds "${BENCH_MAX_SECONDS:-100}" --out "$out/$1" --no-progress 2>&1 | tail -n 12
+    echo "== bench $1 rc=${PIPESTATUS[0]} ($(date -u +%T))"
+}
+has uneven && bench uneven balanced
+has stall && bench stall equal
+if has hostprof; then
+    timeout 200 python3 benchmarks/forward_profile.py --host-only \
+        --backends hybrid,hybrid+graphs,triton+graphs \
+        --out "$out/forward_host_profile_h200.json" 2>&1 | grep -v Warn | tail -n 50
+    echo "== host profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
