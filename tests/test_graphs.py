@@ -225,11 +225,10 @@ def test_arena_load_pads_sequences_over_stale_values():
         assert int(a.cu_q[seqs]) == t  # every padded sequence: no queries
 
 
-def test_arena_keeps_offsets_of_the_same_device_plan_and_recopies_changed_ones():
-    """A forward whose DevicePlan tensors are the ones the arena's offsets came from, unchanged
-    since (same objects, same version counters), skips copying them (a step's later layers); an
-    in-place write to them, a new upload, or a block table the DevicePlan does not hold is copied
-    again."""
+def test_arena_keeps_offsets_of_the_same_device_plan_and_copies_others():
+    """A forward with the DevicePlan the arena's offsets came from skips copying them (a step's
+    later layers), and its block table when the DevicePlan holds it; a new upload, or a block
+    table the DevicePlan does not hold, is copied again."""
     from conftest import paged_mla_inputs
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.plan import ChunkPlanner
@@ -241,6 +240,7 @@ def test_arena_keeps_offsets_of_the_same_device_plan_and_recopies_changed_ones()
                          page_size=4)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4, iteration_graphs=shared)
     plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
+
     class WithTable:  # a StagedPlan that ships the block table too, like the bench's steps
         chunk_plan = plan
 
@@ -276,12 +276,14 @@ def test_arena_keeps_offsets_of_the_same_device_plan_and_recopies_changed_ones()
     load(dp, x["block_table"])  # a caller's block table: always copied
     assert holds(False, False, True)
     mark()
-    dp["cu_query_lens"].add_(0)  # an in-place write bumps the version counter: copied again
-    load(dp, staged_table)
+    again = ring.upload(WithTable())  # a new upload of the same plan: copied again
+    load(again, again["block_table"])
     assert holds(True, True, True)
     mark()
-    load(ring.upload(WithTable()), staged_table)  # a new upload: new tensors
-    assert holds(True, True, True)
+    load(again, again["block_table"])
+    assert holds(False, False, False)
+    load(again, staged_table)  # another DevicePlan's block table: not this one's, copied
+    assert holds(False, False, True)
 
 
 def test_a_capture_that_raises_leaves_the_key_eager(monkeypatch):

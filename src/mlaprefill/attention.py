@@ -387,7 +387,8 @@ class MLAChunkedPrefill:
         Never synchronizes unless ``validate=True``: shapes come from the plan's host ints only.
         Checked always, on the host, for free: types, shapes, dtypes, devices, the plan against
         the inputs, block ids of CPU block tables. Undefined: tensors modified while the forward
-        runs, a DevicePlan used after its ring slot was reused (see ``validate``), block ids
+        runs, a DevicePlan used after its ring slot was reused (see ``validate``) or (with
+        ``iteration_graphs``) whose tensors were written in place between forwards, block ids
         outside the cache on CUDA without ``validate`` (the gather writes NaN rows for them, so
         the request's output is NaN and other requests are unaffected).
         """
@@ -595,11 +596,12 @@ class _ArenaReplay:
     On construction, copies the forward's queries and new latent rows into the
     :class:`~mlaprefill.graphs.IterationGraphs` arena, and the plan's offsets (padded to the
     bucketed sequence count: padded sequences get no queries and no keys) and block table unless
-    the arena holds them already (the previous forward, e.g. the previous layer of the step,
-    passed the same DevicePlan tensors, unmodified since: same objects and version counters;
-    the block table only when it is one of the DevicePlan's tensors too, whose contents change
-    only through a new upload). ``new_tokens(tokens, host)`` runs the new tokens' stage
-    (:class:`_NewTokens`), ``run(i, rows, count)`` iterations ``i .. i + count - 1`` as one
+    the arena holds them already: the previous forward through this arena (e.g. the previous
+    layer of the step) ran the same DevicePlan object, whose tensors staging never changes (a
+    new upload makes a new DevicePlan); the block table only when it is one of the DevicePlan's
+    tensors too (a caller's own block table may have changed in place: always copied).
+    ``new_tokens(tokens, host)`` runs the new tokens' stage (:class:`_NewTokens`),
+    ``run(i, rows, count)`` iterations ``i .. i + count - 1`` as one
     :class:`_PaddedIteration` of ``rows`` rows each (their row bucket). The first time a forward
     object meets a graph key its launches run eagerly (that loads every kernel) and the key is
     queued for capture; it is captured at the next ``capture_pending`` (until that is first
@@ -632,9 +634,8 @@ class _ArenaReplay:
         arena.workspace[:num_tokens, rank:].copy_(k_pe_new)
         staged = device_plan.tensors
         cu_q, cu_k, starts = staged["cu_query_lens"], staged["cu_seq_lens"], staged["chunk_starts"]
-        src = (cu_q, cu_k, starts, cu_q._version, cu_k._version, starts._version, seqs)
-        if not _same_sources(arena.offsets_from, src):
-            arena.offsets_from = src
+        if arena.offsets_from is not device_plan:
+            arena.offsets_from = device_plan
             arena.cu_q[:num_seqs + 1].copy_(cu_q)
             arena.cu_k[:num_iters, :num_seqs + 1].copy_(cu_k)
             if seqs > num_seqs:  # padded sequences: empty, at the end of the queries and keys
@@ -642,11 +643,10 @@ class _ArenaReplay:
                 arena.cu_k[:num_iters, num_seqs + 1:seqs + 1].copy_(
                     cu_k[:, num_seqs:].expand(num_iters, seqs - num_seqs))
             arena.starts[:num_iters, :num_seqs].copy_(starts)
-        # The block table's contents are known unchanged only when the DevicePlan holds it.
-        table = ((block_table, block_table._version)
-                 if any(t is block_table for t in staged.values()) else None)
-        if table is None or not _same_sources(arena.table_from, table):
-            arena.table_from = table
+        # A caller's block table may have changed since; a DevicePlan's tensors do not.
+        staged_table = any(t is block_table for t in staged.values())
+        if not staged_table or arena.table_from is not device_plan:
+            arena.table_from = device_plan if staged_table else None
             arena.block_table[:block_table.shape[0], :block_table.shape[1]].copy_(block_table)
         self.op, self.shared, self.device = op, shared, device
         self.use_graphs = device.type == "cuda"
@@ -716,13 +716,6 @@ class _ArenaReplay:
                 return
         graph.replay()
         self.shared.replays += 1
-
-
-def _same_sources(held: tuple[Any, ...] | None, now: tuple[Any, ...]) -> bool:
-    """Whether the arena's copy ``held`` came from the very tensors (objects, held alive by the
-    arena, so no other tensor can take their memory) of ``now`` at the same version counter."""
-    return held is not None and len(held) == len(now) and all(
-        a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held, now, strict=True))
 
 
 def check_softmax_scale(softmax_scale: Any) -> float | None:

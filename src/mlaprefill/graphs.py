@@ -104,8 +104,8 @@ class Arena:
     kv_buf: torch.Tensor
     counter: torch.Tensor
     next: int = 0
-    offsets_from: Any = None  # what cu_q/cu_k/starts were last copied from (see attention.py)
-    table_from: Any = None  # and block_table
+    offsets_from: Any = None  # the DevicePlan cu_q/cu_k/starts were last copied from
+    table_from: Any = None  # the DevicePlan block_table was, when it held the block table
 
     def fits(self, need: dict[str, int]) -> bool:
         return all(have >= need[k] for k, have in self.caps().items())
