@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue #11's host-side checks in one call on one H200, writing JSON/PNG/logs under OUT_DIR:
 #
-#   benchmarks/graphs_h200.sh OUT_DIR [tests] [uneven] [stall] [hostprof]   (default: all four)
+#   benchmarks/graphs_h200.sh OUT_DIR [tests] [gemm] [uneven] [stall] [hostprof]  (default: all)
 #
 # tests     the iteration-graph and no-sync GPU tests (tests/test_attention_gpu.py -k ...)
 # uneven    `mlaprefill bench --scenario uneven`: varlen (the old default), hybrid eager and
 #           hybrid+graphs in one run (balanced plans, 2 repeats, <= BENCH_MAX_SECONDS of measuring)
 # stall     the same on the stall scenario (equal plans)
 # hostprof  where one forward's host time goes (forward_profile.py --host-only), eager and graphs
+# gemm      the up-projection GEMM with its rows on the device vs torch.mm (benchmarks/upproj.py)
 set -uo pipefail
-out=${1:?usage: benchmarks/graphs_h200.sh OUT_DIR [tests] [uneven] [stall] [hostprof]}
+out=${1:?usage: benchmarks/graphs_h200.sh OUT_DIR [JOB ...]}
 shift
 jobs=("$@")
-[ ${#jobs[@]} -gt 0 ] || jobs=(tests uneven stall hostprof)
+[ ${#jobs[@]} -gt 0 ] || jobs=(tests gemm uneven stall hostprof)
 has() { local j; for j in "${jobs[@]}"; do [ "$j" = "$1" ] && return 0; done; return 1; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -26,6 +27,10 @@ if has tests; then
         tests/test_attention_gpu.py tests/test_bench_engine.py \
         -k "iteration_graphs or never_syncs or gpu_engine" 2>&1 | tail -n 15
     echo "== tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
+if has gemm; then
+    (cd benchmarks && timeout 120 python3 upproj.py --out "$out/upproj_h200.json" 2>&1 | tail -n 12)
+    echo "== gemm rc=$? ($(date -u +%T))"
 fi
 bench() {  # scenario policy
     timeout 330 python3 -m mlaprefill bench --scenario "$1" \

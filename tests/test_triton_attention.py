@@ -29,10 +29,8 @@ _SCRIPT = textwrap.dedent("""
 
     def padded_launches(plan, joined=()):
         # What iteration_graphs launches for a plan (eager on CPU, each a warm run): the new
-        # tokens' stage, then per run of consecutive split-key iterations with rows and one row
-        # bucket a launch per set bit of the run's length (8 + 2 for 10), a joined one alone.
-        from mlaprefill.graphs import row_bucket
-
+        # tokens' stage, then per run of consecutive split-key iterations with rows a launch
+        # per set bit of the run's length (8 + 2 for 10), a joined one alone.
         runs, last = [], None
         for i, rows in enumerate(plan.iteration_tokens):
             if not rows:
@@ -41,12 +39,11 @@ _SCRIPT = textwrap.dedent("""
                 runs.append(1)
                 last = None
                 continue
-            here = (i, row_bucket(rows))
-            if last is not None and here == (last[0] + 1, last[1]):
+            if last is not None and i == last + 1:
                 runs[-1] += 1
             else:
                 runs.append(1)
-            last = here
+            last = i
         return 1 + sum(bin(r).count("1") for r in runs)
 
     def cu(lens):
@@ -279,7 +276,7 @@ _SCRIPT = textwrap.dedent("""
                                cu_seqlens_k_host=plan.cu_seq_lens[i]), 2, False)]
                 joined = set(range(plan.num_iterations)) - set(split)
                 assert shared.warm_runs == padded_launches(plan, joined)
-                # triton: consecutive iterations of one bucket (512 rows here) share launches
+                # triton: consecutive iterations share launches
                 assert name == "hybrid" or shared.warm_runs < 1 + sum(
                     1 for t in plan.iteration_tokens if t)
                 assert name == "triton" or 0 < len(split) < plan.num_iterations, split

@@ -50,6 +50,7 @@ from mlaprefill.graphs import (
 )
 from mlaprefill.kernels.gather import gather_context_rows
 from mlaprefill.kernels.rope import broadcast_rope_
+from mlaprefill.kernels.upproj import matmul_device_rows
 from mlaprefill.plan import ChunkPlan
 from mlaprefill.staging import DevicePlan
 
@@ -495,8 +496,8 @@ class MLAChunkedPrefill:
             if num_rows:
                 host = VarlenSeqs(None, None, plan.max_query_len, plan.max_chunk_lens[i],
                                   cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
-                units.append((i, row_bucket(num_rows),
-                              host if backend.wants_joined_keys(host, h, False) else None))
+                joined = host if backend.wants_joined_keys(host, h, False) else None
+                units.append((i, row_bucket(num_rows), joined))
         new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
                          cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
         tokens = row_bucket(plan.num_query_tokens)
@@ -505,15 +506,18 @@ class MLAChunkedPrefill:
                               max([tokens, *(rows for _, rows, _ in units)]))
         replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
         k = 0
-        while k < len(units):  # consecutive split-key iterations of one bucket: one launch
+        while k < len(units):  # consecutive split-key iterations: one launch (rows on device)
             i, rows, joined = units[k]
+            if joined is not None:  # cuDNN rectangles: sized on the host, one iteration
+                replay.run(i, rows, 1, joined)
+                k += 1
+                continue
             run = 1
-            if joined is None:
-                while (k + run < len(units) and units[k + run][1] == rows
-                       and units[k + run][0] == i + run and units[k + run][2] is None):
-                    run += 1
-                run = 1 << (run.bit_length() - 1)  # a power of two: few keys
-            replay.run(i, rows, run, joined)
+            while (k + run < len(units) and units[k + run][0] == i + run
+                   and units[k + run][2] is None):
+                run += 1
+            run = 1 << (run.bit_length() - 1)  # a power of two: few keys
+            replay.run(i, None, run)
             k += run
         return replay.result(lse_dtype, return_lse)
 
@@ -553,18 +557,23 @@ class _NewTokens:
 
 class _PaddedIteration:
     """``count`` consecutive context iterations' launches, sized to a graph key and reading only
-    static buffers; per iteration: the arena's offsets row ``counter`` -> gather of ``rows`` rows
-    -> the up-projection of them -> the backend's attention over ``seqs`` sequences (grid of
+    static buffers; per iteration: the arena's offsets row ``counter`` -> gather of its rows ->
+    the up-projection of them -> the backend's attention over ``seqs`` sequences (grid of
     ``max_q`` queries) merging into the arena's ``(out, lse)`` -> counter + 1. What a graph of the
-    key records; eager on first sight. ``host`` (joined keys only, ``count`` 1): the iteration's
-    host offsets ``(cu_q, cu_k)``, from which the backend places its cuDNN rectangles (part of
-    the key: ``launch_key``).
+    key records; eager on first sight.
+
+    Split keys (``host`` None, ``rows`` None): the gather and the up-projection GEMM
+    (:func:`~mlaprefill.kernels.upproj.matmul_device_rows`) read the iteration's row count on
+    the device (``cu_k[i, -1]``) and cover the arena's capacity, so the launches fit every row
+    count: no row bucket in the key. Joined keys (``count`` 1): ``rows`` is the iteration's row
+    bucket (``torch.mm`` sizes), ``host`` its host offsets ``(cu_q, cu_k)``, from which the
+    backend places its cuDNN rectangles (part of the key: ``launch_key``).
     """
 
     __slots__ = ("arena", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
-                 max_q: int, rows: int, count: int, rope: int, scale: float,
+                 max_q: int, rows: int | None, count: int, rope: int, scale: float,
                  host: tuple[Any, Any] | None) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
         self.launch = (seqs, max_q, rows, count, rope, scale)
@@ -573,15 +582,24 @@ class _PaddedIteration:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
         seqs, max_q, rows, count, rope, scale = self.launch
         joined = self.host is not None
-        rank = op.kv_lora_rank
+        rank, h, nope = op.kv_lora_rank, op.num_heads, op.qk_nope_head_dim
         cq, ck = self.host if joined else (None, None)
+        if rows is None:  # every row the arena holds; the kernels stop at the device's count
+            width = nope + op.v_head_dim
+            rows = min(arena.workspace.shape[0], arena.kv_buf.shape[0] // (h * width))
+            w_kv = op._up_weights(rope, arena.q.dtype, arena.q.device, False)[0].contiguous()
+            kv = arena.kv_buf[:rows * h * width].view(rows, h, width)
         for _ in range(count):
             cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
                                          arena.workspace, rows, use_kernel=True)
-            k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope,
-                                      joined)
+            if joined:
+                k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
+                                          rope, True)
+            else:
+                matmul_device_rows(latent[:, :rank], w_kv, kv.view(rows, -1), cu[seqs:])
+                k_i, v_i = kv[..., :nope], kv[..., nope:]
             op._backend.attend_into(arena.q, k_i, v_i,
                                     VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
                                                cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
@@ -666,10 +684,11 @@ class _ArenaReplay:
         self._launch(key, lambda: _NewTokens(op, self.arena, seqs, max_q, tokens, rope, scale,
                                              host))
 
-    def run(self, i: int, rows: int, count: int = 1, joined: VarlenSeqs | None = None) -> None:
-        """Iterations ``i .. i + count - 1`` padded to ``rows`` rows each; ``joined`` (``count``
-        1 only): the iteration's VarlenSeqs (with the plan's host offsets) when the backend
-        wants joined keys for it."""
+    def run(self, i: int, rows: int | None, count: int = 1,
+            joined: VarlenSeqs | None = None) -> None:
+        """Iterations ``i .. i + count - 1``, split keys with their row counts read on the
+        device (``rows`` None); or iteration ``i`` padded to ``rows`` rows with ``joined``, its
+        VarlenSeqs (with the plan's host offsets), when the backend wants joined keys for it."""
         arena, op = self.arena, self.op
         seqs, max_q, rope, scale = self.launch
         key = (*self.key, rows, count) if joined is None else (

@@ -62,6 +62,8 @@ if HAS_TRITON:
         # Rows past the iteration's total (num_rows may pad it, e.g. for a replayed CUDA graph)
         # are left as they are.
         total = tl.load(cu_seq_lens_ptr + num_reqs).to(tl.int64)
+        if pid.to(tl.int64) * BLOCK_ROWS >= total:
+            return  # a launch over a capacity (num_rows) far past this iteration's rows
         row_mask = (rows < num_rows) & (rows < total)
         # Largest r in [0, num_reqs) with cu_seq_lens[r] <= row (binary lifting: cu_seq_lens is
         # non-decreasing, cu_seq_lens[0] = 0). Requests with an empty piece share their offset
