@@ -24,8 +24,8 @@ echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) jobs: ${jo
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has tests; then
     timeout 240 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
-        tests/test_attention_gpu.py tests/test_bench_engine.py \
-        -k "iteration_graphs or never_syncs or gpu_engine" 2>&1 | tail -n 15
+        tests/test_attention_gpu.py tests/test_bench_engine.py tests/test_upproj.py \
+        -k "iteration_graphs or never_syncs or gpu_engine or gather or upproj or device_rows" 2>&1 | tail -n 15
     echo "== tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
 fi
 if has gemm; then
