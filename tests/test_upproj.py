@@ -73,13 +73,18 @@ def test_matmul_device_rows_torch_fallback_and_errors():
         matmul_device_rows(a, w, c, m.long())
     with pytest.raises(ValueError, match="contiguous"):
         matmul_device_rows(a, w.t().contiguous().t(), c, m)
+    with pytest.raises(ValueError, match="method"):
+        matmul_device_rows(a, w, c, m, method="cublas")
+    with pytest.raises(ValueError, match="grouped_mm"):  # float64 on CPU: not its case
+        matmul_device_rows(a, w, c, m, method="grouped_mm")
 
 
 @pytest.mark.gpu
-def test_matmul_device_rows_on_cuda_matches_torch():
-    """On the GPU's tile config (128 x 256 x 64, persistent): rows 0, 1, a partial tile, the
-    capacity; bfloat16 against a float32 product, rows >= m untouched; one launch captured in a
-    CUDA graph serves every m."""
+@pytest.mark.parametrize("method", ["triton", "auto"])
+def test_matmul_device_rows_on_cuda_matches_torch(method):
+    """On the GPU (triton: the 128 x 256 x 64 persistent config; auto: torch._grouped_mm on a
+    Hopper GPU): rows 0, 1, a partial tile, the capacity; bfloat16 against a float32 product,
+    rows >= m of c untouched by triton; one launch captured in a CUDA graph serves every m."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,14 +94,15 @@ def test_matmul_device_rows_on_cuda_matches_torch():
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / 20
     c = torch.full((cap, n), 7.0, device="cuda", dtype=torch.bfloat16)
     m = torch.zeros(1, device="cuda", dtype=torch.int32)
-    matmul_device_rows(a, w, c, m)  # compile outside the capture
+    matmul_device_rows(a, w, c, m, method=method)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        matmul_device_rows(a, w, c, m)
+        got = matmul_device_rows(a, w, c, m, method=method)
     for rows in (0, 1, 300, 1000):
         c.fill_(7.0)
         m.fill_(rows)
         graph.replay()
         ref = a[:rows].float() @ w.float().t()
-        assert (c[:rows].float() - ref).abs().max().item() <= 0.05 if rows else True
-        assert bool((c[rows:] == 7.0).all()), rows
+        assert (got[:rows].float() - ref).abs().max().item() <= 0.05 if rows else True
+        if method == "triton":
+            assert got is c and bool((c[rows:] == 7.0).all()), rows

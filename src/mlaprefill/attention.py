@@ -598,8 +598,9 @@ class _PaddedIteration:
                 k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
                                           rope, True)
             else:
-                matmul_device_rows(latent[:, :rank], w_kv, kv.view(rows, -1), cu[seqs:])
-                k_i, v_i = kv[..., :nope], kv[..., nope:]
+                kv_i = matmul_device_rows(latent[:, :rank], w_kv, kv.view(rows, -1),
+                                          cu[seqs:]).view(rows, h, width)
+                k_i, v_i = kv_i[..., :nope], kv_i[..., nope:]
             op._backend.attend_into(arena.q, k_i, v_i,
                                     VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
                                                cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),

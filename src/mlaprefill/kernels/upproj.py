@@ -1,4 +1,4 @@
-"""The up-projection GEMM with its row count read on the device: ``c[:m] = a[:m] @ w.T``.
+"""The up-projection GEMM with its row count read on the device: ``a[:m] @ w.T``.
 
 A replayed CUDA graph records every launch's shape, so with ``torch.mm`` a context iteration's
 graph is only valid for one row count (the forward buckets rows; each bucket is a graph of its
@@ -7,6 +7,8 @@ int32 (the iteration's total rows, ``cu_seq_lens[i, -1]``, which the forward alr
 device), and the grid covers a fixed capacity: one persistent program per SM walks the ``m``-row
 tiles (grouped, so the programs working at once share tiles of ``a``) and nothing else, so one
 launch (and one graph) serves every row count up to the capacity, and padding rows cost nothing.
+Where torch has it, ``torch._grouped_mm`` (CUTLASS grouped GEMM, group ends on the device) does
+the same with one group, faster than this kernel on the H200 (benchmarks/upproj.py).
 
 Layouts: ``a [cap, K]`` rows of stride ``stride_a`` (the workspace's latent rows, ``kv_c``
 part), ``w [N, K]`` contiguous (Hugging Face's ``kv_b_proj.weight``: ``N = H * (nope + v)``),
@@ -19,7 +21,7 @@ import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
-__all__ = ["matmul_device_rows"]
+__all__ = ["METHODS", "matmul_device_rows"]
 
 #: Tile (rows, columns, depth), warps, pipeline stages and tile-group height on CUDA.
 _CUDA_CONFIG = (128, 256, 64, 8, 3, 8)
@@ -84,22 +86,42 @@ def _programs(device: torch.device) -> int:
     return sms
 
 
-def matmul_device_rows(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
-                       m: torch.Tensor) -> torch.Tensor:
-    """``c[:m] = a[:m] @ w.T`` with ``m`` read on the device; returns ``c``.
+#: Methods of :func:`matmul_device_rows`.
+METHODS = ("auto", "grouped_mm", "triton")
+
+
+def _grouped_mm_ok(a: torch.Tensor) -> bool:
+    return (a.device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and a.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(a.device)[0] >= 9)
+
+
+def matmul_device_rows(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, m: torch.Tensor, *,
+                       method: str = "auto") -> torch.Tensor:
+    """``a[:m] @ w.T`` with ``m`` read on the device, in ``c`` or a new tensor (returned).
 
     Parameters
     ----------
     a : [cap, K], last dim contiguous (any row stride)
     w : [N, K], contiguous, a's dtype
-    c : [cap, N], contiguous rows, a's dtype
-    m : int32 tensor of one element on a's device: the rows to compute (clamped to ``cap``);
-        rows ``>= m`` of ``c`` keep their values.
+    c : [cap, N], contiguous rows, a's dtype: where the ``triton`` method writes
+    m : int32 tensor of one element on a's device: the rows to compute, at most ``cap`` (read
+        on the device, so not checked; ``triton`` clamps it)
+    method : ``"grouped_mm"`` (``torch._grouped_mm``, one group whose end ``m`` is read on the
+        device: CUTLASS on Hopper, bfloat16), ``"triton"`` (the persistent kernel here), or
+        ``"auto"``: ``grouped_mm`` where it runs, else ``triton``.
+
+    Returns
+    -------
+    [cap, N]: rows ``< m`` hold the product; rows ``>= m`` are undefined (``triton``: ``c``'s
+    values kept; ``grouped_mm``: a new tensor's).
 
     One launch whatever ``m`` (CUDA-graph safe for every row count up to ``cap``); never
     synchronizes. Without Triton for these tensors (CPU outside the interpreter) every ``cap``
-    row is computed with ``torch.mm``.
+    row is computed with ``torch.mm`` into ``c``.
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cap, k = a.shape
     n = w.shape[0]
     if w.shape[1] != k or c.shape != (cap, n) or m.numel() != 1:
@@ -113,6 +135,12 @@ def matmul_device_rows(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
                          f"{m.dtype}, a {a.dtype}, w {w.dtype}, c {c.dtype}")
     if cap == 0 or n == 0:
         return c
+    if method != "triton" and _grouped_mm_ok(a):
+        # W^T as [1, K, N], column-major (CUTLASS's layout for the second operand)
+        return torch._grouped_mm(a, w.t().unsqueeze(0), offs=m.view(1))
+    if method == "grouped_mm":
+        raise ValueError("method='grouped_mm' needs torch._grouped_mm, a CUDA device of compute "
+                         "capability >= 9.0 and bfloat16")
     if not use_triton(a, w, c, m):
         torch.mm(a, w.t(), out=c)
         return c
