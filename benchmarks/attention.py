@@ -129,13 +129,13 @@ def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
     it once (plan uploaded once)."""
     from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
-    from mlaprefill.bench.engine import GRAPHS
+    from mlaprefill.bench.engine import split_graphs_suffix
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
+    base, graphs = split_graphs_suffix(backend)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                           backend=backend.removesuffix(GRAPHS),
-                           iteration_graphs=backend.endswith(GRAPHS))
+                           backend=base, iteration_graphs=graphs or False)
     plan = ChunkPlanner(workspace, PAGE, policy=op.resolve_policy("auto")).plan(
         PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE))
     dplan = StagingRing(device).upload(plan)
@@ -149,9 +149,11 @@ def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
 
 def _label(op: Any) -> str:
     """The backend an :func:`_auto_forward` op runs, as results name it (``NAME+graphs``)."""
-    from mlaprefill.bench.engine import GRAPHS
+    from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS
 
-    return op.backend_name + (GRAPHS if op.iteration_graphs else "")
+    if not op.iteration_graphs:
+        return op.backend_name
+    return op.backend_name + (GRAPHS_DEVICE_ROWS if op.iteration_graphs.device_rows else GRAPHS)
 
 
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)

@@ -4,8 +4,9 @@
 #   benchmarks/graphs_h200.sh OUT_DIR [tests] [gemm] [uneven] [stall] [hostprof]  (default: all)
 #
 # tests     the iteration-graph and no-sync GPU tests (tests/test_attention_gpu.py -k ...)
-# uneven    `mlaprefill bench --scenario uneven`: varlen (the old default), hybrid eager and
-#           hybrid+graphs in one run (balanced plans, 2 repeats, <= BENCH_MAX_SECONDS of measuring)
+# uneven    `mlaprefill bench --scenario uneven`: varlen (the old default), hybrid eager,
+#           hybrid+graphs and hybrid+graphs-device-rows in one run (balanced plans, 2 repeats,
+#           <= BENCH_MAX_SECONDS of measuring)
 # stall     the same on the stall scenario (equal plans)
 # hostprof  where one forward's host time goes (forward_profile.py --host-only), eager and graphs
 # gemm      the up-projection GEMM with its rows on the device vs torch.mm (benchmarks/upproj.py)
@@ -33,8 +34,8 @@ if has gemm; then
     echo "== gemm rc=$? ($(date -u +%T))"
 fi
 bench() {  # scenario policy
-    timeout 330 python3 -m mlaprefill bench --scenario "$1" \
-        --variants "ring+$2@varlen,ring+$2,ring+$2@hybrid+graphs" \
+    timeout 400 python3 -m mlaprefill bench --scenario "$1" \
+        --variants "ring+$2@varlen,ring+$2,ring+$2@hybrid+graphs,ring+$2@hybrid+graphs-device-rows" \
         --max-seconds "${BENCH_MAX_SECONDS:-100}" --out "$out/$1" --no-progress 2>&1 | tail -n 12
     echo "== bench $1 rc=${PIPESTATUS[0]} ($(date -u +%T))"
 }

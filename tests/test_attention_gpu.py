@@ -477,21 +477,21 @@ def test_step_check_sees_a_pageable_upload():
 
 def _graph_launches(plan, row_bucket):
     """The launches iteration_graphs makes for a plan (split keys only), in order: the new
-    tokens' stage (its row bucket), then per run of consecutive iterations with rows (their
-    row counts read on the device), its length split into powers of two, largest first."""
+    tokens' stage (its row bucket), then per run of consecutive iterations with rows of one
+    row bucket, its length split into powers of two, largest first."""
     launches = [("new", row_bucket(plan.num_query_tokens))]
-    runs = []  # [first iteration, length]
+    runs = []  # [first iteration, bucket, length]
     for i, rows in enumerate(plan.iteration_tokens):
         if not rows:
             continue
-        if runs and sum(runs[-1]) == i:
-            runs[-1][1] += 1
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] == row_bucket(rows):
+            runs[-1][2] += 1
         else:
-            runs.append([i, 1])
-    for _, length in runs:
+            runs.append([i, row_bucket(rows), 1])
+    for _, bucket, length in runs:
         while length:
             part = 1 << (length.bit_length() - 1)
-            launches.append(("run", part))
+            launches.append((bucket, part))
             length -= part
     return launches
 

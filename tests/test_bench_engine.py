@@ -158,6 +158,12 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     # per step: launches run eagerly at a key's first sight (none: math never uses the graphs)
     assert [s.graph_first_sights for s in graphs_run.steps] == [0] * len(graphs_run.steps)
     assert all(s.graph_first_sights is None for s in math_run.steps)
+    # +graphs-device-rows: IterationGraphs(device_rows=True)
+    assert engine.backend_name("math+graphs-device-rows") == "math+graphs-device-rows"
+    assert engine.attention_layers("math+graphs-device-rows")[0].iteration_graphs.device_rows
+    assert not layers[0].iteration_graphs.device_rows
+    with pytest.raises(ValueError, match="graphs-device-rows"):
+        Variant.parse("ring+packed@math+graphs-rows")
 
 
 @pytest.mark.gpu

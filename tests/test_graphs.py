@@ -153,6 +153,62 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     assert seen[-1] == 11 and fills[-1] == 11
 
 
+def test_first_sight_replays_a_larger_row_bucket_when_the_layer_has_one():
+    """A split-key row bucket met for the first time (captures left to capture_pending)
+    replays the captured graph of the least larger bucket of the same launch, up to twice the
+    rows, instead of running eagerly, and is still queued for its own capture; a joined key, a
+    bucket with no larger graph within 2x, or a different run length runs eagerly.
+    (CUDA graphs faked: the control flow.)"""
+    shared = IterationGraphs()
+    shared._idle_captures = True  # forwards leave captures to capture_pending
+    arena = shared.arena(("k",), _need(), **DIMS)
+    layer = LayerGraphs(shared)
+    layer.lookup(("p", 0, 1), arena.generation)  # this generation's graphs
+
+    class Graph:
+        def __init__(self, name):
+            self.name, self.replays = name, 0
+
+        def replay(self):
+            self.replays += 1
+
+    graphs = {rows: Graph(rows) for rows in (1024, 2048, 4096)}
+    for rows, graph in graphs.items():
+        layer.store(("p", rows, 1), graph)
+    layer.store(("p", 1536, 2), Graph("two"))  # another run length: never a stand-in for 1
+    layer.store(("q", 1100, 1), Graph("other launch"))
+    assert layer.larger(("p", 1000, 1), 2000) is graphs[1024]
+    assert layer.larger(("p", 1100, 1), 2200) is graphs[2048]
+    assert layer.larger(("p", 400, 1), 800) is None
+    assert layer.larger(("p", 4096, 1), 8192) is None
+
+    eager = []
+
+    class Padded:
+        arena = None
+
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self):
+            eager.append(self.key)
+
+    replay = _ArenaReplay.__new__(_ArenaReplay)
+    replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, True
+    replay.op = types.SimpleNamespace(_graphs=layer)
+    for key, stand_in in ((("p", 1100, 1), True), (("p", 400, 1), True),
+                          (("p", 1000, 1, "joined", ()), False)):
+        Padded.arena = arena
+        replay._launch(key, lambda key=key: Padded(key), stand_in=stand_in)
+        assert layer.graphs[key] is None  # seen, queued for capture
+        assert (id(layer), key) in shared._pending
+    assert graphs[2048].replays == 1 and shared.stand_ins == 1 and shared.replays == 1
+    assert eager == [("p", 400, 1), ("p", 1000, 1, "joined", ())]
+    assert shared.warm_runs == 2
+    with pytest.raises(TypeError, match="device_rows"):
+        IterationGraphs(device_rows=1)
+
+
 def test_capture_pending_captures_first_sights_only_while_they_are_current(monkeypatch):
     """What capture_pending skips: a key captured at its second sight meanwhile, a key evicted
     from its layer, a key whose arena has grown since; the rest is captured, once."""

@@ -27,10 +27,13 @@ _SCRIPT = textwrap.dedent("""
     INF = float("inf")
     g = torch.Generator().manual_seed(0)
 
-    def padded_launches(plan, joined=()):
+    def padded_launches(plan, joined=(), device_rows=False):
         # What iteration_graphs launches for a plan (eager on CPU, each a warm run): the new
-        # tokens' stage, then per run of consecutive split-key iterations with rows a launch
-        # per set bit of the run's length (8 + 2 for 10), a joined one alone.
+        # tokens' stage, then per run of consecutive split-key iterations with rows (of one row
+        # bucket unless device_rows) a launch per set bit of the run's length (8 + 2 for 10), a
+        # joined one alone.
+        from mlaprefill.graphs import row_bucket
+
         runs, last = [], None
         for i, rows in enumerate(plan.iteration_tokens):
             if not rows:
@@ -39,11 +42,12 @@ _SCRIPT = textwrap.dedent("""
                 runs.append(1)
                 last = None
                 continue
-            if last is not None and i == last + 1:
+            here = (i, None if device_rows else row_bucket(rows))
+            if last is not None and here == (last[0] + 1, last[1]):
                 runs[-1] += 1
             else:
                 runs.append(1)
-            last = i
+            last = here
         return 1 + sum(bin(r).count("1") for r in runs)
 
     def cu(lens):
@@ -433,6 +437,8 @@ _SCRIPT = textwrap.dedent("""
 
         rnd = random.Random(11)
         shared = IterationGraphs()
+        # row counts read on the device (the Triton GEMM in the interpreter)
+        by_device_rows = IterationGraphs(device_rows=True)
         generations = set()
         for case in range(7):
             n = rnd.randint(2, 4) if case else 1  # the first case small: later ones grow it
@@ -453,18 +459,19 @@ _SCRIPT = textwrap.dedent("""
             got = []
             ops = [MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
                                      backend="triton", iteration_graphs=g)
-                   for g in (False, shared, shared)]
+                   for g in (False, shared, shared, by_device_rows)]
             for op in ops:
-                runs_before = shared.warm_runs
+                counts = op.iteration_graphs or shared
+                runs_before = counts.warm_runs
                 got.append(op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                       x["block_table"], StagingRing("cpu").upload(plan),
                                       return_lse=True))
                 out, lse = got[-1]
                 assert (out.double() - ref_out).abs().max() < 1e-4, what
                 assert (lse.double() - ref_lse).abs().max() < 1e-4, what
-                padded = shared.warm_runs - runs_before
-                assert padded == (0 if op.iteration_graphs is None
-                                  else padded_launches(plan)), (what, padded)
+                padded = counts.warm_runs - runs_before
+                assert padded == (0 if op.iteration_graphs is None else padded_launches(
+                    plan, device_rows=counts.device_rows)), (what, padded)
             generations.update(a.generation for a in shared._arenas.values())
             for eager_or_graph in got[1:]:
                 assert (got[0][0] - eager_or_graph[0]).abs().max() < 1e-5, what

@@ -505,19 +505,21 @@ class MLAChunkedPrefill:
                               plan, rope, scale, tokens,
                               max([tokens, *(rows for _, rows, _ in units)]))
         replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
+        device_rows = replay.shared.device_rows
         k = 0
-        while k < len(units):  # consecutive split-key iterations: one launch (rows on device)
+        while k < len(units):  # a run of consecutive split-key iterations: one launch
             i, rows, joined = units[k]
             if joined is not None:  # cuDNN rectangles: sized on the host, one iteration
                 replay.run(i, rows, 1, joined)
                 k += 1
                 continue
-            run = 1
+            run = 1  # of one row bucket, unless the row counts are read on the device
             while (k + run < len(units) and units[k + run][0] == i + run
-                   and units[k + run][2] is None):
+                   and units[k + run][2] is None
+                   and (device_rows or units[k + run][1] == rows)):
                 run += 1
             run = 1 << (run.bit_length() - 1)  # a power of two: few keys
-            replay.run(i, None, run)
+            replay.run(i, None if device_rows else rows, run)
             k += run
         return replay.result(lse_dtype, return_lse)
 
@@ -562,12 +564,12 @@ class _PaddedIteration:
     ``max_q`` queries) merging into the arena's ``(out, lse)`` -> counter + 1. What a graph of the
     key records; eager on first sight.
 
-    Split keys (``host`` None, ``rows`` None): the gather and the up-projection GEMM
-    (:func:`~mlaprefill.kernels.upproj.matmul_device_rows`) read the iteration's row count on
+    ``rows``: the iterations' row bucket (the gather's and ``torch.mm``'s size), or None
+    (``IterationGraphs.device_rows``, split keys): the gather and the up-projection GEMM
+    (:func:`~mlaprefill.kernels.upproj.matmul_device_rows`) read each iteration's row count on
     the device (``cu_k[i, -1]``) and cover the arena's capacity, so the launches fit every row
-    count: no row bucket in the key. Joined keys (``count`` 1): ``rows`` is the iteration's row
-    bucket (``torch.mm`` sizes), ``host`` its host offsets ``(cu_q, cu_k)``, from which the
-    backend places its cuDNN rectangles (part of the key: ``launch_key``).
+    count. ``host`` (joined keys, ``count`` 1): the iteration's host offsets ``(cu_q, cu_k)``,
+    from which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
     """
 
     __slots__ = ("arena", "host", "kv_cache", "launch", "op")
@@ -584,7 +586,8 @@ class _PaddedIteration:
         joined = self.host is not None
         rank, h, nope = op.kv_lora_rank, op.num_heads, op.qk_nope_head_dim
         cq, ck = self.host if joined else (None, None)
-        if rows is None:  # every row the arena holds; the kernels stop at the device's count
+        device_rows = rows is None
+        if device_rows:  # every row the arena holds; the kernels stop at the device's count
             width = nope + op.v_head_dim
             rows = min(arena.workspace.shape[0], arena.kv_buf.shape[0] // (h * width))
             w_kv = op._up_weights(rope, arena.q.dtype, arena.q.device, False)[0].contiguous()
@@ -594,9 +597,9 @@ class _PaddedIteration:
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
                                          arena.workspace, rows, use_kernel=True)
-            if joined:
+            if not device_rows:
                 k_i, v_i = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
-                                          rope, True)
+                                          rope, joined)
             else:
                 kv_i = matmul_device_rows(latent[:, :rank], w_kv, kv.view(rows, -1),
                                           cu[seqs:]).view(rows, h, width)
@@ -699,7 +702,8 @@ class _ArenaReplay:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
         self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, seqs, max_q, rows,
-                                                   count, rope, scale, host))
+                                                   count, rope, scale, host),
+                     stand_in=rows is not None and joined is None)
         arena.next = i + count  # each iteration added one to the counter
 
     def result(self, lse_dtype: torch.dtype, return_lse: bool
@@ -711,9 +715,14 @@ class _ArenaReplay:
             return out
         return out, self.arena.lse[:t].to(lse_dtype, copy=True)
 
-    def _launch(self, key: tuple[Any, ...], make: Callable[[], Any]) -> None:
+    def _launch(self, key: tuple[Any, ...], make: Callable[[], Any], *,
+                stand_in: bool = False) -> None:
         """Replay ``key``'s graph; at its first sight run ``make()``'s launches eagerly and
-        queue the key (or capture it here, at its second sight, until capture_pending runs)."""
+        queue the key (or capture it here, at its second sight, until capture_pending runs).
+        ``stand_in`` (split-key iterations sized to a row bucket, ``key[-2]``): instead of
+        running eagerly, replay the captured graph of the same launches over the least larger
+        row bucket, up to twice the rows (the gather leaves the extra rows alone, the attention
+        never reads them: the same result for a few more GEMM rows, this once)."""
         layer = self.op._graphs
         seen, graph = layer.lookup(key, self.arena.generation)
         if graph is None or graph is EAGER:
@@ -722,8 +731,15 @@ class _ArenaReplay:
                     or not self.shared.captures_in_forward):
                 # first sight of this key (real work, and loads every kernel), its capture left
                 # to capture_pending, or a key that cannot be captured
-                padded()
-                self.shared.warm_runs += 1
+                other = (layer.larger(key, 2 * key[-2])
+                         if stand_in and self.use_graphs and graph is not EAGER else None)
+                if other is not None:
+                    other.replay()
+                    self.shared.replays += 1
+                    self.shared.stand_ins += 1
+                else:
+                    padded()
+                    self.shared.warm_runs += 1
                 if self.use_graphs and graph is not EAGER:
                     layer.store(key, None)
                     self.shared.defer(layer, key, self.device, padded)

@@ -138,6 +138,16 @@ class IterationGraphs:
         Graphs a forward object keeps (>= 1). The bench's scenarios meet 18-80 launch shapes
         per layer with balanced plans (dry runs); with a cap of 64, ``stall`` with ``equal``
         plans re-captured 256 graphs in every measured run (evicted before they came again).
+    device_rows : bool
+        Split-key iterations read their row count on the device: the gather and the
+        up-projection GEMM (:func:`mlaprefill.kernels.upproj.matmul_device_rows`,
+        ``torch._grouped_mm`` on Hopper) cover the arena's capacity, so a graph key has no row
+        bucket and a run of consecutive iterations of any rows is one launch: far fewer launch
+        shapes (``stall``: 1 instead of 80), so a step almost never meets a new one. The cost:
+        that GEMM is 1.1-1.2x ``torch.mm`` on the H200, -5.6 % / -10.2 % tokens/s on the
+        bench's ``uneven`` / ``stall`` (benchmarks/results/bench_*_h200_device_rows.json).
+        Default False: iterations sized to row buckets, ``torch.mm``; a bucket met for the
+        first time replays the graph of a larger one (``stand_ins``) when this layer has one.
 
     Attributes
     ----------
@@ -146,9 +156,11 @@ class IterationGraphs:
     replays : int
         Graph launches so far.
     warm_runs : int
-        Iterations run eagerly through the static buffers the first time their graph key was
+        Launches run eagerly through the static buffers the first time their graph key was
         seen (this loads every kernel the capture then records), or on devices without CUDA
         graphs (always).
+    stand_ins : int
+        First sights that replayed a larger row bucket's graph instead of running eagerly.
     capture_seconds : float
         Host time spent capturing, in forwards and in :meth:`capture_pending` together.
     capture_failures, last_capture_error
@@ -156,9 +168,11 @@ class IterationGraphs:
     """
 
     max_graphs_per_layer: int = 256
+    device_rows: bool = False
     captures: int = 0
     replays: int = 0
     warm_runs: int = 0
+    stand_ins: int = 0
     capture_seconds: float = 0.0
     capture_failures: int = 0
     last_capture_error: str | None = None
@@ -173,6 +187,8 @@ class IterationGraphs:
         m = self.max_graphs_per_layer
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_graphs_per_layer must be an int >= 1, got {m!r}")
+        if not isinstance(self.device_rows, bool):
+            raise TypeError(f"device_rows must be a bool, got {type(self.device_rows).__name__}")
 
     def arena(self, key: tuple[Any, ...], need: dict[str, int], *, device: torch.device,
               dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, qk: int, v: int,
@@ -316,6 +332,19 @@ class LayerGraphs:
             return False, None
         self.graphs.move_to_end(key)
         return True, self.graphs[key]
+
+    def larger(self, key: tuple[Any, ...], most: int) -> Any:
+        """The captured graph of ``key`` but for its row bucket (``key[-2]``, an int) raised to
+        the least bucket in ``(key[-2], most]`` this layer has captured, or None."""
+        best, found = None, None
+        rows, head, tail = key[-2], key[:-2], key[-1]
+        for other, graph in self.graphs.items():
+            if (graph is None or graph is EAGER or len(other) != len(key) or other[-1] != tail
+                    or other[:-2] != head or not isinstance(other[-2], int)):
+                continue
+            if rows < other[-2] <= most and (best is None or other[-2] < best):
+                best, found = other[-2], graph
+        return found
 
     def store(self, key: tuple[Any, ...], graph: Any) -> None:
         self.graphs[key] = graph

@@ -53,6 +53,18 @@ TABLES = ("compact", "vllm")
 
 #: Suffix of a variant's backend that turns on ``MLAChunkedPrefill(iteration_graphs=True)``.
 GRAPHS = "+graphs"
+#: The same with ``IterationGraphs(device_rows=True)`` (row counts read on the device).
+GRAPHS_DEVICE_ROWS = "+graphs-device-rows"
+
+
+def split_graphs_suffix(backend: str) -> tuple[str, IterationGraphs | None]:
+    """``backend`` without its graphs suffix, and a new IterationGraphs it asks for (None
+    without a suffix)."""
+    if backend.endswith(GRAPHS_DEVICE_ROWS):
+        return backend.removesuffix(GRAPHS_DEVICE_ROWS), IterationGraphs(device_rows=True)
+    if backend.endswith(GRAPHS):
+        return backend.removesuffix(GRAPHS), IterationGraphs()
+    return backend, None
 
 
 class _GcClock:
@@ -96,10 +108,13 @@ class Variant:
             raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
         if self.backend is not None:
             from mlaprefill.backends import BACKENDS
-            if self.backend.removesuffix(GRAPHS) not in ("auto", *BACKENDS):
+            base = self.backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
+            if base not in ("auto", *BACKENDS):
                 raise ValueError(f"Variant.backend = {self.backend!r}; choose one of "
                                  f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} "
-                                 f"(MLAChunkedPrefill's iteration_graphs).")
+                                 f"(MLAChunkedPrefill's iteration_graphs) or "
+                                 f"{GRAPHS_DEVICE_ROWS!r} (with IterationGraphs(device_rows="
+                                 f"True)).")
 
     @property
     def name(self) -> str:
@@ -321,12 +336,11 @@ class PrefillEngine:
         if backend not in self._attention:
             m = self.dims.mla
             # +graphs: one IterationGraphs for the layers, so they share its static buffers
-            graphs = ({"iteration_graphs": IterationGraphs()} if backend.endswith(GRAPHS)
-                      else {})
+            base, shared = split_graphs_suffix(backend)
+            graphs = {} if shared is None else {"iteration_graphs": shared}
             self._attention[backend] = [
                 self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
-                                        v_head_dim=m.v_head_dim,
-                                        backend=backend.removesuffix(GRAPHS), **graphs)
+                                        v_head_dim=m.v_head_dim, backend=base, **graphs)
                 for w in self.model.kv_b_proj]
         return self._attention[backend]
 
@@ -335,7 +349,10 @@ class PrefillEngine:
         ``+graphs`` where its iteration graphs are on)."""
         layers = self.attention_layers(backend)
         name = str(getattr(layers[0], "backend_name", "unknown"))
-        return name + (GRAPHS if getattr(layers[0], "iteration_graphs", False) else "")
+        graphs = getattr(layers[0], "iteration_graphs", None)
+        if not graphs:
+            return name
+        return name + (GRAPHS_DEVICE_ROWS if graphs.device_rows else GRAPHS)
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
