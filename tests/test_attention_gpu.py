@@ -539,7 +539,7 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
                 cache = caches[li]
                 cache[:x["kv_cache"].shape[0]].copy_(x["kv_cache"])
                 args = (x["q"], x["kv_c_new"], x["k_pe_new"], cache, x["block_table"], dp)
-                before = (shared.captures, shared.replays, shared.warm_runs)
+                before = (shared.captures, shared.replays, shared.warm_runs, shared.stand_ins)
                 gen = generation()
                 out, lse = op.forward(*args, return_lse=True)
                 if generation() != gen:  # the buffers grew: every layer's graphs are dropped
@@ -557,8 +557,10 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
                         expect[0] += seen == "seen"
                         expect[1] += 1
                         state[li][key] = "captured"
-                got = [shared.captures - before[0], shared.replays - before[1],
-                       shared.warm_runs - before[2]]
+                # a first sight runs eagerly or replays a graph of bigger buckets (stand-in)
+                stand_ins = shared.stand_ins - before[3]
+                got = [shared.captures - before[0], shared.replays - before[1] - stand_ins,
+                       shared.warm_runs - before[2] + stand_ins]
                 assert got == expect, (rnd, s, li, got, expect)
                 assert rnd < 2 or got == [0, len(keys), 0]
                 e_out, e_lse = eager.forward(*args, return_lse=True)

@@ -153,17 +153,17 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     assert seen[-1] == 11 and fills[-1] == 11
 
 
-def test_first_sight_replays_a_larger_row_bucket_when_the_layer_has_one():
-    """A split-key row bucket met for the first time (captures left to capture_pending)
-    replays the captured graph of the least larger bucket of the same launch, up to twice the
-    rows, instead of running eagerly, and is still queued for its own capture; a joined key, a
-    bucket with no larger graph within 2x, or a different run length runs eagerly.
-    (CUDA graphs faked: the control flow.)"""
+def test_first_sight_replays_a_graph_of_bigger_buckets_when_the_layer_has_one():
+    """A launch shape met for the first time (captures left to capture_pending) replays a
+    captured graph of the same launches over bigger buckets instead of running eagerly (rows up
+    to twice as many, the fewest rows first, then the fewest sequences x queries), and is still
+    queued for its own capture; without such a graph, or when the caller says the launch cannot
+    be stood in for (joined keys), it runs eagerly. (CUDA graphs faked: the control flow.)"""
     shared = IterationGraphs()
     shared._idle_captures = True  # forwards leave captures to capture_pending
     arena = shared.arena(("k",), _need(), **DIMS)
     layer = LayerGraphs(shared)
-    layer.lookup(("p", 0, 1), arena.generation)  # this generation's graphs
+    layer.lookup((1, 64, "c", 0, 1), arena.generation)  # this generation's graphs
 
     class Graph:
         def __init__(self, name):
@@ -172,15 +172,28 @@ def test_first_sight_replays_a_larger_row_bucket_when_the_layer_has_one():
         def replay(self):
             self.replays += 1
 
-    graphs = {rows: Graph(rows) for rows in (1024, 2048, 4096)}
-    for rows, graph in graphs.items():
-        layer.store(("p", rows, 1), graph)
-    layer.store(("p", 1536, 2), Graph("two"))  # another run length: never a stand-in for 1
-    layer.store(("q", 1100, 1), Graph("other launch"))
-    assert layer.larger(("p", 1000, 1), 2000) is graphs[1024]
-    assert layer.larger(("p", 1100, 1), 2200) is graphs[2048]
-    assert layer.larger(("p", 400, 1), 800) is None
-    assert layer.larger(("p", 4096, 1), 8192) is None
+        def __repr__(self):
+            return f"Graph({self.name})"
+
+    g = {name: Graph(name) for name in ("4x64 1024", "4x64 2048", "8x64 1024", "4x128 4096",
+                                        "2x64 1536 two", "new 4x64 4096", "other cache")}
+    layer.store((4, 64, "c", 1024, 1), g["4x64 1024"])
+    layer.store((4, 64, "c", 2048, 1), g["4x64 2048"])
+    layer.store((8, 64, "c", 1024, 1), g["8x64 1024"])
+    layer.store((4, 128, "c", 4096, 1), g["4x128 4096"])
+    layer.store((2, 64, "c", 1536, 2), g["2x64 1536 two"])  # another run length
+    layer.store((4, 64, "c", 4096, "new"), g["new 4x64 4096"])  # the new tokens' stage
+    layer.store((4, 64, "d", 1100, 1), g["other cache"])
+    assert layer.stand_in((4, 64, "c", 1000, 1)) is g["4x64 1024"]
+    assert layer.stand_in((2, 64, "c", 1000, 1)) is g["4x64 1024"]  # fewer sequences x queries
+    assert layer.stand_in((8, 64, "c", 600, 1)) is g["8x64 1024"]
+    assert layer.stand_in((4, 64, "c", 1100, 1)) is g["4x64 2048"]
+    assert layer.stand_in((4, 100, "c", 2100, 1)) is g["4x128 4096"]
+    assert layer.stand_in((4, 64, "c", 400, 1)) is None  # 1024 is more than twice the rows
+    assert layer.stand_in((16, 64, "c", 1000, 1)) is None  # no graph of 16 sequences
+    assert layer.stand_in((4, 64, "c", 1000, 2)) is None  # run length
+    assert layer.stand_in((4, 64, "c", 3000, "new")) is g["new 4x64 4096"]
+    assert layer.stand_in((4, 64, "c", 1024, 1)) is g["8x64 1024"]  # not itself
 
     eager = []
 
@@ -196,14 +209,14 @@ def test_first_sight_replays_a_larger_row_bucket_when_the_layer_has_one():
     replay = _ArenaReplay.__new__(_ArenaReplay)
     replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, True
     replay.op = types.SimpleNamespace(_graphs=layer)
-    for key, stand_in in ((("p", 1100, 1), True), (("p", 400, 1), True),
-                          (("p", 1000, 1, "joined", ()), False)):
-        Padded.arena = arena
+    Padded.arena = arena
+    for key, stand_in in (((4, 64, "c", 1100, 1), True), ((4, 64, "c", 400, 1), True),
+                          ((4, 64, "c", 1000, 1, "joined", ()), False)):
         replay._launch(key, lambda key=key: Padded(key), stand_in=stand_in)
         assert layer.graphs[key] is None  # seen, queued for capture
         assert (id(layer), key) in shared._pending
-    assert graphs[2048].replays == 1 and shared.stand_ins == 1 and shared.replays == 1
-    assert eager == [("p", 400, 1), ("p", 1000, 1, "joined", ())]
+    assert g["4x64 2048"].replays == 1 and shared.stand_ins == 1 and shared.replays == 1
+    assert eager == [(4, 64, "c", 400, 1), (4, 64, "c", 1000, 1, "joined", ())]
     assert shared.warm_runs == 2
     with pytest.raises(TypeError, match="device_rows"):
         IterationGraphs(device_rows=1)

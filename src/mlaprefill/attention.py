@@ -660,10 +660,13 @@ class _ArenaReplay:
             arena.offsets_from = device_plan
             arena.cu_q[:num_seqs + 1].copy_(cu_q)
             arena.cu_k[:num_iters, :num_seqs + 1].copy_(cu_k)
-            if seqs > num_seqs:  # padded sequences: empty, at the end of the queries and keys
-                arena.cu_q[num_seqs + 1:seqs + 1].fill_(num_tokens)
-                arena.cu_k[:num_iters, num_seqs + 1:seqs + 1].copy_(
-                    cu_k[:, num_seqs:].expand(num_iters, seqs - num_seqs))
+            # Padded sequences, up to the arena's capacity (so a graph of a bigger sequence
+            # bucket can stand in): empty, at the end of the queries and keys.
+            cap = arena.cu_q.shape[0] - 1
+            if cap > num_seqs:
+                arena.cu_q[num_seqs + 1:].fill_(num_tokens)
+                arena.cu_k[:num_iters, num_seqs + 1:].copy_(
+                    cu_k[:, num_seqs:].expand(num_iters, cap - num_seqs))
             arena.starts[:num_iters, :num_seqs].copy_(starts)
         # A caller's block table may have changed since; a DevicePlan's tensors do not.
         staged_table = any(t is block_table for t in staged.values())
@@ -683,10 +686,10 @@ class _ArenaReplay:
         op = self.op
         seqs, max_q, rope, scale = self.launch
         host = None if joined is None else joined.cu_seqlens_q_host
-        key = (*self.key, "new", tokens) if joined is None else (
-            *self.key, "new", tokens, op._backend.launch_key(joined, op.num_heads, True))
+        key = (*self.key, tokens, "new") if joined is None else (
+            *self.key, tokens, "new", op._backend.launch_key(joined, op.num_heads, True))
         self._launch(key, lambda: _NewTokens(op, self.arena, seqs, max_q, tokens, rope, scale,
-                                             host))
+                                             host), stand_in=joined is None)
 
     def run(self, i: int, rows: int | None, count: int = 1,
             joined: VarlenSeqs | None = None) -> None:
@@ -719,10 +722,11 @@ class _ArenaReplay:
                 stand_in: bool = False) -> None:
         """Replay ``key``'s graph; at its first sight run ``make()``'s launches eagerly and
         queue the key (or capture it here, at its second sight, until capture_pending runs).
-        ``stand_in`` (split-key iterations sized to a row bucket, ``key[-2]``): instead of
-        running eagerly, replay the captured graph of the same launches over the least larger
-        row bucket, up to twice the rows (the gather leaves the extra rows alone, the attention
-        never reads them: the same result for a few more GEMM rows, this once)."""
+        ``stand_in`` (the new tokens' stage, or split-key iterations sized to a row bucket
+        ``key[-2]``): instead of running eagerly, replay a captured graph of the same launches
+        over bigger buckets (:meth:`~mlaprefill.graphs.LayerGraphs.stand_in`): the extra
+        sequences are empty, the extra query blocks exit, the extra rows are never attended
+        (the gather leaves them alone): the same result for a little more work, this once."""
         layer = self.op._graphs
         seen, graph = layer.lookup(key, self.arena.generation)
         if graph is None or graph is EAGER:
@@ -731,7 +735,7 @@ class _ArenaReplay:
                     or not self.shared.captures_in_forward):
                 # first sight of this key (real work, and loads every kernel), its capture left
                 # to capture_pending, or a key that cannot be captured
-                other = (layer.larger(key, 2 * key[-2])
+                other = (layer.stand_in(key)
                          if stand_in and self.use_graphs and graph is not EAGER else None)
                 if other is not None:
                     other.replay()

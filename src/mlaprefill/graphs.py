@@ -59,6 +59,9 @@ MAX_PENDING = 256
 _GENERATIONS = itertools.count(1)  # arena generations, unique over the process
 #: What a layer stores for a key whose capture failed: it runs eagerly from then on.
 EAGER = "eager"
+#: A graph stands in for a launch shape met for the first time only if it has at most this many
+#: times its rows (the GEMM's extra work).
+STAND_IN_ROWS = 2
 
 
 def pow2_at_least(n: int, least: int = 1) -> int:
@@ -146,8 +149,9 @@ class IterationGraphs:
         shapes (``stall``: 1 instead of 80), so a step almost never meets a new one. The cost:
         that GEMM is 1.1-1.2x ``torch.mm`` on the H200, -5.6 % / -10.2 % tokens/s on the
         bench's ``uneven`` / ``stall`` (benchmarks/results/bench_*_h200_device_rows.json).
-        Default False: iterations sized to row buckets, ``torch.mm``; a bucket met for the
-        first time replays the graph of a larger one (``stand_ins``) when this layer has one.
+        Default False: iterations sized to row buckets, ``torch.mm``; a launch shape met for
+        the first time replays a captured one of bigger buckets when this layer has one
+        (``stand_ins``, :meth:`LayerGraphs.stand_in`).
 
     Attributes
     ----------
@@ -160,7 +164,7 @@ class IterationGraphs:
         seen (this loads every kernel the capture then records), or on devices without CUDA
         graphs (always).
     stand_ins : int
-        First sights that replayed a larger row bucket's graph instead of running eagerly.
+        First sights that replayed a graph of bigger buckets instead of running eagerly.
     capture_seconds : float
         Host time spent capturing, in forwards and in :meth:`capture_pending` together.
     capture_failures, last_capture_error
@@ -333,17 +337,23 @@ class LayerGraphs:
         self.graphs.move_to_end(key)
         return True, self.graphs[key]
 
-    def larger(self, key: tuple[Any, ...], most: int) -> Any:
-        """The captured graph of ``key`` but for its row bucket (``key[-2]``, an int) raised to
-        the least bucket in ``(key[-2], most]`` this layer has captured, or None."""
+    def stand_in(self, key: tuple[Any, ...]) -> Any:
+        """A captured graph that can run ``key``'s launches, or None. Keys are ``(seqs bucket,
+        query bucket, *same, rows, tail)``; a stand-in has the same ``same`` and ``tail``,
+        sequence and query buckets at least ``key``'s, and at least ``key``'s rows but at most
+        twice as many (:data:`STAND_IN_ROWS`); the one with the fewest rows, then the fewest
+        sequences x queries, is chosen."""
+        rows, tail, same = key[-2], key[-1], key[2:-2]
         best, found = None, None
-        rows, head, tail = key[-2], key[:-2], key[-1]
         for other, graph in self.graphs.items():
             if (graph is None or graph is EAGER or len(other) != len(key) or other[-1] != tail
-                    or other[:-2] != head or not isinstance(other[-2], int)):
+                    or other[2:-2] != same or not isinstance(other[-2], int)):
                 continue
-            if rows < other[-2] <= most and (best is None or other[-2] < best):
-                best, found = other[-2], graph
+            if (other[0] >= key[0] and other[1] >= key[1]
+                    and rows <= other[-2] <= STAND_IN_ROWS * rows and other != key):
+                cost = (other[-2], other[0] * other[1])
+                if best is None or cost < best:
+                    best, found = cost, graph
         return found
 
     def store(self, key: tuple[Any, ...], graph: Any) -> None:
