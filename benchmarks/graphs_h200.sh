@@ -3,11 +3,13 @@
 #
 #   benchmarks/graphs_h200.sh OUT_DIR [tests] [gemm] [uneven] [stall] [hostprof]  (default: all)
 #
+# alltests  every gpu-marked test but DCP's (JUnit XML in OUT_DIR/gpu_tests.xml)
 # tests     the iteration-graph and no-sync GPU tests (tests/test_attention_gpu.py -k ...)
 # uneven    `mlaprefill bench --scenario uneven`: varlen (the old default), hybrid eager,
 #           hybrid+graphs and hybrid+graphs-device-rows in one run (balanced plans, 2 repeats,
 #           <= BENCH_MAX_SECONDS of measuring)
-# stall     the same on the stall scenario (equal plans)
+# stall     the same on the stall scenario (equal plans); BENCH_BACKENDS (space-separated, "-"
+#           for the scenario's default) picks other variants
 # hostprof  where one forward's host time goes (forward_profile.py --host-only), eager and graphs
 # gemm      the up-projection GEMM with its rows on the device vs torch.mm (benchmarks/upproj.py)
 set -uo pipefail
@@ -23,6 +25,11 @@ export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) jobs: ${jobs[*]}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if has alltests; then
+    timeout 420 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
+        tests --ignore=tests/test_dcp_gpu.py --junitxml="$out/gpu_tests.xml" 2>&1 | tail -n 15
+    echo "== all gpu tests rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
 if has tests; then
     timeout 240 python3 -m pytest -q -m gpu -p mlaprefill.audit.pytest_plugin -o addopts="" \
         tests/test_attention_gpu.py tests/test_bench_engine.py tests/test_upproj.py \
@@ -33,9 +40,12 @@ if has gemm; then
     (cd benchmarks && timeout 120 python3 upproj.py --out "$out/upproj_h200.json" 2>&1 | tail -n 12)
     echo "== gemm rc=$? ($(date -u +%T))"
 fi
-bench() {  # scenario policy
-    timeout 400 python3 -m mlaprefill bench --scenario "$1" \
-        --variants "ring+$2@varlen,ring+$2,ring+$2@hybrid+graphs,ring+$2@hybrid+graphs-device-rows" \
+bench() {  # scenario policy; BENCH_BACKENDS: comma list, "-" = the scenario's default backend
+    local variants="" b
+    for b in ${BENCH_BACKENDS:-varlen - hybrid+graphs hybrid+graphs-device-rows}; do
+        variants+="${variants:+,}ring+$2$([ "$b" = - ] || echo "@$b")"
+    done
+    timeout 400 python3 -m mlaprefill bench --scenario "$1" --variants "$variants" \
         --max-seconds "${BENCH_MAX_SECONDS:-100}" --out "$out/$1" --no-progress 2>&1 | tail -n 12
     echo "== bench $1 rc=${PIPESTATUS[0]} ($(date -u +%T))"
 }
