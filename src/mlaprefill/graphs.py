@@ -147,7 +147,7 @@ class IterationGraphs:
         ``torch._grouped_mm`` on Hopper) cover the arena's capacity, so a graph key has no row
         bucket and a run of consecutive iterations of any rows is one launch: far fewer launch
         shapes (``stall``: 1 instead of 80), so a step almost never meets a new one. The cost:
-        that GEMM is 1.1-1.2x ``torch.mm`` on the H200, -5.6 % / -10.2 % tokens/s on the
+        that GEMM is 1.1-1.2x ``torch.mm`` on the H200, -5.6 % / -10.0 % tokens/s on the
         bench's ``uneven`` / ``stall`` (benchmarks/results/bench_*_h200_device_rows.json).
         Default False: iterations sized to row buckets, ``torch.mm``; a launch shape met for
         the first time replays a captured one of bigger buckets when this layer has one
