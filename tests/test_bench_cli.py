@@ -218,6 +218,7 @@ def test_results_that_cannot_be_written_exit_2(tmp_path, capsys, monkeypatch):
     (["--seed", "-1"], r"--seed must be >= 0"),
     (["--preset", "nope"], r"--preset 'nope' is unknown"),
     (["--backend", "nope"], r"--backend 'nope' is unknown"),
+    (["--backend", "nope+graphs"], r"--backend 'nope\+graphs' is unknown.*'\+graphs'"),
     (["--dry-run", "--workspace", "100000000000"], r"--workspace 100000000000 overflows int32"),
 ])
 def test_bad_sizes_are_one_line_before_any_work(capsys, monkeypatch, argv, match):

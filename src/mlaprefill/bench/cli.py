@@ -33,10 +33,11 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
     a plain copy, so the variants differ only in planner policy and host overhead.
 
-GPU scenarios: bf16, the ``hybrid`` attention backend (our Triton kernel; at these shapes no
-piece is large enough for its cuDNN part; see ``_V3_TP8``; ``stall`` and
-``uneven`` also run one variant on the FlashAttention-2 ``varlen`` backend, the previous
-default, for the side-by-side ratio), 2 interleaved
+GPU scenarios: bf16, the ``hybrid`` attention backend with iteration graphs (``hybrid+graphs``:
+our Triton kernel, at these shapes no piece is large enough for its cuDNN part, each context
+iteration a replayed CUDA graph; see ``_V3_TP8``; ``stall`` and ``uneven`` also run one variant
+on eager ``hybrid`` and one on the FlashAttention-2 ``varlen`` backend, the default before,
+for the side-by-side ratios), 2 interleaved
 repeats after one unmeasured full warm-up run, capped at 165 s of measuring. ``fair`` sharing is
 close to vLLM V0's ``--max-num-partial-prefills`` (several long prefills advancing together);
 a prefix-cache heavy workload gives steps the same shape (many long contexts, few new tokens).
@@ -77,12 +78,15 @@ class Scenario:
 # short per-request pieces never reach its cuDNN threshold): one kernel per call for the whole
 # ragged batch, compiled once per (causal, dtype, head dims), never per shape, and 1.4-1.6x
 # faster than FlashAttention-2 varlen on the H200 (benchmarks/results/triton_attention_h200.json).
-# cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. Falls back to `auto`
-# without Triton on CUDA.
+# cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. With iteration
+# graphs (+graphs): the forward's host time per layer p99 0.40-0.69 ms instead of 0.85-3.0 ms
+# eager, for 1.1-1.2 % of tokens/s (benchmarks/results/bench_*_h200_standins.json); a real
+# model has ~30x the bench's 2 layers, so its host time per step grows 30x while each layer's
+# device time does not. Falls back to `auto` without Triton on CUDA.
 _V3_TP8: Mapping[str, Any] = MappingProxyType({
     "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
     "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
-    "backend": "hybrid"})
+    "backend": "hybrid+graphs"})
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
@@ -96,7 +100,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
         engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576,
                                  "share": "fair"}),
         variants=("pageable+equal+vllm", "pin+equal+vllm", "pageable+equal", "ring+equal",
-                  "ring+equal@varlen")),
+                  "ring+equal@hybrid", "ring+equal@varlen")),
     "uneven": Scenario(
         note="mixed 8-156 Ki prompts, 8 concurrent, fair share, 65,536-token workspace: steps "
              "mix long and short contexts, where packed needs fewer iterations and smaller "
@@ -105,7 +109,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
                                  "share": "fair", "max_concurrent": 8,
                                  "prompt_len_spread": 0.9}),
         variants=("pageable+equal+vllm", "ring+equal", "ring+packed", "ring+balanced",
-                  "ring+balanced@hybrid+graphs", "ring+balanced@varlen")),
+                  "ring+balanced@hybrid", "ring+balanced@varlen")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine=MappingProxyType({
@@ -174,8 +178,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "attention backend before measuring")
     p.add_argument("--backend",
                    help="attention backend of MLAChunkedPrefill: auto, hybrid, triton, cudnn, "
-                        "varlen, flex, math (GPU scenarios: hybrid; cpu-tiny: auto); a variant "
-                        "may name its own as TRANSFER+POLICY@BACKEND")
+                        "varlen, flex, math, optionally +graphs or +graphs-device-rows "
+                        "(iteration graphs; GPU scenarios: hybrid+graphs; cpu-tiny: auto); a "
+                        "variant may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
@@ -374,19 +379,23 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
                          f"device(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1}).")
     if args.backend is not None:
         from mlaprefill.backends import BACKENDS
-        if args.backend not in ("auto", *BACKENDS):
+        from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS
+        if args.backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS) not in (
+                "auto", *BACKENDS):
             raise ValueError(f"--backend {args.backend!r} is unknown; choose one of "
-                             f"{['auto', *BACKENDS]}.")
+                             f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} or "
+                             f"{GRAPHS_DEVICE_ROWS!r} (iteration graphs).")
     values = dict(scenario.engine)
     for opt, fld in _ENGINE_OPTS.items():
         v = getattr(args, opt, None)
         if v is not None:
             values[fld] = v
-    if args.backend is None and values.get("backend") == "hybrid" and has_cuda:
+    if (args.backend is None and str(values.get("backend", "")).startswith("hybrid")
+            and has_cuda):
         from mlaprefill.kernels._triton import HAS_TRITON
         if not HAS_TRITON:
-            print("mlaprefill bench: Triton is not installed; using the attention backend 'auto' "
-                  "instead of the scenario's 'hybrid'.", file=sys.stderr)
+            print(f"mlaprefill bench: Triton is not installed; using the attention backend "
+                  f"'auto' instead of the scenario's {values['backend']!r}.", file=sys.stderr)
             values["backend"] = "auto"
     if values.get("request_rate") is None:
         values["request_rate"] = math.inf
