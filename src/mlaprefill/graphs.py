@@ -1,30 +1,34 @@
-"""Context iterations as CUDA graphs, captured once and replayed across forwards and layers.
+"""The forward's launches as CUDA graphs, captured once and replayed across forwards and layers.
 
-A context iteration of :class:`mlaprefill.attention.MLAChunkedPrefill` is a gather from the paged
-cache, the up-projection GEMM(s) and the backend's attention merged into the forward's running
-``(out, lse)``. ``MLAChunkedPrefill(iteration_graphs=...)`` runs it as one CUDA graph launch. A
-graph records device addresses, launch grids and host arguments, so for one graph to serve many
-forwards (every step in which a layer meets that launch shape) the tensors it touches live at
-fixed addresses: an :class:`IterationGraphs`
-owns, per device and model shape, one set of static buffers (an *arena*) for the step's queries,
-the running ``(out, lse)``, the plan's offsets, the block table, the workspace and the key/value
-buffer. A forward copies its inputs in (a handful of device copies), replays, and copies
-``(out, lse)`` back; the layers that share an :class:`IterationGraphs` share one arena, so its
-memory does not grow with the layer count.
+With ``MLAChunkedPrefill(iteration_graphs=...)`` a forward is a few device copies and a few graph
+replays: the new tokens' stage (their up-projection and causal attention, the running ``(out,
+lse)``), then each run of consecutive context iterations of one launch shape (a gather from the
+paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
+iteration) as one graph of a power-of-two count of iterations. A graph records device addresses,
+launch grids and host arguments, so for one graph to serve many forwards (every step in which a
+layer meets that launch shape) the tensors it touches live at fixed addresses: an
+:class:`IterationGraphs` owns, per device and model shape, one set of static buffers (an
+*arena*) for the step's queries and new latent rows, the running ``(out, lse)``, the plan's
+offsets, the block table, the workspace and the key/value buffer. A forward copies its inputs in
+(the plan's offsets only when its DevicePlan is not the one they came from: once per step, not
+per layer), replays, and copies ``(out, lse)`` out; the layers that share an
+:class:`IterationGraphs` share one arena, so its memory does not grow with the layer count.
 
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and
-the longest query run to a power of two of at least 64, and the rows of an iteration (the
-gather's and the GEMM's size) to 32 buckets per octave (:func:`row_bucket`). A graph's key is
-those buckets, the layer's cache address, and what the backend's launches depend on besides
+the longest query run to a power of two of at least 64, and the rows (the gather's and the
+GEMM's size) to 32 buckets per octave (:func:`row_bucket`). A graph's key is those buckets, the
+run length, the layer's cache address, and what the backend's launches depend on besides
 (``AttentionBackend.launch_key``: ``hybrid``'s cuDNN rectangles); each layer keeps its own graphs
-(they record its weights).
+(they record its weights). With ``IterationGraphs(device_rows=True)`` the rows leave the key
+(the GEMM reads them on the device; slower on the H200, see the field).
 
-A graph key's first sight runs its iteration eagerly (that loads every kernel the capture will
-record) and queues the key; :meth:`IterationGraphs.capture_pending` captures the queued keys,
-meant for where the host would otherwise wait (an engine waiting for a step's event). Until it
-is first called, a key seen again is captured inside the forward; after that, forwards never
-capture (a key seen again before the next call runs eagerly again).
+A graph key's first sight replays a captured graph of bigger buckets when the layer has one
+(:meth:`LayerGraphs.stand_in`), else runs its launches eagerly (that loads every kernel the
+capture will record), and queues the key; :meth:`IterationGraphs.capture_pending` captures the
+queued keys, meant for where the host would otherwise wait (an engine waiting for a step's
+event). Until it is first called, a key seen again is captured inside the forward; after that,
+forwards never capture.
 
 Everything here runs in stream order on the current stream; forwards that share an
 :class:`IterationGraphs` must not run concurrently on different streams.
