@@ -57,8 +57,8 @@ class StepRecord:
     host_wait_ms: float = 0.0
     host_forward_ms_per_layer: float = float("nan")  # attention forward enqueue, mean per layer
     host_forward_gc_ms: float = 0.0  # of the forwards' host time (all layers): the collector's
-    # launches run eagerly at a graph key's first sight in this step (all layers); None
-    # without +graphs
+    # launches run eagerly at a graph key's first sight in this step (all layers; a stand-in
+    # replay does not count); None without +graphs
     graph_first_sights: int | None = None
     device_start_ms: float = float("nan")  # on the run's device timeline
     device_end_ms: float = float("nan")
@@ -180,8 +180,9 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "graph_captures_per_run": [r.graph_captures for r in runs],
         "graph_replays_per_run": [r.graph_replays for r in runs],
         "graph_capture_ms_per_run": [r.graph_capture_ms for r in runs],
-        # steps in which some launch shape was met for the first time (run eagerly), and the
-        # forward's host p99 over the other steps (every launch a replay); None without graphs
+        # steps that ran some launch eagerly (a shape met for the first time that no graph of
+        # bigger buckets could stand in for), and the forward's host p99 over the other steps
+        # (every launch a replay); None without graphs
         "graph_first_sight_steps_per_run": [
             None if first is None else int(sum(1 for s in r.steps if s.graph_first_sights))
             for r in runs],
