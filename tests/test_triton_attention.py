@@ -477,15 +477,68 @@ _SCRIPT = textwrap.dedent("""
                 assert (got[0][0] - eager_or_graph[0]).abs().max() < 1e-5, what
         assert len(shared._arenas) == 1 and len(generations) >= 2  # one arena, grown
 
+    def group_stand_ins():
+        # What a stand-in replays: the launches of bigger buckets (sequences, longest query run,
+        # rows, new tokens) over a step's static buffers give that step's result (the float64
+        # reference): the extra sequences are empty, the extra query blocks and rows unused.
+        from conftest import paged_mla_inputs
+        from mlaprefill.attention import MLAChunkedPrefill, _ArenaReplay, _NewTokens
+        from mlaprefill.attention import _PaddedIteration
+        from mlaprefill.batch import PrefillBatch
+        from mlaprefill.graphs import IterationGraphs, pow2_at_least, row_bucket
+        from mlaprefill.plan import ChunkPlanner
+        from mlaprefill.reference import mla_prefill_reference
+        from mlaprefill.staging import StagingRing
+
+        shared = IterationGraphs()
+        big = ([9, 70, 3, 1, 5, 2, 8, 4], [100, 33, 600, 0, 17, 64, 90, 40])
+        step = ([3, 17, 1], [40, 300, 16])
+        for (query_lens, context_lens), check in ((big, False), (step, True)):
+            x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=16, rope=8,
+                                 v=16, page_size=16, seed=len(query_lens))
+            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                                   backend="triton", iteration_graphs=shared)
+            plan = ChunkPlanner(128, 16, policy="equal").plan(
+                PrefillBatch(query_lens, context_lens, page_size=16))
+            dp = StagingRing("cpu").upload(plan)
+            if not check:  # grows the arena: 8 sequences, more rows and tokens
+                op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                           x["block_table"], dp)
+                continue
+            tokens = row_bucket(plan.num_query_tokens)
+            rows = [row_bucket(t) for t in plan.iteration_tokens]
+            replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], dp, plan, 8, 24 ** -0.5,
+                                  2 * tokens, 2 * max(tokens, *rows))  # room for the bigger
+            arena = replay.arena
+            assert arena.cu_q.shape[0] - 1 >= 8 > pow2_at_least(plan.num_reqs)
+            seqs, max_q = 8, 2 * pow2_at_least(plan.max_query_len, 64)  # bigger buckets
+            scale = 24 ** -0.5
+            _NewTokens(op, arena, seqs, max_q, 2 * tokens, 8, scale, None)()
+            arena.counter.fill_(0)
+            for i, r in enumerate(rows):
+                if plan.iteration_tokens[i]:
+                    arena.counter.fill_(i)
+                    _PaddedIteration(op, arena, x["kv_cache"], seqs, max_q, 2 * r, 1, 8, scale,
+                                     None)()
+            out, lse = replay.result(torch.float32, True)
+            ref_out, ref_lse = mla_prefill_reference(
+                x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                query_lens, context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
+            assert (out.double() - ref_out).abs().max() < 1e-4
+            assert (lse.double() - ref_lse).abs().max() < 1e-4
+
     {"small_dims": group_small_dims, "tma": group_tma, "graphs_random": group_graphs_random,
      "split_and_state": group_split_and_state, "deepseek_dims": group_deepseek_dims,
-     "nonfinite": group_nonfinite, "hybrid": group_hybrid, "forward": group_forward}[sys.argv[1]]()
+     "nonfinite": group_nonfinite, "hybrid": group_hybrid, "forward": group_forward,
+     "stand_ins": group_stand_ins}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
 @pytest.mark.parametrize("group", ["small_dims", "tma", "graphs_random", "split_and_state",
-                                   "deepseek_dims", "nonfinite", "hybrid", "forward"])
+                                   "deepseek_dims", "nonfinite", "hybrid", "forward",
+                                   "stand_ins"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")
