@@ -382,9 +382,8 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
                          f"device(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1}).")
     if args.backend is not None:
         from mlaprefill.backends import BACKENDS
-        from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS
-        if args.backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS) not in (
-                "auto", *BACKENDS):
+        from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS, graphs_base
+        if graphs_base(args.backend) not in ("auto", *BACKENDS):
             raise ValueError(f"--backend {args.backend!r} is unknown; choose one of "
                              f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} or "
                              f"{GRAPHS_DEVICE_ROWS!r} (iteration graphs).")

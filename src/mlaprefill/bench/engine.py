@@ -57,6 +57,11 @@ GRAPHS = "+graphs"
 GRAPHS_DEVICE_ROWS = "+graphs-device-rows"
 
 
+def graphs_base(backend: str) -> str:
+    """``backend`` without a graphs suffix (``+graphs``, ``+graphs-device-rows``)."""
+    return backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
+
+
 def split_graphs_suffix(backend: str) -> tuple[str, IterationGraphs | None]:
     """``backend`` without its graphs suffix, and a new IterationGraphs it asks for (None
     without a suffix)."""
@@ -108,8 +113,7 @@ class Variant:
             raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
         if self.backend is not None:
             from mlaprefill.backends import BACKENDS
-            base = self.backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
-            if base not in ("auto", *BACKENDS):
+            if graphs_base(self.backend) not in ("auto", *BACKENDS):
                 raise ValueError(f"Variant.backend = {self.backend!r}; choose one of "
                                  f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} "
                                  f"(MLAChunkedPrefill's iteration_graphs) or "
