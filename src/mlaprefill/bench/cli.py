@@ -182,7 +182,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--backend",
                    help="attention backend of MLAChunkedPrefill: auto, hybrid, triton, cudnn, "
                         "varlen, flex, math, optionally +graphs or +graphs-device-rows "
-                        "(iteration graphs; GPU scenarios: hybrid+graphs; cpu-tiny: auto); a "
+                        "(iteration graphs; stall, uneven: hybrid+graphs; vllm-default: "
+                        "hybrid; cpu-tiny: auto); a "
                         "variant may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
