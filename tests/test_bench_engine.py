@@ -206,3 +206,30 @@ def test_gc_clock_counts_collections_only_while_entered():
     assert clock._on_gc not in gc.callbacks
     gc.collect()
     assert clock.ms == inside
+
+
+def test_summary_separates_steps_that_ran_a_launch_eagerly():
+    """The graph metrics: per run, the steps with an eager first sight; the forward's host p99
+    over the other steps only; None (per run, and the p99) without iteration graphs."""
+    from mlaprefill.bench.metrics import RunResult, StepRecord, summarize
+
+    def run(forward_ms, first_sights):
+        steps = [StepRecord(num_reqs=1, num_tokens=8, num_context_tokens=0, num_iterations=1,
+                            metadata_bytes=64, plan_bytes=32, largest_array_bytes=16,
+                            token_to_seq_bytes=0, host_prep_ms=0.1, host_upload_ms=0.1,
+                            host_launch_ms=0.1, host_forward_ms_per_layer=ms,
+                            graph_first_sights=fs, device_start_ms=float(i),
+                            device_end_ms=i + 0.5)
+                 for i, (ms, fs) in enumerate(zip(forward_ms, first_sights, strict=True))]
+        return RunResult(variant="v", repeat=0, steps=steps, ttft_ms=np.array([1.0]),
+                         first_tokens={0: 1}, prompt_tokens=8 * len(steps),
+                         duration_ms=len(steps) + 0.5, wall_ms=1.0)
+
+    forward = [0.3] * 97 + [5.0] * 3  # the slow steps are the ones with a first sight
+    m = summarize([run(forward, [0] * 97 + [2] * 3), run([0.3] * 100, [0] * 100)])
+    assert m["graph_first_sight_steps_per_run"] == [3, 0]
+    assert m["graph_replay_only_host_forward_ms_per_layer_p99"] == pytest.approx(0.3)
+    assert m["host_forward_ms_per_layer_p99"] > 1.0  # the pooled p99 keeps those steps
+    eager = summarize([run(forward, [None] * 100)])
+    assert eager["graph_first_sight_steps_per_run"] == [None]
+    assert eager["graph_replay_only_host_forward_ms_per_layer_p99"] is None
