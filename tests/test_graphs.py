@@ -279,7 +279,7 @@ def test_arena_load_pads_sequences_over_stale_values():
         dp = StagingRing("cpu").upload(plan)
         t, n, iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
         replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                              x["block_table"], dp, plan, 4, 0.5, 512, 512)
+                              x["block_table"], dp, 4, 0.5, 512, 512)
         a, seqs = replay.arena, pow2_at_least(n)
         assert torch.equal(a.q[:t], x["q"])
         assert torch.equal(a.workspace[:t], torch.cat([x["kv_c_new"], x["k_pe_new"]], dim=1))
@@ -321,7 +321,7 @@ def test_arena_keeps_offsets_of_the_same_device_plan_and_copies_others():
 
     def load(dp, block_table):
         return _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], block_table,
-                            dp, plan, 4, 0.5, 512, 512).arena
+                            dp, 4, 0.5, 512, 512).arena
 
     staged_table = dp["block_table"]
     arena = load(dp, staged_table)

@@ -509,7 +509,7 @@ _SCRIPT = textwrap.dedent("""
             tokens = row_bucket(plan.num_query_tokens)
             rows = [row_bucket(t) for t in plan.iteration_tokens]
             replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                  x["block_table"], dp, plan, 8, 24 ** -0.5,
+                                  x["block_table"], dp, 8, 24 ** -0.5,
                                   2 * tokens, 2 * max(tokens, *rows))  # room for the bigger
             arena = replay.arena
             assert arena.cu_q.shape[0] - 1 >= 8 > pow2_at_least(plan.num_reqs)

@@ -419,11 +419,11 @@ class MLAChunkedPrefill:
             lse = torch.zeros(0, h, dtype=lse_dtype, device=device)
             return (out, lse) if return_lse else out
 
-        tensors = plan_tensors(plan, device_plan)
         if (self._graphs is not None and context_source is None
                 and backend.takes_split_keys):
             return self._forward_graphs(q, kv_c_new, k_pe_new, kv_cache, block_table,
                                         device_plan, rope, scale, lse_dtype, return_lse)
+        tensors = plan_tensors(plan, device_plan)
         cu_q = tensors["cu_query_lens"]
         # int64 [T], for backends that read it (computed once per step, not per iteration)
         seq_ids_q = seq_ids_from_cu(cu_q, num_tokens) if backend.needs_seq_ids else None
@@ -502,7 +502,7 @@ class MLAChunkedPrefill:
                          cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
         tokens = row_bucket(plan.num_query_tokens)
         replay = _ArenaReplay(self, q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                              plan, rope, scale, tokens,
+                              rope, scale, tokens,
                               max([tokens, *(rows for _, rows, _ in units)]))
         replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
         device_rows = replay.shared.device_rows
@@ -634,10 +634,10 @@ class _ArenaReplay:
 
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
                  k_pe_new: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 device_plan: DevicePlan, plan: ChunkPlan, rope: int, scale: float,
-                 tokens: int, max_rows: int) -> None:
+                 device_plan: DevicePlan, rope: int, scale: float, tokens: int,
+                 max_rows: int) -> None:
         assert op._graphs is not None
-        shared = op._graphs.shared
+        shared, plan = op._graphs.shared, device_plan.chunk_plan
         num_tokens, num_seqs, num_iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
         seqs = pow2_at_least(num_seqs)
         max_q = pow2_at_least(plan.max_query_len, MIN_QUERY_BUCKET)
