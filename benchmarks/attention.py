@@ -149,11 +149,9 @@ def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
 
 def _label(op: Any) -> str:
     """The backend an :func:`_auto_forward` op runs, as results name it (``NAME+graphs``)."""
-    from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS
+    from mlaprefill.bench.engine import graphs_suffix
 
-    if not op.iteration_graphs:
-        return op.backend_name
-    return op.backend_name + (GRAPHS_DEVICE_ROWS if op.iteration_graphs.device_rows else GRAPHS)
+    return op.backend_name + graphs_suffix(op.iteration_graphs)
 
 
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)

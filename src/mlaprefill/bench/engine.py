@@ -62,6 +62,14 @@ def graphs_base(backend: str) -> str:
     return backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
 
 
+def graphs_suffix(graphs: IterationGraphs | None) -> str:
+    """The backend-name suffix of a layer's ``iteration_graphs`` (the inverse of
+    :func:`split_graphs_suffix`): ``""`` without graphs."""
+    if not graphs:
+        return ""
+    return GRAPHS_DEVICE_ROWS if graphs.device_rows else GRAPHS
+
+
 def split_graphs_suffix(backend: str) -> tuple[str, IterationGraphs | None]:
     """``backend`` without its graphs suffix, and a new IterationGraphs it asks for (None
     without a suffix)."""
@@ -353,10 +361,7 @@ class PrefillEngine:
         ``+graphs`` where its iteration graphs are on)."""
         layers = self.attention_layers(backend)
         name = str(getattr(layers[0], "backend_name", "unknown"))
-        graphs = getattr(layers[0], "iteration_graphs", None)
-        if not graphs:
-            return name
-        return name + (GRAPHS_DEVICE_ROWS if graphs.device_rows else GRAPHS)
+        return name + graphs_suffix(getattr(layers[0], "iteration_graphs", None))
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
