@@ -98,6 +98,9 @@ class AttentionConfig:
     tma : bool
         Load K / V tiles through device-side tensor descriptors (TMA on Hopper) instead of
         pointer tiles. Needs 16-byte aligned K / V bases and strides.
+    warp_specialize : bool
+        Triton's automatic warp specialization of the key loops (``tl.range(...,
+        warp_specialize=True)``): load warps apart from the compute warpgroups.
     """
 
     block_m: int = 128
@@ -105,6 +108,7 @@ class AttentionConfig:
     num_warps: int = 8
     num_stages: int = 4
     tma: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -118,8 +122,10 @@ class AttentionConfig:
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"AttentionConfig.num_stages must be an int >= 1, "
                              f"got {self.num_stages!r}")
-        if not isinstance(self.tma, bool):
-            raise ValueError(f"AttentionConfig.tma must be a bool, got {self.tma!r}")
+        for name in ("tma", "warp_specialize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AttentionConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
 
 
 #: Hopper default for qk 192 / v 128, every call: at 8 warps a 128 x 64 score tile is 32 fp32
@@ -159,6 +165,11 @@ _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m256_n64_w16_s2_tma", AttentionConfig(256, 64, 16, 2, tma=True)),
     ("m256_n64_w16_s3_tma", AttentionConfig(256, 64, 16, 3, tma=True)),
     ("m128_n128_w8_s2_tma", AttentionConfig(128, 128, 8, 2, tma=True)),
+    ("m128_n64_w8_s3_tma_ws", AttentionConfig(128, 64, 8, 3, tma=True, warp_specialize=True)),
+    ("m128_n64_w8_s2_tma_ws", AttentionConfig(128, 64, 8, 2, tma=True, warp_specialize=True)),
+    ("m128_n128_w8_s2_tma_ws", AttentionConfig(128, 128, 8, 2, tma=True, warp_specialize=True)),
+    ("m128_n64_w4_s3_tma_ws", AttentionConfig(128, 64, 4, 3, tma=True, warp_specialize=True)),
+    ("m128_n64_w8_s3_ws", AttentionConfig(128, 64, 8, 3, warp_specialize=True)),
 )
 
 
@@ -206,6 +217,7 @@ if HAS_TRITON:
         D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         TMA: tl.constexpr,      # load K / V tiles through the descriptors
+        WS: tl.constexpr,       # warp-specialize the key loop
     ):
         offs_n = tl.arange(0, BLOCK_N)
         offs_d1 = tl.arange(0, D1)
@@ -217,7 +229,9 @@ if HAS_TRITON:
         k1_offs = offs_n[:, None] * stride_kt + offs_d1[None, :]
         k2_offs = offs_n[:, None] * stride_pt + offs_d2[None, :]
         v_offs = offs_n[:, None] * stride_vt + offs_dv[None, :]
-        for start_n in range(lo, hi, BLOCK_N):
+        # WS: Triton's automatic warp specialization of the loop (producer warps issue the K / V
+        # loads, consumer warpgroups the dots); False compiles the plain loop.
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             kb = k_base + start_n.to(tl.int64) * stride_kt
             vb = v_base + start_n.to(tl.int64) * stride_vt
@@ -289,6 +303,7 @@ if HAS_TRITON:
         DV: tl.constexpr,
         BLOCK_DV: tl.constexpr,  # DV padded to a power of two >= 16
         TMA: tl.constexpr,       # K / V tiles through device-side tensor descriptors
+        WS: tl.constexpr,        # warp-specialized key loops
     ):
         # Heaviest causal query blocks (the last ones) first; grid axis 0 is
         # cdiv(max_seqlen_q, BLOCK_M), so program 0 gets the last block any sequence can have.
@@ -379,11 +394,11 @@ if HAS_TRITON:
         acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, k_desc,
                                    p_desc, v_desc, stride_kt, stride_pt, stride_vt, offs_m,
                                    seqlen_k, qk_scale, k_lo, free_end, False, CAUSAL, BLOCK_N,
-                                   D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA)
+                                   D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA, WS)
         acc, l_i, m_i = _attn_loop(acc, l_i, m_i, q1, q2, k_base, p_base, v_base, k_desc,
                                    p_desc, v_desc, stride_kt, stride_pt, stride_vt, offs_m,
                                    seqlen_k, qk_scale, tl.maximum(free_end, k_lo), kv_end, True,
-                                   CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA)
+                                   CAUSAL, BLOCK_N, D1, D2, BLOCK_D2, DV, BLOCK_DV, TMA, WS)
 
         # Finish. A row with keys always has l >= 1 for finite inputs (its max term is 1); l == 0
         # (all scores -inf) or an LSE of +inf only come from non-finite inputs: report NaN, like
@@ -646,7 +661,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         CAUSAL=bool(causal), ACCUMULATE=state is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
-        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim), TMA=cfg.tma,
+        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim), TMA=cfg.tma, WS=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
