@@ -166,10 +166,14 @@ _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m256_n64_w16_s3_tma", AttentionConfig(256, 64, 16, 3, tma=True)),
     ("m128_n128_w8_s2_tma", AttentionConfig(128, 128, 8, 2, tma=True)),
     ("m128_n64_w8_s3_tma_ws", AttentionConfig(128, 64, 8, 3, tma=True, warp_specialize=True)),
-    ("m128_n64_w8_s2_tma_ws", AttentionConfig(128, 64, 8, 2, tma=True, warp_specialize=True)),
-    ("m128_n128_w8_s2_tma_ws", AttentionConfig(128, 128, 8, 2, tma=True, warp_specialize=True)),
-    ("m128_n64_w4_s3_tma_ws", AttentionConfig(128, 64, 4, 3, tma=True, warp_specialize=True)),
     ("m128_n64_w8_s3_ws", AttentionConfig(128, 64, 8, 3, warp_specialize=True)),
+    ("m128_n64_w8_s2_ws", AttentionConfig(128, 64, 8, 2, warp_specialize=True)),
+    ("m128_n64_w8_s4_ws", AttentionConfig(128, 64, 8, 4, warp_specialize=True)),
+    ("m128_n128_w8_s2_ws", AttentionConfig(128, 128, 8, 2, warp_specialize=True)),
+    ("m128_n32_w8_s4_ws", AttentionConfig(128, 32, 8, 4, warp_specialize=True)),
+    ("m256_n64_w16_s2_ws", AttentionConfig(256, 64, 16, 2, warp_specialize=True)),
+    ("m128_n64_w4_s3_ws", AttentionConfig(128, 64, 4, 3, warp_specialize=True)),
+    ("m64_n64_w4_s3_ws", AttentionConfig(64, 64, 4, 3, warp_specialize=True)),
 )
 
 
