@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from _common import host_enqueue_ms, kernel_ms, write_json
-from attention import _auto_forward, _forward_inputs, _label
+from attention import _auto_forward, _forward_inputs, _label, parse_shapes
 
 SHAPES = [(128, 1, 4096, 4096), (128, 4, 1024, 32768), (128, 16, 256, 8192),
           (128, 4, 1000, 30000), (16, 1, 4096, 4096), (16, 4, 1024, 32768),
@@ -54,9 +54,10 @@ def idle_gaps(prof: Any, forwards: int, top: int = 4) -> dict[str, Any]:
                              for us, a, b in gaps[:top]]}
 
 
-def profile(backends: list[str]) -> list[dict[str, Any]]:
+def profile(backends: list[str],
+            shapes: list[tuple[int, int, int, int]] | None = None) -> list[dict[str, Any]]:
     rows = []
-    for heads, nr, q, c in SHAPES:
+    for heads, nr, q, c in shapes or SHAPES:
         x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, "cuda")
         for name in backends:
             op, plan, fwd = _auto_forward(x, name, WORKSPACE, "cuda")
@@ -159,13 +160,15 @@ def main() -> int:
                     help="also cProfile the host side of the forward on HOST_PROFILE_SHAPES")
     ap.add_argument("--host-only", action="store_true",
                     help="only the host profile (implies --host-profile)")
+    ap.add_argument("--shapes", default="",
+                    help="HEADS:NREQSxQUERIES:CONTEXT,... instead of SHAPES")
     args = ap.parse_args()
     from mlaprefill._env import machine_info, utc_now
 
     backends = [b for b in args.backends.split(",") if b]
     result = {"benchmark": "forward_profile", "argv": sys.argv, "date_utc": utc_now(offset=True),
               "machine": machine_info(torch.device("cuda")), "workspace_tokens": WORKSPACE,
-              "rows": [] if args.host_only else profile(backends)}
+              "rows": [] if args.host_only else profile(backends, parse_shapes(args.shapes))}
     if args.host_profile or args.host_only:
         result["host_profile"] = [row for shape in HOST_PROFILE_SHAPES
                                   for row in host_profile(backends, shape)]
