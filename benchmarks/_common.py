@@ -57,3 +57,35 @@ def write_json(path: str | None, doc: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)
+
+
+def apply_overrides(items: list[str]) -> dict[str, Any]:
+    """Set module constants for an A/B run in one process: each ``MODULE.NAME=VALUE`` (e.g.
+    ``mlaprefill.backends.hybrid.MIN_QUERIES_PER_KEY_FEW_HEADS=2048``). VALUE is an int, or the
+    name of a :func:`~mlaprefill.kernels.attention.attention_configs` preset (for a config
+    constant such as ``mlaprefill.kernels.attention.CONTEXT_ATTENTION_CONFIG``). Only constants
+    the code reads at call time take effect. Returns what was set, for the JSON."""
+    import importlib
+
+    from mlaprefill.kernels.attention import attention_configs
+
+    done: dict[str, Any] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not sep or not module_name or not name:
+            raise ValueError(f"--override {item!r} is not MODULE.NAME=VALUE")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            raise ValueError(f"--override {item!r}: {module_name} has no {name}")
+        presets = attention_configs()
+        if text.lstrip("-").isdigit():
+            value: Any = int(text)
+        elif text in presets:
+            value = presets[text]
+        else:
+            raise ValueError(f"--override {item!r}: VALUE must be an int or one of the presets "
+                             f"{sorted(presets)}")
+        setattr(module, name, value)
+        done[target] = text
+    return done

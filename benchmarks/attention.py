@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from _common import host_enqueue_ms, kernel_ms, write_json
+from _common import apply_overrides, host_enqueue_ms, kernel_ms, write_json
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import VarlenSeqs
 
@@ -646,11 +646,14 @@ def main() -> int:
                         help="vs_ideal: rounds per shape (ideal and every backend each round)")
     parser.add_argument("--ideal-shapes", default="",
                         help="vs_ideal: HEADS:NREQSxQUERIES:CONTEXT,... instead of IDEAL_SHAPES")
+    parser.add_argument("--override", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a module constant first (an A/B run; repeatable)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     try:
         ideal_shapes = parse_shapes(args.ideal_shapes)
+        overrides = apply_overrides(args.override)
     except ValueError as exc:
         parser.error(str(exc))
     if not torch.cuda.is_available():
@@ -665,6 +668,9 @@ def main() -> int:
         "date_utc": utc_now(offset=True),
         "machine": machine_info(torch.device(device)),
     }
+    if overrides:
+        results["overrides"] = overrides
+
     def dump() -> None:
         write_json(args.out, results)
 

@@ -194,11 +194,13 @@ class MLAChunkedPrefill:
                     joined: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The up-projection weights in the compute dtype and device, built once each.
 
-        Joined keys: ``(W_K [H*(nope+rope), rank]`` with zero rows in each head's rope slot,
-        ``W_V [H*v_out, rank])``. Split keys: ``(W_KV, None)`` with ``W_KV [H*(nope+v), rank]``
-        the weight itself (no copy when it already has that dtype and device), so one GEMM
-        gives each head's ``[k_nope | v]``. Each layout is built only when a call first wants it
-        (the ``triton`` backend never holds ``W_K``).
+        Split keys: ``(W_KV, None)`` with ``W_KV [H*(nope+v), rank]`` the weight itself (no copy
+        when it already has that dtype and device), so one GEMM gives each head's ``[k_nope |
+        v]``. Joined keys: ``(W_B [H, rank, v+nope], None)``, each head's ``[W_UV | W_UK]^T``
+        for the batched GEMM of :meth:`_up_project`; for a backend that wants V padded, ``(W_K
+        [H*(nope+rope), rank]`` with zero rows in each head's rope slot, ``W_V [H*v_out,
+        rank])``. Each layout is built only when a call first wants it (the ``triton`` backend
+        never holds a joined one).
         """
         if not joined:
             key = (dtype, device, "kv")
@@ -206,12 +208,20 @@ class MLAChunkedPrefill:
             if w_kv is None:
                 w_kv = self._weights[key] = self.weight.to(device=device, dtype=dtype)
             return w_kv, None
-        base = (rope, dtype, device, self._backend.needs_v_padded)
+        h, nope, v, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        if not self._backend.needs_v_padded:
+            key = (dtype, device, "vk")
+            w_b = self._weights.get(key)
+            if w_b is None:
+                w = self.weight.to(device=device, dtype=dtype).view(h, nope + v, rank)
+                w_b = self._weights[key] = torch.cat([w[:, nope:], w[:, :nope]], dim=1) \
+                    .transpose(1, 2).contiguous()
+            return w_b, None
+        base = (rope, dtype, device, "padded")
         w_key = self._weights.get((*base, "k"))
         w_v = self._weights.get((*base, "v"))
         if w_key is not None and w_v is not None:
             return w_key, w_v
-        h, nope, v, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = self.weight.to(device=device, dtype=dtype).view(h, nope + v, rank)
         if w_key is None:
             w_k = torch.zeros(h, nope + rope, rank, dtype=dtype, device=device)
@@ -235,22 +245,38 @@ class MLAChunkedPrefill:
         """Keys and values of ``n`` latent rows, written into the flat buffer's first elements
         (at least :meth:`_kv_numel`).
 
-        joined: ``k [n, H, nope+rope] = [kv_c W_UK^T | k_pe]`` (one GEMM whose zero weight rows
-        leave the rope slots to :func:`broadcast_rope_`) and ``v [n, H, v_out] = kv_c W_UV^T``,
-        two GEMMs; split: one GEMM ``kv [n, H, nope+v] = kv_c W_KV^T``, and ``k = kv[..., :nope]``,
-        ``v = kv[..., nope:]`` are views (row stride ``H*(nope+v)``); the backend reads ``k_pe``
-        itself. A backend that wants V padded always gets joined keys.
+        split: one GEMM ``kv [n, H, nope+v] = kv_c W_KV^T``, and ``k = kv[..., :nope]``, ``v =
+        kv[..., nope:]`` are views (row stride ``H*(nope+v)``); the backend reads ``k_pe``
+        itself. joined: rows ``[n, H, v+nope+rope]`` hold each head's ``[v | k_nope | k_pe]``,
+        so ``k = [k_nope | k_pe]`` and ``v`` are views (row stride ``H*(v+nope+rope)``); one
+        strided-batched GEMM over the heads writes ``[v | k_nope]`` (the shared ``kv_c`` against
+        each head's ``W_B``: no zero weight columns, which cost the old layout ~10-25 % more
+        GEMM time, benchmarks/results/joined_keys_h200.json), then :func:`broadcast_rope_`
+        fills the rope slots. A backend that wants V padded gets ``k [n, H, nope+rope]`` (one
+        GEMM whose zero weight rows leave the rope slots to the copy) and ``v [n, H, v_out]``
+        from a second GEMM.
         """
         n, h, nope = kv_c.shape[0], self.num_heads, self.qk_nope_head_dim
         if not joined and self._backend.needs_v_padded:
             raise RuntimeError(f"backend {self.backend_name!r} asked for split keys and padded V; "
                                f"split keys come with V unpadded")
         w_key, w_v = self._up_weights(rope, kv_c.dtype, kv_c.device, joined)
-        width = w_key.shape[0] // h
-        if w_v is None:
+        if not joined:
+            width = w_key.shape[0] // h
             kv = buf[:n * h * width].view(n, h, width)
             torch.mm(kv_c, w_key.t(), out=kv.view(n, -1))  # [n, rank] x [rank, H*(nope+v)]
             return kv[..., :nope], kv[..., nope:]
+        if w_v is None:
+            vd = self.v_head_dim
+            rows = buf[:n * h * (vd + nope + rope)].view(n, h, vd + nope + rope)
+            # [H, n, rank] (kv_c shared: batch stride 0) x [H, rank, v+nope] -> the rows'
+            # [v | k_nope] columns ([H, n, v+nope] with strides (v+nope+rope, H*(...), 1)):
+            # cuBLAS writes them in place, no copy.
+            torch.bmm(kv_c.unsqueeze(0).expand(h, n, kv_c.shape[1]), w_key,
+                      out=rows[..., :vd + nope].transpose(0, 1))
+            broadcast_rope_(rows, k_pe, vd + nope)
+            return rows[..., vd:], rows[..., :vd]
+        width = w_key.shape[0] // h
         k = buf[:n * h * width].view(n, h, width)
         torch.mm(kv_c, w_key.t(), out=k.view(n, -1))  # [n, rank] x [rank, H*(nope+rope)]
         broadcast_rope_(k, k_pe, nope)

@@ -80,7 +80,7 @@ MIN_QUERIES_PER_KEY = 384
 #: 2 x 2048 over 128k gained 11 %, 4 x 1024 over 32k 8 %, so 384 stays there. Each rectangle
 #: costs several launches and joined keys per iteration (~0.8 ms of host per iteration in
 #: ``uneven``).
-MIN_QUERIES_PER_KEY_FEW_HEADS = 2048
+MIN_QUERIES_PER_KEY_FEW_HEADS = 1024
 MANY_HEADS = 64
 #: Rectangle decisions the backend remembers (a forward asks about each of its context
 #: iterations once before running them; a step has at most a few dozen).
