@@ -72,14 +72,15 @@ BIG_WORK = 1 << 28
 #: Since then our kernel's default config runs 450-505 TFLOP/s (triton_attention_split_h200.json),
 #: which moves the modelled break-even to ~560; not re-measured per shape, so the value stays.
 MIN_QUERIES_PER_KEY = 384
-#: The same for context (non-causal) calls below ``MANY_HEADS`` heads. Measured at 16 heads
-#: (H200, 2026-12-01), the time cuDNN's context rectangles saved against our kernel on split
-#: keys: none at 512 queries per key (bench ``uneven``: ring+balanced with rectangles and its
-#: ``+graphs`` run without them, equal tok/s in two runs), ~1 % at 1024 (4 x 1024 over 32k and
-#: over 128k, attention_vs_ideal*_h200.json), 18 % at 4096 (1 x 4096 over 128k). At 128 heads
-#: 2 x 2048 over 128k gained 11 %, 4 x 1024 over 32k 8 %, so 384 stays there. Each rectangle
-#: costs several launches and joined keys per iteration (~0.8 ms of host per iteration in
-#: ``uneven``).
+#: The same for context (non-causal) calls below ``MANY_HEADS`` heads, where the joined keys
+#: weigh more against the attention they speed up. At 16 heads (H200, one batched cuDNN call
+#: against our kernel on split keys, benchmarks/results/joined_keys_h200.json) cuDNN runs a 4 x
+#: 1024 x 16k rectangle in 1.13 ms against 1.43, 8 x 256 x 8k in 0.30 against 0.39, while joined
+#: keys cost the up-projection of 64k rows 0.53 ms against 0.44 (the batched GEMM and the rope
+#: copy): a gain from about 1024 queries per key, none at 256. Whole forwards, this rule against
+#: the earlier 2048 in one run (attention_vs_ideal_h200_bmm_ws{,_ab}.json, hybrid+graphs): 4 x
+#: 1024 over 32k 3.90 against 4.07 ms, over 128k 14.45 against 15.19. Each rectangle costs
+#: several launches and joined keys per iteration (~0.8 ms of host per iteration in ``uneven``).
 MIN_QUERIES_PER_KEY_FEW_HEADS = 1024
 MANY_HEADS = 64
 #: Rectangle decisions the backend remembers (a forward asks about each of its context
