@@ -16,11 +16,13 @@ Up-projection layout: where the backend takes split keys for a call (``backend.w
 is False: our Triton kernel, which reads MLA's rope key once per token with head stride 0), one
 matmul with the Hugging Face ``kv_b_proj.weight [H*(nope+v), rank]`` as it is gives ``[n, H,
 nope+v]``, and K and V are its two views: no zero rows in the GEMM, no rope copy, one launch.
-Otherwise the weight is re-laid once per (rope dim, dtype, device): ``W_K [H*(nope+rope), rank]``
-has zero rows in each head's rope slot, so one matmul writes keys into a contiguous ``[n, H,
-nope+rope]`` buffer whose rope slots :func:`~mlaprefill.kernels.rope.broadcast_rope_` then fills,
-and a second writes V. For FlashAttention-2 (which needs ``v_out == qk_head_dim``) ``W_V`` carries
-zero rows too, so V arrives padded for free.
+Otherwise (joined keys) each row is ``[n, H, v+nope+rope]``, every head's ``[v | k_nope | k_pe]``:
+one strided-batched GEMM over the heads (the shared ``kv_c`` against each head's ``[W_UV |
+W_UK]^T``, re-laid once per dtype and device) writes the ``[v | k_nope]`` columns in place and
+:func:`~mlaprefill.kernels.rope.broadcast_rope_` fills the rope slots; ``k`` and ``v`` are views.
+For FlashAttention-2 (which needs ``v_out == qk_head_dim``) the weight is re-laid with zero rows
+instead: ``W_K [H*(nope+rope), rank]`` (zero rows in each head's rope slot) and ``W_V`` padded to
+the key's width, two matmuls, so V arrives padded for free.
 
 Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens``,
 ``max_chunk_lens``, ``max_query_len``, ``num_query_tokens``) to decide shapes; it never calls

@@ -184,8 +184,9 @@ class AttentionBackend(abc.ABC):
         """Whether ``attend`` needs each head's key as one ``[Tk, H, qk_head_dim]`` tensor for
         this call (host ints only). ``False``: the caller may pass the key's first part ``k
         [Tk, H, nope]`` and MLA's rope key apart as ``k_rope [Tk, rope]`` (one row shared by
-        every head), which saves the up-projection GEMM its zero rows and the copy of the rope
-        key into every head. Default: joined keys (every kernel but our own needs them)."""
+        every head), which saves the up-projection its batched GEMM (one plain GEMM instead) and
+        the copy of the rope key into every head. Default: joined keys (every kernel but our
+        own needs them)."""
         return True
 
     def launch_key(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> tuple:

@@ -23,8 +23,8 @@ cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
   ``Lq * Kf * H``; about 0.3 ms of cuDNN or more, so its host launch hides behind the device),
   at most :data:`~mlaprefill.kernels.attention.MAX_DENSE_BLOCKS` per call, the largest first;
   and only when they hold at least :data:`MIN_QUERIES_PER_KEY` query-key pairs per key row of
-  the call and head, since cuDNN needs each head's key whole (zero rows in the up-projection
-  GEMM and a rope copy) while our kernel reads split keys.
+  the call and head, since cuDNN needs each head's key whole (a batched up-projection GEMM
+  ~10-20 % slower than the split one, and a rope copy) while our kernel reads split keys.
 * One Triton launch does everything else: every other sequence whole, and for a rectangle's
   sequence the rows not in a cuDNN call over all keys and the others over keys ``>= Kf`` only
   (``dense=`` of :func:`~mlaprefill.kernels.attention.varlen_attention`), merging into the
@@ -62,15 +62,16 @@ __all__ = ["BIG_WORK", "MANY_HEADS", "MIN_QUERIES_PER_KEY", "MIN_QUERIES_PER_KEY
 #: of cuDNN at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per launch).
 BIG_WORK = 1 << 28
 #: ...and only when the rectangles hold at least this many query-key pairs per key row of the
-#: call and head: cuDNN needs each head's key whole (``[Tk, H, 192]``), which costs the
+#: call and head: cuDNN needs each head's key whole (``[Tk, H, 192]``), which cost the
 #: up-projection GEMM 64 zero columns per head and a rope copy (~1.5e-10 s x H per key row on the
-#: H200), while it saves ~3.9e-13 s per pair against our kernel (600 vs 440 TFLOP/s at 640 FLOP
-#: per pair): break-even near 372. Measured on the H200 in a profiling call before this rule (the
-#: per-kernel breakdown of benchmarks/forward_profile.py; that JSON was not kept): 16 requests x
-#: 256 queries (256 per key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at
-#: 16 heads, 15.0 against 16.0 ms at 128 heads; 4 x 1024 faster with cuDNN (29.7 against 33.1).
-#: Since then our kernel's default config runs 450-505 TFLOP/s (triton_attention_split_h200.json),
-#: which moves the modelled break-even to ~560; not re-measured per shape, so the value stays.
+#: H200; with the batched GEMM of joined keys since 9b4d257, less), while it saves ~3.9e-13 s
+#: per pair against our kernel (600 vs 440 TFLOP/s at 640 FLOP per pair): break-even near 372.
+#: Measured on the H200 in a profiling call before this rule (the per-kernel breakdown of
+#: benchmarks/forward_profile.py; that JSON was not kept): 16 requests x 256 queries (256 per
+#: key) ran 1.86 ms with split keys on Triton against 1.98 ms with cuDNN at 16 heads, 15.0
+#: against 16.0 ms at 128 heads; 4 x 1024 faster with cuDNN (29.7 against 33.1). Since then our
+#: kernel's default config runs 450-505 TFLOP/s (triton_attention_split_h200.json), which moves
+#: the modelled break-even to ~560; not re-measured per shape, so the value stays.
 MIN_QUERIES_PER_KEY = 384
 #: The same for context (non-causal) calls below ``MANY_HEADS`` heads, where the joined keys
 #: weigh more against the attention they speed up. At 16 heads (H200, one batched cuDNN call
