@@ -613,6 +613,8 @@ def test_launcher_validates_inputs():
         varlen_attention(q[..., :8], k[..., :8], v, cu, cu, **kw)
     with pytest.raises(ValueError, match="power of two"):
         AttentionConfig(block_m=48)
+    with pytest.raises(ValueError, match="warp_specialize must be a bool"):
+        AttentionConfig(warp_specialize=1)
     with pytest.raises(ValueError, match="multiple of block_m"):
         varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 1, 100, 64),))
     with pytest.raises(ValueError, match="range inside"):
@@ -623,6 +625,17 @@ def test_launcher_validates_inputs():
         varlen_attention(q, k, v, cu, cu, **kw, dense=((0, 1, 128, 64),) * 5)
     configs = attention_configs()
     assert next(iter(configs.values())) == AttentionConfig()
+    # one compiled kernel per (causal, ...): the default config is a function of causal alone
+    from mlaprefill.kernels.attention import (
+        CONTEXT_ATTENTION_CONFIG,
+        DEFAULT_ATTENTION_CONFIG,
+        default_config,
+    )
+    for q in (1, 256, 70000):
+        assert default_config(causal=True, max_seqlen_q=q) == DEFAULT_ATTENTION_CONFIG
+        assert default_config(causal=False, max_seqlen_q=q) == CONTEXT_ATTENTION_CONFIG
+    assert CONTEXT_ATTENTION_CONFIG.warp_specialize and CONTEXT_ATTENTION_CONFIG in \
+        configs.values()
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in configs.values())
 
 
@@ -691,13 +704,14 @@ def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     # calls (the new tokens) keep MIN_QUERIES_PER_KEY; an explicit value applies to both.
     from mlaprefill.backends.hybrid import MANY_HEADS, MIN_QUERIES_PER_KEY_FEW_HEADS
 
-    assert MIN_QUERIES_PER_KEY < 1024 < MIN_QUERIES_PER_KEY_FEW_HEADS <= 4096 and MANY_HEADS > 16
+    assert MIN_QUERIES_PER_KEY < 512 < MIN_QUERIES_PER_KEY_FEW_HEADS <= 1024 and MANY_HEADS > 16
     deep = seqs([4096], [65536])             # 4096 per key row
     square = seqs([1024] * 4, [1024] * 4)    # 1024 x 1024: 512 pairs per key row causal
-    assert not be.wants_joined_keys(many, 16, False)
+    half = seqs([512] * 4, [4096] * 4)       # 512 per key row
+    assert be.wants_joined_keys(many, 16, False)            # 1024 per key row: at the floor
     assert be.wants_joined_keys(deep, 16, False)
     small = HybridBackend(big_work=1)        # any rectangle is big enough: the floor decides
     assert small.wants_joined_keys(square, 16, True)        # causal: 512 >= 384
-    assert not small.wants_joined_keys(square, 16, False)   # context: 1024 < the few-heads floor
-    assert small.wants_joined_keys(square, 128, False)
-    assert HybridBackend(min_queries_per_key=384).wants_joined_keys(many, 16, False)
+    assert not small.wants_joined_keys(half, 16, False)     # context: 512 < the few-heads floor
+    assert small.wants_joined_keys(half, 128, False)
+    assert HybridBackend(big_work=1, min_queries_per_key=384).wants_joined_keys(half, 16, False)
