@@ -426,9 +426,8 @@ class PrefillEngine:
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
                                                  pin_memory=self.cuda))
-        graphs = getattr(layers[0], "iteration_graphs", None)
-        if graphs is not None and self.cuda:
-            state.idle = graphs.capture_pending
+        if iteration_graphs is not None and self.cuda:
+            state.idle = iteration_graphs.capture_pending
         records: list[StepRecord] = []
         events: list[tuple[Any, Any]] = []
         if self.cuda:

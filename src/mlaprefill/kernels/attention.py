@@ -179,7 +179,7 @@ _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m256_n64_w16_s3_tma", AttentionConfig(256, 64, 16, 3, tma=True)),
     ("m128_n128_w8_s2_tma", AttentionConfig(128, 128, 8, 2, tma=True)),
     ("m128_n64_w8_s3_tma_ws", AttentionConfig(128, 64, 8, 3, tma=True, warp_specialize=True)),
-    ("m128_n64_w8_s3_ws", AttentionConfig(128, 64, 8, 3, warp_specialize=True)),
+    ("m128_n64_w8_s3_ws", CONTEXT_ATTENTION_CONFIG),
     ("m128_n64_w8_s2_ws", AttentionConfig(128, 64, 8, 2, warp_specialize=True)),
     ("m128_n64_w8_s4_ws", AttentionConfig(128, 64, 8, 4, warp_specialize=True)),
     ("m128_n128_w8_s2_ws", AttentionConfig(128, 128, 8, 2, warp_specialize=True)),
