@@ -75,7 +75,10 @@ def apply_overrides(items: list[str]) -> dict[str, Any]:
         module_name, _, name = target.rpartition(".")
         if not sep or not module_name or not name:
             raise ValueError(f"--override {item!r} is not MODULE.NAME=VALUE")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise ValueError(f"--override {item!r}: no module {module_name!r}") from None
         if not hasattr(module, name):
             raise ValueError(f"--override {item!r}: {module_name} has no {name}")
         presets = attention_configs()

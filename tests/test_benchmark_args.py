@@ -24,6 +24,25 @@ def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("item, message", [
+    ("BIG_WORK=1", "is not MODULE.NAME=VALUE"),
+    ("mlaprefill.backends.hybrid.BIG_WORK", "is not MODULE.NAME=VALUE"),
+    ("mlaprefill.nowhere.BIG_WORK=1", "no module 'mlaprefill.nowhere'"),
+    ("mlaprefill.backends.hybrid.NO_SUCH=1", "mlaprefill.backends.hybrid has no NO_SUCH"),
+    ("mlaprefill.backends.hybrid.BIG_WORK=big", "VALUE must be an int or one of the presets"),
+])
+def test_override_bad_item_is_a_clear_usage_error(item, message, tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "attention.py"), "--out",
+         str(tmp_path / "x.json"), "--override", item],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--override {item!r}" in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_ideal_shapes_parse() -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
