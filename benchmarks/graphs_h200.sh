@@ -11,6 +11,9 @@
 # stall     the same on the stall scenario (equal plans); BENCH_BACKENDS (space-separated, "-"
 #           for the scenario's default) picks other variants
 # hostprof  where one forward's host time goes (forward_profile.py --host-only), eager and graphs
+# vllm      the vllm-default scenario (equal plans; VLLM_BACKENDS): its default (eager hybrid),
+#           hybrid+graphs and varlen in one run
+# variants  benchmarks/attention_variants.py: key-loop schedules against the library's kernel
 # gemm      the up-projection GEMM with its rows on the device vs torch.mm (benchmarks/upproj.py)
 set -uo pipefail
 out=${1:?usage: benchmarks/graphs_h200.sh OUT_DIR [JOB ...]}
@@ -51,6 +54,14 @@ bench() {  # scenario policy; BENCH_BACKENDS: comma list, "-" = the scenario's d
 }
 has uneven && bench uneven balanced
 has stall && bench stall equal
+if has vllm; then
+    BENCH_BACKENDS=${VLLM_BACKENDS:-"- hybrid+graphs varlen"} bench vllm-default equal
+fi
+if has variants; then
+    timeout 300 python3 benchmarks/attention_variants.py --out "$out/attention_variants_h200.json" \
+        2>&1 | grep -v Warn | tail -n 70
+    echo "== variants rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
 if has hostprof; then
     timeout 200 python3 benchmarks/forward_profile.py --host-only \
         --backends hybrid,hybrid+graphs,triton+graphs \
