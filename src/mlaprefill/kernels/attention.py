@@ -100,9 +100,11 @@ class AttentionConfig:
         Load K / V tiles through device-side tensor descriptors (TMA on Hopper) instead of
         pointer tiles. Needs 16-byte aligned K / V bases and strides.
     warp_specialize : bool
-        Triton's automatic warp specialization of the key loops (``tl.range(...,
-        warp_specialize=True)``; how it partitions the loop is Triton's choice). At 4 warps it
-        does not compile with Triton 3.6.
+        Ask Triton to warp-specialize the key loops (``tl.range(..., warp_specialize=True)``).
+        With Triton 3.6 on Hopper it changes nothing for this kernel: the binary compiled with
+        it is identical to the one without (one cubin for both, checked on the H200 in
+        benchmarks/results/attention_variants_h200.json, and with TMA loads by compiling for
+        sm_90a); at 4 warps it does not compile. Kept for Triton versions that partition it.
     """
 
     block_m: int = 128
@@ -141,16 +143,16 @@ DEFAULT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8,
 #: before split keys and the epilogue merge); in the latest run it is 5-19 % slower than the
 #: default on every non-causal shape, 16 and 128 heads, split or joined keys (same JSON).
 WIDE_ATTENTION_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=2)
-#: Non-causal (context) calls: the default's tiles, three stages, and Triton's warp
-#: specialization of the key loops. Two sweeps on the H200, split keys, time against the default
-#: in the same run (triton_attention_ws_h200{,_run2}.json): 0.88-0.99x on every non-causal shape
-#: of 16 and 128 heads but one (16 x 256 over 8k: 0.88x, then 1.03x), 0.97x on 4k causal calls
-#: and 1.15-1.22x on 16 x 256 causal ones, so causal calls keep the default. With TMA loads it
-#: is no faster; at 4 warps it does not compile (Triton 3.6). Whole forwards on the triton
-#: backend against the old default in one run: 0.95-1.00x on 12 of 14 vs-ideal shapes, 1.004x
-#: and 1.10x on two (16 x 250 over 8000: a noisy shape) (attention_vs_ideal_h200_bmm_ws{,_ab}.json).
-CONTEXT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
-                                           warp_specialize=True)
+#: Non-causal (context) calls: the default's tiles with three stages instead of four. Two sweeps
+#: on the H200, split keys, time against the default in the same run
+#: (triton_attention_ws_h200{,_run2}.json, where this config ran as ``m128_n64_w8_s3_ws``: the
+#: warp_specialize flag it carried then compiles to the same binary, see the field): 0.88-0.99x
+#: on every non-causal shape of 16 and 128 heads but one (16 x 256 over 8k: 0.88x, then 1.03x),
+#: 0.97x on 4k causal calls and 1.15-1.22x on 16 x 256 causal ones, so causal calls keep the
+#: default. With TMA loads it is no faster. Whole forwards on the triton backend against the old
+#: default in one run: 0.95-1.00x on 12 of 14 vs-ideal shapes, 1.004x and 1.10x on two (16 x 250
+#: over 8000: a noisy shape) (attention_vs_ideal_h200_bmm_ws{,_ab}.json).
+CONTEXT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 def default_config(*, causal: bool, max_seqlen_q: int) -> AttentionConfig:
@@ -166,7 +168,7 @@ def default_config(*, causal: bool, max_seqlen_q: int) -> AttentionConfig:
 _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m128_n64_w8_s4", DEFAULT_ATTENTION_CONFIG),
     ("m256_n64_w16_s2", WIDE_ATTENTION_CONFIG),
-    ("m128_n64_w8_s3", AttentionConfig(128, 64, 8, 3)),
+    ("m128_n64_w8_s3", CONTEXT_ATTENTION_CONFIG),
     ("m128_n64_w8_s2", AttentionConfig(128, 64, 8, 2)),
     ("m128_n128_w8_s2", AttentionConfig(128, 128, 8, 2)),
     ("m128_n32_w8_s4", AttentionConfig(128, 32, 8, 4)),
@@ -178,14 +180,7 @@ _PRESETS: tuple[tuple[str, AttentionConfig], ...] = (
     ("m256_n64_w16_s2_tma", AttentionConfig(256, 64, 16, 2, tma=True)),
     ("m256_n64_w16_s3_tma", AttentionConfig(256, 64, 16, 3, tma=True)),
     ("m128_n128_w8_s2_tma", AttentionConfig(128, 128, 8, 2, tma=True)),
-    ("m128_n64_w8_s3_tma_ws", AttentionConfig(128, 64, 8, 3, tma=True, warp_specialize=True)),
-    ("m128_n64_w8_s3_ws", CONTEXT_ATTENTION_CONFIG),
-    ("m128_n64_w8_s2_ws", AttentionConfig(128, 64, 8, 2, warp_specialize=True)),
-    ("m128_n64_w8_s4_ws", AttentionConfig(128, 64, 8, 4, warp_specialize=True)),
-    ("m128_n128_w8_s2_ws", AttentionConfig(128, 128, 8, 2, warp_specialize=True)),
-    ("m128_n32_w8_s4_ws", AttentionConfig(128, 32, 8, 4, warp_specialize=True)),
-    ("m256_n64_w16_s2_ws", AttentionConfig(256, 64, 16, 2, warp_specialize=True)),
-)
+)  # no warp_specialize presets: with Triton 3.6 each compiles to its twin's binary
 
 
 def attention_configs() -> dict[str, AttentionConfig]:
@@ -244,8 +239,8 @@ if HAS_TRITON:
         k1_offs = offs_n[:, None] * stride_kt + offs_d1[None, :]
         k2_offs = offs_n[:, None] * stride_pt + offs_d2[None, :]
         v_offs = offs_n[:, None] * stride_vt + offs_dv[None, :]
-        # WS: Triton's automatic warp specialization of the loop (Triton partitions it); False
-        # compiles the plain loop.
+        # WS: ask Triton to warp-specialize the loop (with Triton 3.6 on sm_90 the binary is the
+        # same as without; see AttentionConfig.warp_specialize).
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             kb = k_base + start_n.to(tl.int64) * stride_kt
