@@ -1,0 +1,570 @@
+# ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
+"""Probe: a Gluon (Triton 3.6 ``triton.experimental.gluon``) forward attention kernel for Hopper
+with FA3-style overlap inside each warpgroup, timed against the library's Triton kernel and
+cuDNN on the same inputs, before any of it goes into the library.
+
+    PYTHONPATH=src python benchmarks/gluon_attention.py --out /tmp/gluon_attention.json
+
+The library's kernel (:func:`mlaprefill.kernels.attention.varlen_attention`) runs FA2-style on
+Hopper: every wgmma group is followed by ``wgmma.wait_group 0``, so a warpgroup's softmax never
+runs while its tensor cores work, and plain Triton cannot express anything else. Gluon exposes
+``warpgroup_mma(..., is_async=True)`` and ``warpgroup_mma_wait(num_outstanding=N)``, so the key
+loop here is scheduled by hand. Per warpgroup (64 query rows; two warpgroups per 128-row tile),
+schedule "ahead" (the default), key block ``j``::
+
+    issue S[j+1] = Q K[j+1]^T              (two wgmma groups: 128 nope dims + 64 rope dims)
+    softmax(S[j]) -> P[j], alpha[j]        (runs while S[j+1] computes)
+    O *= alpha[j]; issue O += P[j] V[j]    (one group, P from registers)
+    wait for everything                    (S[j+1] and P[j] V[j])
+
+Schedule "fa3" (FlashAttention-3's order) issues S[j] and P[j-1] V[j-1] back to back, waits for
+S[j] only (one group left in flight), runs the softmax of block j, then waits for the PV. Found
+while writing it (ptxas 12.x bundled with Triton 3.6, sm_90a): (1) leaving a PV group in flight
+across the loop's back edge while waiting for S with ``num_outstanding >= 1`` (both overlaps at
+once) makes ptxas serialize every wgmma of the kernel (C7514), so "ahead" drains at the end of
+each iteration; (2) in "fa3" ptxas hoists the final ``wait_group 0`` up to the ``wait_group 1``
+in SASS, so its softmax does not overlap the PV MMA after all. "ahead" keeps its overlap: the
+SASS of its key loop has the exp2 (MUFU.EX2) of block j between the HGMMA issues of S[j+1] and
+their wait.
+
+K, the shared rope key row and V of each block arrive by TMA (one mbarrier per stage, device-side
+descriptors over exactly the sequence's key rows, so rows past it read zeros) into a ring of
+``STAGES`` buffers; a stage is refilled once both warpgroups have finished the PV MMA that read
+it. The query tile is loaded once into shared memory (wgmma reads A from there). Maths as the
+library's kernel: exp2 domain, scale on the fp32 scores, safe max, masked keys set to ``-inf``
+with ``where``; NaN for rows whose sum is 0 or whose LSE is ``+inf``; a query block with no keys
+gets ``out = 0, lse = -inf``. Only the last key block is masked (non-causal); causal calls also
+mask the diagonal blocks.
+
+Each config is checked against the library's output and LSE on the same inputs (max abs
+difference) and timed with ``triton.testing.do_bench`` (median, :func:`_common.kernel_ms`);
+cuDNN (one batched dense call) is timed on the same keys joined into ``[Tk, H, 192]``. No library
+code changes with it. ``--compile-only`` compiles every config for sm_90a without a GPU and
+reports ptxas registers, spills and whether ptxas serialized the wgmma pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from _common import kernel_ms, write_json
+
+QK, VD, ROPE = 192, 128, 64
+D1 = QK - ROPE
+SCALE = QK ** -0.5
+_LOG2E = 1.4426950408889634
+
+#: name -> (schedule, block_m, block_n, stages, num_warps). 64 query rows per warpgroup.
+#: Schedule 0, "ahead": S[j+1] = Q K[j+1]^T is issued before the softmax of block j, which runs
+#: while it computes; then P[j] V[j] is issued and both are waited for. Schedule 1, "fa3" (the
+#: FlashAttention-3 intra-warpgroup order): S[j] and P[j-1] V[j-1] are issued back to back, S[j]
+#: alone is waited for, and the softmax of block j is meant to run while P[j-1] V[j-1] computes
+#: (ptxas moves the PV wait up, see the module docstring). All compile for sm_90a without
+#: spills or wgmma serialization (--compile-only); 128 x 128 tiles with "ahead" spill (left out).
+SCHEDULES = ("ahead", "fa3")
+CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
+    "ahead_m128_n64_s4": (0, 128, 64, 4, 8),
+    "ahead_m128_n64_s3": (0, 128, 64, 3, 8),
+    "fa3_m128_n64_s4": (1, 128, 64, 4, 8),
+    "fa3_m128_n64_s3": (1, 128, 64, 3, 8),
+    "fa3_m128_n128_s2": (1, 128, 128, 2, 8),
+    "ahead_m64_n64_s2": (0, 64, 64, 2, 4),
+    "fa3_m64_n64_s2": (1, 64, 64, 2, 4),
+}
+DEFAULT_CONFIG = "ahead_m128_n64_s4"
+
+
+@gluon.jit
+def _issue_load(k_desc, r_desc, v_desc, k_s, r_s, v_s, ready, blk, n_blocks,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # TMA of key block `blk` (K, rope, V) into stage blk % STAGES; nothing past the last block.
+    st = blk % STAGES
+    bar = ready.index(st)
+    ok = blk < n_blocks
+    mbarrier.expect(bar, k_desc.block_type.nbytes + r_desc.block_type.nbytes
+                    + v_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], bar, k_s.index(st), pred=ok)
+    tma.async_copy_global_to_shared(r_desc, [blk * BLOCK_N, 0], bar, r_s.index(st), pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], bar, v_s.index(st), pred=ok)
+
+
+@gluon.jit
+def _issue_qk(q1_s, q2_s, k_s, r_s, ready, blk, s_zero, STAGES: gl.constexpr):
+    # S[blk] = Q1 K^T + Q2 R^T, asynchronous: two wgmma groups, returns the accumulator token.
+    st = blk % STAGES
+    mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+    t = warpgroup_mma(q1_s, k_s.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q2_s, r_s.index(st).permute((1, 0)), t, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, blk, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    # Online softmax of one score tile (exp2 domain); the library kernel's rules.
+    if MASKED:
+        cols = blk * BLOCK_N + offs_n
+        visible = gl.expand_dims(cols < kv_len, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _loop_ahead(s, acc, m_i, l_i, lo, hi, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready, k_desc,
+                r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
+                CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                o_layout: gl.constexpr, p_layout: gl.constexpr):
+    # Schedule "ahead", blocks j in [lo, hi), hi < n_blocks. On entry S[j] is complete in
+    # registers and nothing is in flight; the same holds on exit for j = hi.
+    for j in range(lo, hi):
+        t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, j + 1, s_zero, STAGES)
+        # the softmax of block j runs while the tensor cores compute S[j+1]
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, j, offs_m, offs_n, kv_len, MASKED,
+                                      CAUSAL, BLOCK_N)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc_tok = warpgroup_mma(p, v_s.index(j % STAGES), acc, is_async=True)
+        # in flight: S[j+1] (two groups), then P[j] V[j]. Waiting for S[j+1] alone (1 group
+        # left) would leave P[j] V[j] in flight across the back edge, and ptxas then serializes
+        # every wgmma of the kernel (C7514), so this waits for both.
+        s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok, acc_tok, p])
+        # stage j % STAGES is free in this warpgroup; once the other one is done too, refill it
+        gl.thread_barrier()
+        _issue_load(k_desc, r_desc, v_desc, k_s, r_s, v_s, ready, j + STAGES, n_blocks, BLOCK_N,
+                    STAGES)
+    return s, acc, m_i, l_i
+
+
+@gluon.jit
+def _loop_fa3(p, acc, m_i, l_i, lo, hi, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready, k_desc,
+              r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
+    # Schedule "fa3", blocks j in [lo, hi), lo >= 1. On entry P[j-1] (bf16, operand layout) is
+    # in registers, the output holds blocks < j - 1 rescaled to block j - 1's max, and nothing is
+    # in flight; the same holds on exit for j = hi.
+    for j in range(lo, hi):
+        t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, j, s_zero, STAGES)
+        acc_tok = warpgroup_mma(p, v_s.index((j - 1) % STAGES), acc, is_async=True)
+        # in flight: S[j] (two groups), then P[j-1] V[j-1]: wait for S[j] only
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[t_tok])
+        # the softmax of block j runs while the tensor cores compute P[j-1] V[j-1]
+        pf, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, j, offs_m, offs_n, kv_len, MASKED,
+                                       CAUSAL, BLOCK_N)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(pf.to(gl.bfloat16), p_layout)
+        # stage (j - 1) % STAGES is free in this warpgroup; once the other one is done, refill
+        gl.thread_barrier()
+        _issue_load(k_desc, r_desc, v_desc, k_s, r_s, v_s, ready, j - 1 + STAGES, n_blocks,
+                    BLOCK_N, STAGES)
+    return p, acc, m_i, l_i
+
+
+@gluon.jit
+def _gluon_attn_kernel(q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_vt,
+                       stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
+                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                       STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
+                       num_warps: gl.constexpr):
+    # one warpgroup per 64 query rows: wgmma M = 64 per warpgroup
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D1], gl.bfloat16)
+    q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D2], gl.bfloat16)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], gl.bfloat16)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], gl.bfloat16)
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
+
+    # causal: heaviest query blocks first
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(cu_q_ptr + seq)
+    seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    k_start = gl.load(cu_k_ptr + seq)
+    seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
+    if CAUSAL:
+        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M)
+        n_free = gl.minimum(seqlen_k, m0 + 1) // BLOCK_N  # blocks every row sees whole
+    else:
+        kv_end = seqlen_k
+        n_free = seqlen_k // BLOCK_N
+    head64 = head.to(gl.int64)
+
+    io_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    io_ok = gl.expand_dims(m0 + io_rows < seqlen_q, 1)
+    o_ptrs = (out_ptr + (q_start + m0).to(gl.int64) * stride_ot + head64 * stride_oh
+              + gl.expand_dims(io_rows, 1) * stride_ot
+              + gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, io_layout)), 0))
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_rows = gl.arange(0, BLOCK_M, layout=row_o)
+    l_ptrs = (lse_ptr + (q_start + m0).to(gl.int64) * stride_lt + head64 * stride_lh
+              + o_rows * stride_lt)
+    l_ok = m0 + o_rows < seqlen_q
+    if kv_end <= 0:  # no keys: out = 0, lse = -inf
+        gl.store(o_ptrs, gl.zeros([BLOCK_M, DV], gl.bfloat16, io_layout), mask=io_ok)
+        gl.store(l_ptrs, gl.full([BLOCK_M], float("-inf"), gl.float32, row_o), mask=l_ok)
+        return
+    n_blocks = gl.cdiv(kv_end, BLOCK_N)
+
+    # The query tile, once, into shared memory (rows past the sequence read 0, never stored).
+    q_base = q_ptr + (q_start + m0).to(gl.int64) * stride_qt + head64 * stride_qh
+    q_rows = gl.expand_dims(io_rows, 1) * stride_qt
+    q1 = gl.load(q_base + q_rows + gl.expand_dims(
+        gl.arange(0, D1, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok, other=0.0)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D1], q1_sl, q1)
+    q2 = gl.load(q_base + q_rows + D1 + gl.expand_dims(
+        gl.arange(0, D2, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok, other=0.0)
+    q2_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D2], q2_sl, q2)
+
+    # Descriptors over exactly this sequence's key rows (this head): tiles past them read 0.
+    k_desc = tma.make_tensor_descriptor(k_ptr + k_start.to(gl.int64) * stride_kt
+                                        + head64 * stride_kh, shape=[seqlen_k, D1],
+                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, D1],
+                                        layout=k_sl)
+    r_desc = tma.make_tensor_descriptor(r_ptr + k_start.to(gl.int64) * stride_rt,
+                                        shape=[seqlen_k, D2], strides=[stride_rt, 1],
+                                        block_shape=[BLOCK_N, D2], layout=r_sl)
+    v_desc = tma.make_tensor_descriptor(v_ptr + k_start.to(gl.int64) * stride_vt
+                                        + head64 * stride_vh, shape=[seqlen_k, DV],
+                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, DV],
+                                        layout=v_sl)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D1], k_sl)
+    r_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D2], r_sl)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], v_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()  # query stores and barrier inits before the async proxy reads them
+    gl.thread_barrier()
+    for i in gl.static_range(STAGES):
+        _issue_load(k_desc, r_desc, v_desc, k_s, r_s, v_s, ready, i, n_blocks, BLOCK_N, STAGES)
+
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+
+    t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, 0, s_zero, STAGES)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok])
+    last = n_blocks - 1
+    if SCHEDULE == 0:  # "ahead"
+        free_hi = gl.minimum(n_free, last)
+        s, acc, m_i, l_i = _loop_ahead(
+            s, acc, m_i, l_i, 0, free_hi, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready, k_desc,
+            r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_end, False, CAUSAL, BLOCK_N,
+            STAGES, o_layout, p_layout)
+        if CAUSAL:  # the diagonal blocks but the last
+            s, acc, m_i, l_i = _loop_ahead(
+                s, acc, m_i, l_i, free_hi, last, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready,
+                k_desc, r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_end, True, CAUSAL,
+                BLOCK_N, STAGES, o_layout, p_layout)
+        # the last block, always masked
+        pf, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, last, offs_m, offs_n, kv_end, True,
+                                       CAUSAL, BLOCK_N)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    else:  # "fa3"
+        # block 0 (masked: it may be the last or a diagonal one); the output is still 0
+        pf, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, offs_n, kv_end, True,
+                                       CAUSAL, BLOCK_N)
+        p = gl.convert_layout(pf.to(gl.bfloat16), p_layout)
+        free_hi = gl.maximum(gl.minimum(n_free, n_blocks), 1)  # blocks [1, free_hi) unmasked
+        p, acc, m_i, l_i = _loop_fa3(
+            p, acc, m_i, l_i, 1, free_hi, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready, k_desc,
+            r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_end, False, CAUSAL, BLOCK_N,
+            STAGES, o_layout, p_layout)
+        p, acc, m_i, l_i = _loop_fa3(
+            p, acc, m_i, l_i, free_hi, n_blocks, n_blocks, q1_s, q2_s, k_s, r_s, v_s, ready,
+            k_desc, r_desc, v_desc, s_zero, qk_scale, offs_m, offs_n, kv_end, True, CAUSAL,
+            BLOCK_N, STAGES, o_layout, p_layout)
+        pf = p  # P of the last block, already in the operand layout
+    p = gl.convert_layout(pf.to(gl.bfloat16), p_layout)
+    acc_tok = warpgroup_mma(p, v_s.index(last % STAGES), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    # Finish: NaN for a zero sum or an LSE of +inf (the library kernel's rule).
+    l_o = gl.convert_layout(l_i, row_o)
+    lse2 = gl.convert_layout(m_i, row_o) + gl.log2(l_o)
+    bad = (l_o == 0.0) | (lse2 == float("inf"))
+    o = acc * gl.expand_dims(1.0 / l_o, 1)
+    o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
+    lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)
+    gl.store(o_ptrs, gl.convert_layout(o.to(gl.bfloat16), io_layout), mask=io_ok)
+    gl.store(l_ptrs, lse, mask=l_ok)
+
+
+def gluon_attention(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, v: torch.Tensor,
+                    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, causal: bool = False,
+                    config: str = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """q bf16 [Tq, H, 192], k [Tk, H, 128], rope [Tk, 64] (shared by the heads), v [Tk, H, 128],
+    cu_q / cu_k int32 [num_seqs + 1] on the device, max_q a host int. Returns out bf16
+    [Tq, H, 128] and lse float32 [Tq, H] (natural log), softmax scale 192 ** -0.5."""
+    schedule, bm, bn, stages, warps = CONFIGS[config]
+    tq, h = q.shape[:2]
+    if (q.shape[2], k.shape[2], rope.shape[-1], v.shape[2]) != (QK, D1, ROPE, VD):
+        raise ValueError(f"need q [Tq, H, {QK}], k [Tk, H, {D1}], rope [Tk, {ROPE}], "
+                         f"v [Tk, H, {VD}]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(rope.shape)}, {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("rope", rope), ("v", v)):
+        if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be bf16 with a contiguous last dim")
+        if t.data_ptr() % 16 or any(st * 2 % 16 for st in t.stride()[:-1]):
+            raise ValueError(f"{name}: TMA needs 16-byte aligned base and strides")
+    out = torch.empty(tq, h, VD, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tq, h, dtype=torch.float32, device=q.device)
+    num_seqs = cu_q.shape[0] - 1
+    if tq == 0 or h == 0 or num_seqs == 0 or max_q == 0:
+        return out, lse
+    if k.shape[0] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    from mlaprefill.kernels._triton import ensure_allocator
+
+    ensure_allocator()  # device-side tensor descriptors need global scratch
+    grid = (triton.cdiv(max_q, bm), num_seqs, h)
+    _gluon_attn_kernel[grid](
+        q, k, rope, v, out, lse, cu_q, cu_k, SCALE * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), rope.stride(0), v.stride(0),
+        v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, D1=D1, D2=ROPE, DV=VD, STAGES=stages,
+        SCHEDULE=schedule, num_warps=warps)
+    return out, lse
+
+
+def run(names: list[str], causal_too: bool) -> dict[str, Any]:
+    from attention_variants import SHAPES
+    from mlaprefill.backends.cudnn import dense_cudnn_attention
+    from mlaprefill.kernels.attention import varlen_attention
+
+    rows = []
+    for h, nr, sq, sk, causal in SHAPES:
+        if causal and not causal_too:
+            continue
+        if causal:
+            sk = sq
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(nr * sq, h, QK, device="cuda", dtype=torch.bfloat16, generator=g)
+        kn = torch.randn(nr * sk, h, D1, device="cuda", dtype=torch.bfloat16, generator=g)
+        rope = torch.randn(nr * sk, ROPE, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(nr * sk, h, VD, device="cuda", dtype=torch.bfloat16, generator=g)
+        joined = torch.cat([kn, rope[:, None].expand(-1, h, -1)], dim=-1)
+        cu_q = torch.arange(nr + 1, device="cuda", dtype=torch.int32) * sq
+        cu_k = torch.arange(nr + 1, device="cuda", dtype=torch.int32) * sk
+        keys = sq * (sq + 1) / 2 if causal else sq * sk
+        flops = 2 * nr * keys * h * (QK + VD)
+
+        def lib() -> Any:
+            return varlen_attention(q, kn, v, cu_q, cu_k, max_seqlen_q=sq, causal=causal,
+                                    softmax_scale=SCALE, k_rope=rope)
+
+        def cudnn() -> Any:
+            return dense_cudnn_attention(q, joined, v, 0, 0, nr, sq, sk, causal=causal,
+                                         softmax_scale=SCALE)
+
+        ref_out, ref_lse = lib()
+        entry: dict[str, Any] = {"heads": h, "num_reqs": nr, "q_len": sq, "k_len": sk,
+                                 "causal": causal, "configs": {}}
+        for name, fn in (("library", lib), ("cudnn", cudnn)):
+            fn()
+            torch.cuda.synchronize()
+            ms = kernel_ms(fn, warmup=5, rep=60)["median_ms"]
+            entry[f"{name}_ms"] = ms
+            entry[f"{name}_tflops"] = flops / ms / 1e9
+        c_out, c_lse = cudnn()
+        entry["cudnn_out_max_abs_diff"] = (c_out.float() - ref_out.float()).abs().max().item()
+        entry["cudnn_lse_max_abs_diff"] = (c_lse - ref_lse).abs().max().item()
+        print(f"H={h:>3} {nr:>2}x q={sq:<5} k={sk:<6} causal={causal!s:<5} library "
+              f"{entry['library_ms']:.3f} ms ({entry['library_tflops']:.0f} TFLOP/s)  cudnn "
+              f"{entry['cudnn_ms']:.3f} ms ({entry['cudnn_tflops']:.0f})", flush=True)
+        for name in names:
+            rec: dict[str, Any] = {}
+
+            def fn(name: str = name) -> Any:
+                return gluon_attention(q, kn, rope, v, cu_q, cu_k, sq, causal, name)
+            try:
+                t0 = time.perf_counter()
+                out, lse = fn()
+                torch.cuda.synchronize()
+                rec["first_call_s"] = time.perf_counter() - t0
+                rec["out_max_abs_diff"] = (out.float() - ref_out.float()).abs().max().item()
+                rec["lse_max_abs_diff"] = (lse - ref_lse).abs().max().item()
+                rec["ms"] = kernel_ms(fn, warmup=5, rep=60)["median_ms"]
+                rec["tflops"] = flops / rec["ms"] / 1e9
+                rec["over_library"] = rec["ms"] / entry["library_ms"]
+                rec["over_cudnn"] = rec["ms"] / entry["cudnn_ms"]
+            except Exception as exc:  # a config that does not compile, fit or run
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            entry["configs"][name] = rec
+            print(f"    {name:<20}" + (
+                f" {rec['ms']:.3f} ms {rec['tflops']:.0f} TFLOP/s  x{rec['over_library']:.3f} "
+                f"library  x{rec['over_cudnn']:.3f} cudnn  diff out {rec['out_max_abs_diff']:.1e} "
+                f"lse {rec['lse_max_abs_diff']:.1e}" if "ms" in rec else f" {rec['error']}"),
+                flush=True)
+        rows.append(entry)
+        q = kn = rope = v = joined = ref_out = ref_lse = c_out = c_lse = None
+        torch.cuda.empty_cache()
+    return {"rows": rows, "flops_formula": "2 * sum_r(q_r * keys_r) * H * (192 + 128)",
+            "configs": {n: dict(zip(("schedule", "block_m", "block_n", "stages", "num_warps"),
+                                    CONFIGS[n], strict=True)) for n in names}}
+
+
+def edge_cases(name: str) -> dict[str, Any]:
+    """Ragged sequences (a tail block, an empty key range, a one-row query) against the
+    library's kernel: max abs differences over the rows both define, and whether the empty
+    sequence's rows are out = 0, lse = -inf."""
+    from mlaprefill.kernels.attention import varlen_attention
+
+    h, lens_q, lens_k = 2, [130, 64, 1, 200], [200, 0, 70, 333]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, h, QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    kn = torch.randn(tk, h, D1, device="cuda", dtype=torch.bfloat16, generator=g)
+    rope = torch.randn(tk, ROPE, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(tk, h, VD, device="cuda", dtype=torch.bfloat16, generator=g)
+    res: dict[str, Any] = {"lens_q": lens_q, "lens_k": lens_k}
+    for causal in (False, True):
+        ck = cu_q if causal else cu_k
+        kk, rr, vv = (kn[:tq], rope[:tq], v[:tq]) if causal else (kn, rope, v)
+        ref_out, ref_lse = varlen_attention(q, kk, vv, cu_q, ck, max_seqlen_q=max(lens_q),
+                                            causal=causal, softmax_scale=SCALE, k_rope=rr)
+        try:
+            out, lse = gluon_attention(q, kk, rr, vv, cu_q, ck, max(lens_q), causal, name)
+            torch.cuda.synchronize()
+            fin = torch.isfinite(ref_lse)
+            rec = {"out_max_abs_diff": (out.float() - ref_out.float()).abs().max().item(),
+                   "lse_max_abs_diff_finite": (lse[fin] - ref_lse[fin]).abs().max().item(),
+                   "nonfinite_lse_match": bool(torch.equal(lse[~fin], ref_lse[~fin]))}
+        except Exception as exc:
+            rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        res["causal" if causal else "non_causal"] = rec
+    return res
+
+
+def compile_only(names: list[str]) -> dict[str, Any]:
+    """Compile each config for sm_90a without a GPU (non-causal and causal) and run the bundled
+    ptxas on the PTX: registers, spills, and whether ptxas serialized the wgmma pipeline
+    (advisories C7514 / C7515)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _gluon_attn_kernel
+    ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "r_ptr": "*bf16", "v_ptr": "*bf16",
+                 "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    sig = {a: ptr_types.get(a, "i32" if a.startswith("stride") else "constexpr")
+           for a in fn.arg_names}
+    sig["qk_scale"] = "fp32"
+    # what the JIT specializes on the device: 16-divisible pointers and strides (lse strides
+    # left out: they are H and 1)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or (a.startswith("stride") and a[-2:] not in ("lt", "lh"))}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    result: dict[str, Any] = {}
+    for name in names:
+        schedule, bm, bn, stages, warps = CONFIGS[name]
+        for causal in (False, True):
+            consts = {"CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn, "D1": D1, "D2": ROPE,
+                      "DV": VD, "STAGES": stages, "SCHEDULE": schedule, "num_warps": warps}
+            key = f"{name}{'_causal' if causal else ''}"
+            try:
+                kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs),
+                                        target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": warps, "num_stages": 1})
+                with tempfile.TemporaryDirectory() as tmp:
+                    ptx = os.path.join(tmp, "k.ptx")
+                    with open(ptx, "w") as fh:
+                        fh.write(kernel.asm["ptx"])
+                    log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                                          os.path.join(tmp, "k.cubin")],
+                                         capture_output=True, text=True, check=True).stderr
+                regs = re.search(r"Used (\d+) registers", log)
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                rec = {"registers": int(regs.group(1)) if regs else None,
+                       "spill_store_bytes": int(spill.group(1)) if spill else None,
+                       "spill_load_bytes": int(spill.group(2)) if spill else None,
+                       "shared_bytes": kernel.metadata.shared,
+                       "wgmma_serialized": "C7514" in log or "C7515" in log}
+            except Exception as exc:
+                rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            result[key] = rec
+            print(f"{key:<28} {rec}", flush=True)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON output path")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configs")
+    ap.add_argument("--no-causal", action="store_true", help="skip the causal shapes")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile for sm_90a and report ptxas (no GPU needed)")
+    args = ap.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+    if args.compile_only:
+        write_json(args.out, {"benchmark": "gluon_attention_compile", "argv": sys.argv,
+                              "triton": triton.__version__, "ptxas": compile_only(names)})
+        return 0
+    from mlaprefill._env import machine_info, utc_now
+
+    edges = {name: edge_cases(name) for name in names}
+    for name, rec in edges.items():
+        print(f"edge cases {name}: {rec}", flush=True)
+    result = {"benchmark": "gluon_attention", "argv": sys.argv,
+              "date_utc": utc_now(offset=True), "machine": machine_info(torch.device("cuda")),
+              "triton": triton.__version__, "edge_cases": edges,
+              **run(names, not args.no_causal)}
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
