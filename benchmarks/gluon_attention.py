@@ -36,6 +36,37 @@ with ``where``; NaN for rows whose sum is 0 or whose LSE is ``+inf``; a query bl
 gets ``out = 0, lse = -inf``. Only the last key block is masked (non-causal); causal calls also
 mask the diagonal blocks.
 
+Schedules "ws" and "ws_ahead" (``_gluon_attn_ws_kernel``) use Gluon's warp specialization
+(``gl.warp_specialize``), FlashAttention-3 style, for the lockstep the schedules above have: their
+two warpgroups share one instruction stream, so Triton puts CTA-wide ``bar.sync`` around every
+TMA refill and both warpgroups wait for each other. Here a 128-row query tile is split into three
+partitions: the default one (``num_warps = 4``) is consumer warpgroup 0 (rows 0-63), a 4-warp
+worker is consumer warpgroup 1 (rows 64-127), and a 1-warp worker is the TMA producer (12 warps
+in all: the producer warp is padded to a warpgroup). The producer fills a ``STAGES``-deep ring of
+K / rope / V buffers, waiting on an "empty" mbarrier per stage (count 2) and arming a "ready"
+mbarrier per stage with the expected bytes (it also makes the device-side descriptors, so the
+tensormap fences run in the warp that issues the copies); each consumer loads its own 64 query
+rows into its own shared buffer, waits on "ready", runs the MMAs and the softmax with its own m /
+l / O, and arrives once on "empty" after the P V MMA that read the stage. The consumers never
+wait for each other except through "empty" (the producer needs both releases to refill a stage),
+so one warpgroup's softmax can run while the other's wgmma compute (ping-pong left to the warp
+scheduler: no named-barrier ordering as in FA3). "ws" runs each block serially inside a
+warpgroup (S, wait, softmax, P V, wait, release); "ws_ahead" uses the "ahead" order inside each
+warpgroup as well. The kernel is launched with ``maxnreg = 168`` and ``setmaxnreg`` gives the
+producer warpgroup 24 registers and each consumer warpgroup 240. Every CTA enters the
+warp-specialized region (no early return); a query block past its sequence or without keys has
+``n_blocks = 0``, so the producer issues nothing and the consumers only store ``out = 0,
+lse = -inf`` (masked). The maths is the code above (``_softmax``, the same masked blocks, the same
+finish), causal included. Checked without a GPU only (``--compile-only``, Triton 3.6, ptxas
+sm_90a): all four configs compile, causal and non-causal, with no spills and no wgmma
+serialization; the SASS has ``USETMAXREG`` (24 / 240), CTA-wide ``BAR.SYNC 0x1`` only at the
+entry and exit of the warp-specialized region, and in each consumer's key loop only
+warpgroup-local named barriers (``BAR.SYNC 0x0, 0x80`` / ``0x2, 0x80``: Triton puts one before
+each mbarrier wait and one before each single-thread arrive), ``SYNCS`` mbarrier waits and
+arrives, and ``HGMMA`` issues each followed by ``WARPGROUP.DEPBAR``; in "ws_ahead" the
+``MUFU.EX2`` of block j sit between the ``HGMMA`` issues of S[j+1] and their ``DEPBAR``. Neither
+correctness nor speed of the "ws" schedules has been measured on a GPU yet.
+
 Each config is checked against the library's output and LSE on the same inputs (max abs
 difference) and timed with ``triton.testing.do_bench`` (median, :func:`_common.kernel_ms`);
 cuDNN (one batched dense call) is timed on the same keys joined into ``[Tk, H, 192]``. No library
@@ -76,7 +107,9 @@ _LOG2E = 1.4426950408889634
 #: alone is waited for, and the softmax of block j is meant to run while P[j-1] V[j-1] computes
 #: (ptxas moves the PV wait up, see the module docstring). All compile for sm_90a without
 #: spills or wgmma serialization (--compile-only); 128 x 128 tiles with "ahead" spill (left out).
-SCHEDULES = ("ahead", "fa3")
+#: Schedules 2 "ws" and 3 "ws_ahead": warp-specialized (module docstring); num_warps is the
+#: default partition's (one consumer warpgroup), 12 warps run in all.
+SCHEDULES = ("ahead", "fa3", "ws", "ws_ahead")
 CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "ahead_m128_n64_s4": (0, 128, 64, 4, 8),
     "ahead_m128_n64_s3": (0, 128, 64, 3, 8),
@@ -85,6 +118,10 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "fa3_m128_n128_s2": (1, 128, 128, 2, 8),
     "ahead_m64_n64_s2": (0, 64, 64, 2, 4),
     "fa3_m64_n64_s2": (1, 64, 64, 2, 4),
+    "ws_m128_n64_s4": (2, 128, 64, 4, 4),
+    "ws_m128_n64_s3": (2, 128, 64, 3, 4),
+    "ws_ahead_m128_n64_s4": (3, 128, 64, 4, 4),
+    "ws_m128_n128_s2": (2, 128, 128, 2, 4),
 }
 DEFAULT_CONFIG = "ahead_m128_n64_s4"
 
@@ -330,6 +367,280 @@ def _gluon_attn_kernel(q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, c
     gl.store(l_ptrs, lse, mask=l_ok)
 
 
+# ---------------------------------------------------------------------------------------------
+# Warp-specialized schedules ("ws", "ws_ahead"): a 1-warp TMA producer partition and two
+# independent 4-warp consumer partitions (64 query rows each). See the module docstring.
+
+#: registers per thread: the kernel is launched with _WS_MAXNREG (12 warps: 4 default + 4 + 1
+#: padded to a warpgroup, 12 * 32 * 168 <= 64 K); setmaxnreg then gives the producer warpgroup
+#: _WS_PRODUCER_REGS and the consumer warpgroups what is left (_WS_CONSUMER_REGS each:
+#: 24 + 2 * 240 = 3 * 168).
+_WS_MAXNREG = 168
+_WS_CONSUMER_REGS = gl.constexpr(240)
+_WS_PRODUCER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _ws_producer(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                 stride_rt, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty, n_blocks,
+                 BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                 STAGES: gl.constexpr):
+    # One warp. Key block `blk` goes to stage st = blk % STAGES in round rnd = blk // STAGES.
+    # Phase bookkeeping (mbarrier.wait(bar, parity) returns once the phase with that parity has
+    # completed; a fresh barrier counts as having completed parity 1):
+    #   empty[st] (count 2: one arrive per consumer warpgroup) completes its phase rnd - 1 when
+    #   both consumers have finished the P V MMA of block blk - STAGES. Round 0 waits parity 1:
+    #   passes at once (the ring starts empty); round rnd waits parity (rnd - 1) & 1.
+    #   ready[st] (count 1 + TMA bytes) completes phase rnd when the three copies of block blk
+    #   land; consumers wait parity rnd & 1.
+    # Neither barrier can run two phases ahead of a waiter: the producer cannot refill st before
+    # both consumers release it, and a consumer cannot release st for round rnd + 1 before the
+    # producer filled it, which needed both releases of round rnd. Each partition loops over
+    # exactly n_blocks blocks (the same scalar), so every expect has its copies, every
+    # consumer wait its fill, and every producer wait its two arrives.
+    #
+    # The descriptors are made here, in the warp that uses them (Triton's tensormap release /
+    # acquire fences run in the creating warp), over exactly this sequence's key rows (at least
+    # one row, so that a sequence without keys still gets a well-formed descriptor; nothing is
+    # loaded then): tiles past them read zeros.
+    head64 = head.to(gl.int64)
+    k_rows = gl.maximum(seqlen_k, 1)
+    k_desc = tma.make_tensor_descriptor(k_ptr + k_start.to(gl.int64) * stride_kt
+                                        + head64 * stride_kh, shape=[k_rows, D1],
+                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, D1],
+                                        layout=k_s.type.layout)
+    r_desc = tma.make_tensor_descriptor(r_ptr + k_start.to(gl.int64) * stride_rt,
+                                        shape=[k_rows, D2], strides=[stride_rt, 1],
+                                        block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + k_start.to(gl.int64) * stride_vt
+                                        + head64 * stride_vh, shape=[k_rows, DV],
+                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, DV],
+                                        layout=v_s.type.layout)
+    nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
+                            + v_desc.block_type.nbytes)
+    for blk in range(n_blocks):
+        st = blk % STAGES
+        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)
+        bar = ready.index(st)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], bar, k_s.index(st))
+        tma.async_copy_global_to_shared(r_desc, [blk * BLOCK_N, 0], bar, r_s.index(st))
+        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], bar, v_s.index(st))
+
+
+@gluon.jit
+def _ws_pv(p, acc, alpha, v_s, empty, blk, STAGES: gl.constexpr, o_layout: gl.constexpr,
+           p_layout: gl.constexpr):
+    # O = O * alpha + P V[blk], waited for; then stage blk % STAGES is released (this warpgroup's
+    # one arrive on empty: the wgmma that read K, rope and V of the stage are all complete).
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    st = blk % STAGES
+    acc_tok = warpgroup_mma(p, v_s.index(st), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
+    mbarrier.arrive(empty.index(st), count=1)
+    return acc
+
+
+@gluon.jit
+def _ws_loop_serial(acc, m_i, l_i, lo, hi, q1_s, q2_s, k_s, r_s, v_s, ready, empty, s_zero,
+                    qk_scale, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
+                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+    # "ws": per block S = Q K^T (waited), softmax, O += P V (waited), release. Nothing overlaps
+    # inside the warpgroup; the other consumer warpgroup's MMAs fill the gaps.
+    for j in range(lo, hi):
+        t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, j, s_zero, STAGES)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok])
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, j, offs_m, offs_n, kv_len, MASKED,
+                                      CAUSAL, BLOCK_N)
+        acc = _ws_pv(p, acc, alpha, v_s, empty, j, STAGES, o_layout, p_layout)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_loop_ahead(s, acc, m_i, l_i, lo, hi, q1_s, q2_s, k_s, r_s, v_s, ready, empty, s_zero,
+                   qk_scale, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
+                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   o_layout: gl.constexpr, p_layout: gl.constexpr):
+    # "ws_ahead": schedule "ahead" inside each consumer warpgroup, blocks j in [lo, hi),
+    # hi < n_blocks. On entry S[j] is complete in registers; S[j+1] is issued before the
+    # softmax of block j, then P[j] V[j], and both are waited for before block j's release.
+    for j in range(lo, hi):
+        t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, j + 1, s_zero, STAGES)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, j, offs_m, offs_n, kv_len, MASKED,
+                                      CAUSAL, BLOCK_N)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc_tok = warpgroup_mma(p, v_s.index(j % STAGES), acc, is_async=True)
+        s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok, acc_tok, p])
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+    return s, acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt, stride_qh,
+                 stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free, n_blocks, qk_scale,
+                 q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                 D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                 INNER: gl.constexpr):
+    # One consumer warpgroup (4 warps): query rows m0 + 64 * WG + [0, 64) of the tile, its own
+    # Q buffer, m, l and O; it meets the other warpgroup only through the empty barriers.
+    WM: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    r0 = m0 + WG * WM
+    head64 = head.to(gl.int64)
+    io_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, io_layout))
+    io_ok = gl.expand_dims(r0 + io_rows < seqlen_q, 1)
+    o_ptrs = (out_ptr + (q_start + r0).to(gl.int64) * stride_ot + head64 * stride_oh
+              + gl.expand_dims(io_rows, 1) * stride_ot
+              + gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, io_layout)), 0))
+    o_rows = gl.arange(0, WM, layout=row_o)
+    l_ptrs = (lse_ptr + (q_start + r0).to(gl.int64) * stride_lt + head64 * stride_lh
+              + o_rows * stride_lt)
+    l_ok = r0 + o_rows < seqlen_q
+    if n_blocks > 0:
+        # this warpgroup's query rows into its Q buffer (rows past the sequence read 0)
+        q_base = q_ptr + (q_start + r0).to(gl.int64) * stride_qt + head64 * stride_qh
+        q_rows = gl.expand_dims(io_rows, 1) * stride_qt
+        q1 = gl.load(q_base + q_rows + gl.expand_dims(
+            gl.arange(0, D1, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok, other=0.0)
+        q2 = gl.load(q_base + q_rows + D1 + gl.expand_dims(
+            gl.arange(0, D2, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok, other=0.0)
+        q1w = q1_s.index(WG)
+        q2w = q2_s.index(WG)
+        q1w.store(q1)
+        q2w.store(q2)
+        fence_async_shared()  # generic-proxy stores before wgmma reads them
+        gl.thread_barrier()  # this partition's warps only (once, before the key loop)
+
+        offs_m = r0 + gl.arange(0, WM, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([WM, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([WM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([WM, DV], gl.float32, o_layout)
+        last = n_blocks - 1
+        if INNER == 0:  # "ws"
+            free_hi = gl.minimum(n_free, n_blocks)  # blocks [0, free_hi) need no mask
+            acc, m_i, l_i = _ws_loop_serial(
+                acc, m_i, l_i, 0, free_hi, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
+                qk_scale, offs_m, offs_n, kv_end, False, CAUSAL, BLOCK_N, STAGES, o_layout,
+                p_layout)
+            acc, m_i, l_i = _ws_loop_serial(
+                acc, m_i, l_i, free_hi, n_blocks, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
+                qk_scale, offs_m, offs_n, kv_end, True, CAUSAL, BLOCK_N, STAGES, o_layout,
+                p_layout)
+        else:  # "ws_ahead"
+            t_tok = _issue_qk(q1w, q2w, k_s, r_s, ready, 0, s_zero, STAGES)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok])
+            free_hi = gl.minimum(n_free, last)
+            s, acc, m_i, l_i = _ws_loop_ahead(
+                s, acc, m_i, l_i, 0, free_hi, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
+                qk_scale, offs_m, offs_n, kv_end, False, CAUSAL, BLOCK_N, STAGES, o_layout,
+                p_layout)
+            if CAUSAL:  # the diagonal blocks but the last
+                s, acc, m_i, l_i = _ws_loop_ahead(
+                    s, acc, m_i, l_i, free_hi, last, q1w, q2w, k_s, r_s, v_s, ready, empty,
+                    s_zero, qk_scale, offs_m, offs_n, kv_end, True, CAUSAL, BLOCK_N, STAGES,
+                    o_layout, p_layout)
+            # the last block, always masked
+            p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, last, offs_m, offs_n, kv_end,
+                                          True, CAUSAL, BLOCK_N)
+            acc = _ws_pv(p, acc, alpha, v_s, empty, last, STAGES, o_layout, p_layout)
+
+        # Finish: NaN for a zero sum or an LSE of +inf (the library kernel's rule).
+        l_o = gl.convert_layout(l_i, row_o)
+        lse2 = gl.convert_layout(m_i, row_o) + gl.log2(l_o)
+        bad = (l_o == 0.0) | (lse2 == float("inf"))
+        o = acc * gl.expand_dims(1.0 / l_o, 1)
+        o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
+        lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)
+        gl.store(o_ptrs, gl.convert_layout(o.to(gl.bfloat16), io_layout), mask=io_ok)
+        gl.store(l_ptrs, lse, mask=l_ok)
+    else:  # no keys (or a query block past the sequence: every store masked off)
+        gl.store(o_ptrs, gl.zeros([WM, DV], gl.bfloat16, io_layout), mask=io_ok)
+        gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
+
+
+@gluon.jit
+def _gluon_attn_ws_kernel(q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                          qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt,
+                          stride_vt, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
+                          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                          STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
+                          num_warps: gl.constexpr):
+    # num_warps = 4: the default partition is consumer warpgroup 0; workers: consumer warpgroup
+    # 1 (4 warps) and the TMA producer (1 warp). No early return: every CTA enters the
+    # warp-specialized region with n_blocks (0 for a query block past the sequence or without
+    # keys), and all three partitions loop over exactly n_blocks key blocks.
+    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    WM: gl.constexpr = 64
+    q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D1], gl.bfloat16)
+    q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D2], gl.bfloat16)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], gl.bfloat16)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], gl.bfloat16)
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
+
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(cu_q_ptr + seq)
+    seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    k_start = gl.load(cu_k_ptr + seq)
+    seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
+    if CAUSAL:
+        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M)
+        n_free = gl.minimum(seqlen_k, m0 + 1) // BLOCK_N  # blocks every row sees whole
+    else:
+        kv_end = seqlen_k
+        n_free = seqlen_k // BLOCK_N
+    n_blocks = gl.cdiv(kv_end, BLOCK_N) * (m0 < seqlen_q).to(gl.int32)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [2, WM, D1], q1_sl)
+    q2_s = gl.allocate_shared_memory(gl.bfloat16, [2, WM, D2], q2_sl)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D1], k_sl)
+    r_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D2], r_sl)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], v_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA bytes complete it
+        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+
+    INNER: gl.constexpr = SCHEDULE - 2  # 0: "ws", 1: "ws_ahead"
+    gl.warp_specialize([
+        (_ws_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                        stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
+                        n_blocks, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 0, CAUSAL,
+                        BLOCK_N, D1, D2, DV, STAGES, INNER)),
+        (_ws_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                        stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
+                        n_blocks, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 1, CAUSAL,
+                        BLOCK_N, D1, D2, DV, STAGES, INNER)),
+        (_ws_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                        stride_rt, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty, n_blocks,
+                        BLOCK_N, D1, D2, DV, STAGES)),
+    ], [4, 1], [_WS_CONSUMER_REGS, _WS_PRODUCER_REGS])
+
+
+def _kernel_for(schedule: int) -> tuple[Any, dict[str, int]]:
+    """The kernel of a schedule and its extra launch / compile options."""
+    if schedule >= 2:  # warp-specialized: 12 warps in all, registers reallocated per partition
+        return _gluon_attn_ws_kernel, {"maxnreg": _WS_MAXNREG}
+    return _gluon_attn_kernel, {}
+
+
 def gluon_attention(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, v: torch.Tensor,
                     cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, causal: bool = False,
                     config: str = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,12 +671,13 @@ def gluon_attention(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, v: tor
 
     ensure_allocator()  # device-side tensor descriptors need global scratch
     grid = (triton.cdiv(max_q, bm), num_seqs, h)
-    _gluon_attn_kernel[grid](
+    kernel, extra = _kernel_for(schedule)
+    kernel[grid](
         q, k, rope, v, out, lse, cu_q, cu_k, SCALE * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), rope.stride(0), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, D1=D1, D2=ROPE, DV=VD, STAGES=stages,
-        SCHEDULE=schedule, num_warps=warps)
+        SCHEDULE=schedule, num_warps=warps, **extra)
     return out, lse
 
 
@@ -482,10 +794,11 @@ def edge_cases(name: str) -> dict[str, Any]:
     return res
 
 
-def compile_only(names: list[str]) -> dict[str, Any]:
+def compile_only(names: list[str], dump_dir: str | None = None) -> dict[str, Any]:
     """Compile each config for sm_90a without a GPU (non-causal and causal) and run the bundled
     ptxas on the PTX: registers, spills, and whether ptxas serialized the wgmma pipeline
-    (advisories C7514 / C7515)."""
+    (advisories C7514 / C7515). ``dump_dir``: also write each config's PTX and cubin there (for
+    ``cuobjdump -sass``)."""
     import os
     import re
     import subprocess
@@ -494,20 +807,21 @@ def compile_only(names: list[str]) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = _gluon_attn_kernel
     ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "r_ptr": "*bf16", "v_ptr": "*bf16",
                  "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-    sig = {a: ptr_types.get(a, "i32" if a.startswith("stride") else "constexpr")
-           for a in fn.arg_names}
-    sig["qk_scale"] = "fp32"
-    # what the JIT specializes on the device: 16-divisible pointers and strides (lse strides
-    # left out: they are H and 1)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if sig[a].startswith("*") or (a.startswith("stride") and a[-2:] not in ("lt", "lh"))}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     result: dict[str, Any] = {}
     for name in names:
         schedule, bm, bn, stages, warps = CONFIGS[name]
+        fn, extra = _kernel_for(schedule)
+        sig = {a: ptr_types.get(a, "i32" if a.startswith("stride") else "constexpr")
+               for a in fn.arg_names}
+        sig["qk_scale"] = "fp32"
+        # what the JIT specializes on the device: 16-divisible pointers and strides (lse
+        # strides left out: they are H and 1)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if sig[a].startswith("*")
+                 or (a.startswith("stride") and a[-2:] not in ("lt", "lh"))}
         for causal in (False, True):
             consts = {"CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn, "D1": D1, "D2": ROPE,
                       "DV": VD, "STAGES": stages, "SCHEDULE": schedule, "num_warps": warps}
@@ -515,7 +829,7 @@ def compile_only(names: list[str]) -> dict[str, Any]:
             try:
                 kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs),
                                         target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": warps, "num_stages": 1})
+                                        options={"num_warps": warps, "num_stages": 1, **extra})
                 with tempfile.TemporaryDirectory() as tmp:
                     ptx = os.path.join(tmp, "k.ptx")
                     with open(ptx, "w") as fh:
@@ -523,6 +837,12 @@ def compile_only(names: list[str]) -> dict[str, Any]:
                     log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o",
                                           os.path.join(tmp, "k.cubin")],
                                          capture_output=True, text=True, check=True).stderr
+                    if dump_dir:
+                        os.makedirs(dump_dir, exist_ok=True)
+                        for ext in ("ptx", "cubin"):
+                            with open(os.path.join(tmp, f"k.{ext}"), "rb") as src_fh, \
+                                    open(os.path.join(dump_dir, f"{key}.{ext}"), "wb") as dst:
+                                dst.write(src_fh.read())
                 regs = re.search(r"Used (\d+) registers", log)
                 spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                 rec = {"registers": int(regs.group(1)) if regs else None,
@@ -530,6 +850,10 @@ def compile_only(names: list[str]) -> dict[str, Any]:
                        "spill_load_bytes": int(spill.group(2)) if spill else None,
                        "shared_bytes": kernel.metadata.shared,
                        "wgmma_serialized": "C7514" in log or "C7515" in log}
+                setmaxnreg = sorted({int(n) for n in re.findall(
+                    r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])})
+                if setmaxnreg:  # warp-specialized: the register counts partitions switch to
+                    rec["setmaxnreg"] = setmaxnreg
             except Exception as exc:
                 rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             result[key] = rec
@@ -544,6 +868,7 @@ def main() -> int:
     ap.add_argument("--no-causal", action="store_true", help="skip the causal shapes")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile for sm_90a and report ptxas (no GPU needed)")
+    ap.add_argument("--dump-dir", help="with --compile-only: write each config's PTX and cubin")
     args = ap.parse_args()
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
@@ -551,7 +876,8 @@ def main() -> int:
         ap.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
     if args.compile_only:
         write_json(args.out, {"benchmark": "gluon_attention_compile", "argv": sys.argv,
-                              "triton": triton.__version__, "ptxas": compile_only(names)})
+                              "triton": triton.__version__,
+                              "ptxas": compile_only(names, args.dump_dir)})
         return 0
     from mlaprefill._env import machine_info, utc_now
 
