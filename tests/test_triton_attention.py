@@ -717,3 +717,22 @@ def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     assert not small.wants_joined_keys(half, 16, False)     # context: 512 < the few-heads floor
     assert small.wants_joined_keys(half, 128, False)
     assert HybridBackend(big_work=1, min_queries_per_key=384).wants_joined_keys(half, 16, False)
+
+
+def test_hopper_kernel_declines_what_it_cannot_run(monkeypatch):
+    """The Gluon kernel's gate: a clear reason for every call it cannot run (host metadata
+    only), so varlen_attention runs the Triton kernel there; ENABLED=False turns it off."""
+    from mlaprefill.kernels import hopper_attention as ha
+
+    q = torch.zeros(4, 2, 192, dtype=torch.bfloat16)
+    k = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    rope = torch.zeros(4, 64, dtype=torch.bfloat16)
+    v = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    why = ha.unsupported_reason(q, k, v, rope)
+    assert why is not None
+    assert ("CUDA device" in why) if ha.HAS_GLUON else ("Gluon" in why)
+    monkeypatch.setattr(ha, "ENABLED", False)
+    assert "disabled" in ha.unsupported_reason(q, k, v, rope)
+    assert ha.BLOCK_M % 128 == 0 and ha.BLOCK_N % 64 == 0  # hybrid's rectangles divide them
+    from mlaprefill.backends.hybrid import K_ALIGN, Q_ALIGN
+    assert Q_ALIGN % ha.BLOCK_M == 0 and K_ALIGN % ha.BLOCK_N == 0

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaprefill.kernels import hopper_attention
 from mlaprefill.kernels._triton import (
     HAS_TRITON,
     cdiv,
@@ -433,8 +434,8 @@ if HAS_TRITON:
 
 
 def num_compiled_kernels() -> int | None:
-    """Binaries of the attention kernel compiled in this process so far (all devices), or None
-    where this Triton does not expose its JIT cache.
+    """Binaries of the attention kernels (the Triton one and the Hopper Gluon one) compiled in
+    this process so far (all devices), or None where this Triton does not expose its JIT cache.
 
     The kernel is compiled once per (dtype, head dims, causal, config) and never per sequence
     length: lengths are read from ``cu_seqlens`` on the device, and every host int it takes
@@ -443,12 +444,13 @@ def num_compiled_kernels() -> int | None:
     if not HAS_TRITON:
         return None
     kernel = _varlen_attention_kernel
+    hopper = hopper_attention.num_compiled_kernels()
     caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (cache, ...)
     if isinstance(caches, dict):
-        return sum(len(entry[0]) for entry in caches.values())
+        return sum(len(entry[0]) for entry in caches.values()) + hopper
     cache = getattr(kernel, "cache", None)  # older Triton: device -> {key: binary}
     if isinstance(cache, dict):
-        return sum(len(c) for c in cache.values())
+        return sum(len(c) for c in cache.values()) + hopper
     return None
 
 
@@ -599,7 +601,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         Query ``i`` of a sequence attends keys ``0..i`` (top-left; equal lengths per sequence).
     softmax_scale : float, > 0
     config : AttentionConfig, optional
-        Tiles and launch options; default :func:`default_config` (Hopper).
+        Tiles and launch options of the Triton kernel. None (the default): on an sm_90 GPU, for
+        MLA's head dims (qk 192 as 128 + 64, v 128) in bf16 / fp16 with 16-byte aligned key and
+        value strides, the warp-specialized Gluon kernel of
+        :mod:`mlaprefill.kernels.hopper_attention` (same contract; its ``unsupported_reason``
+        says why a call does not qualify); otherwise the Triton kernel with
+        :func:`default_config`. A config always runs the Triton kernel.
     dense : tuple of ``(seq_lo, seq_hi, q_rows, k_rows)``, at most :data:`MAX_DENSE_BLOCKS`
         Rectangles computed by another kernel: for each sequence in ``[seq_lo, seq_hi)``, query
         rows ``[0, q_rows)`` skip keys ``[0, k_rows)`` here (``q_rows`` a multiple of the
@@ -662,6 +669,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if state is None:
             out.zero_()
             lse.fill_(float("-inf"))
+        return out, lse
+    if config is None and hopper_attention.unsupported_reason(
+            q, k, v, k_rope, dense, causal=causal, accumulate=state is not None) is None \
+            and hopper_attention.hopper_attention(
+                q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale,
+                dense_args=dense_args, k_rope=k_rope, out=out, lse=lse,
+                accumulate=state is not None):
         return out, lse
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
     _varlen_attention_kernel[grid](

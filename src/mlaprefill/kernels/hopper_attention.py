@@ -1,0 +1,421 @@
+"""Warp-specialized attention for Hopper (sm_90), written in Gluon: the default kernel of
+:func:`mlaprefill.kernels.attention.varlen_attention` where it applies.
+
+Same contract as the Triton kernel it stands in for (packed varlen sequences, natural-log LSE,
+top-left causal, ``dense=`` rectangles left to another kernel, ``state=`` merged in the epilogue,
+split keys with a rope row shared by the heads or joined keys), for MLA's head dims only: qk 192
+read as 128 + 64, v 128, bf16 or fp16, every K / rope / V base and row / head stride 16-byte
+aligned (TMA). :func:`unsupported_reason` says why a call does not qualify; ``varlen_attention``
+then runs the Triton kernel.
+
+Why a second kernel: Triton 3.6 compiles the Triton kernel FA2-style on Hopper. Each wgmma group
+is waited for before the softmax, so a warpgroup never overlaps its softmax with its own MMAs,
+and the CTA's two warpgroups run in lockstep. Reordering the source does not change that, and
+``warp_specialize=True`` compiles the identical binary (benchmarks/attention_variants.py). Here the
+key loop is laid out by hand, FlashAttention-3 style:
+
+* one producer warp (24 registers after ``setmaxnreg``) loads each key block's K, rope and V by
+  TMA into a ``STAGES``-deep ring of shared buffers, arming a "ready" mbarrier per stage, and
+  refills a stage only after an "empty" mbarrier says both consumers are done with it;
+* two consumer warpgroups (240 registers each), 64 query rows apiece, each with its own Q
+  buffer and running max, sum and output, waiting only on those mbarriers: nothing keeps them
+  in step, so one's softmax runs while the other's wgmma do (ping-pong left to the scheduler).
+
+Per key block a consumer issues S = Q1 K^T + Q2 R^T (two wgmma groups), waits, runs the online
+softmax (exp2 domain, the scale applied to fp32 scores, safe max), issues O = O * alpha + P V
+with P from registers, waits, and releases the stage. Unmasked blocks first, then the masked
+ones (the tail, the causal diagonal), scores set to ``-inf`` with ``where``. K / rope / V
+descriptors span exactly the sequence's key rows, so a tile past them reads zeros and no other
+sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Triton kernel's rules
+(NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
+``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
+
+Measured on the H200 (benchmarks/results/gluon_attention_ws_h200.json, its probe form with
+128 x 128 tiles): 0.76-0.88x the Triton kernel's time on 7 shapes of 16 and 128 heads, 0.90-1.08x
+cuDNN's. It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator
+
+__all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "hopper_attention",
+           "num_compiled_kernels", "unsupported_reason"]
+
+#: Let :func:`~mlaprefill.kernels.attention.varlen_attention` pick this kernel by default where
+#: it applies (False: the Triton kernel everywhere; an A/B switch, e.g. ``benchmarks/attention.py
+#: --override mlaprefill.kernels.hopper_attention.ENABLED=False``).
+ENABLED = True
+#: Query rows per program (two consumer warpgroups of 64) and keys per block: 128 x 128 tiles
+#: with a 2-stage ring measured fastest of 128 x 64 (3 and 4 stages) and 128 x 128 (2).
+BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
+_D1, _D2, _DV = 128, 64, 128  # the key's first part, its rope part, the value
+_LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535
+# registers per thread: launched with _MAXNREG over 12 warps (4 + 4 + the producer warp padded
+# to a warpgroup: 12 * 32 * 168 <= 64 Ki); setmaxnreg then gives the producer warpgroup 24 and
+# each consumer warpgroup 240 (24 + 2 * 240 = 3 * 168)
+_MAXNREG = 168
+
+try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    HAS_GLUON = HAS_TRITON
+except (ImportError, AttributeError):  # no Triton, or a Triton without this Gluon API
+    HAS_GLUON = False
+
+# (dtype, causal, accumulate) whose compile failed here: the Triton kernel runs them instead
+_FAILED: dict[tuple, str] = {}
+
+if HAS_GLUON:
+    _CONSUMER_REGS = gl.constexpr(240)
+    _PRODUCER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _producer(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                  stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty,
+                  b_lo, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+                  DV: gl.constexpr, STAGES: gl.constexpr):
+        # One warp. Iteration i loads key block b_lo + i into stage i % STAGES, round
+        # i // STAGES. mbarrier.wait(bar, parity) returns once the phase of that parity has
+        # completed (a fresh barrier counts as having completed parity 1):
+        #   empty[st] (count 2: one arrive per consumer warpgroup) completes phase r - 1 when
+        #   both consumers are done with iteration i - STAGES; round 0 waits parity 1 and passes
+        #   (the ring starts empty), round r waits parity (r - 1) & 1.
+        #   ready[st] (count 1 + the TMA bytes) completes phase r when iteration i's three
+        #   copies land; the consumers wait parity r & 1.
+        # Neither runs two phases ahead of a waiter: a stage is refilled only after both
+        # consumers released it, and released only after it was filled. All three partitions
+        # loop over the same n_iter, so every wait has its arrivals.
+        # The descriptors are made in this warp (Triton's tensormap fences run where they are
+        # made), over exactly the sequence's key rows (at least one: a sequence without keys
+        # still gets a well-formed descriptor, and nothing is loaded then).
+        head64 = head.to(gl.int64)
+        rows = gl.maximum(seqlen_k, 1)
+        k_desc = tma.make_tensor_descriptor(
+            k_ptr + k_start.to(gl.int64) * stride_kt + head64 * stride_kh, shape=[rows, D1],
+            strides=[stride_kt, 1], block_shape=[BLOCK_N, D1], layout=k_s.type.layout)
+        r_desc = tma.make_tensor_descriptor(
+            r_ptr + k_start.to(gl.int64) * stride_rt + head64 * stride_rh, shape=[rows, D2],
+            strides=[stride_rt, 1], block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
+        v_desc = tma.make_tensor_descriptor(
+            v_ptr + k_start.to(gl.int64) * stride_vt + head64 * stride_vh, shape=[rows, DV],
+            strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
+                                + v_desc.block_type.nbytes)
+        for i in range(n_iter):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(st)
+            mbarrier.expect(bar, nbytes)
+            row = (b_lo + i) * BLOCK_N
+            tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_s.index(st))
+            tma.async_copy_global_to_shared(r_desc, [row, 0], bar, r_s.index(st))
+            tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
+
+    @gluon.jit
+    def _key_blocks(acc, m_i, l_i, lo, hi, b_lo, q1_s, q2_s, k_s, r_s, v_s, ready, empty,
+                    s_zero, qk_scale, offs_m, offs_n, kv_end, MASKED: gl.constexpr,
+                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+        # Iterations i in [lo, hi) (key block b_lo + i), one after the other in this
+        # warpgroup; the other consumer warpgroup's MMAs fill the gaps.
+        for i in range(lo, hi):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            t = warpgroup_mma(q1_s, k_s.index(st).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            t = warpgroup_mma(q2_s, r_s.index(st).permute((1, 0)), t, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+            if MASKED:  # where, not a multiply (0 * NaN)
+                cols = (b_lo + i) * BLOCK_N + offs_n
+                visible = gl.expand_dims(cols < kv_end, 0)
+                if CAUSAL:
+                    visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
+                s = gl.where(visible, s, float("-inf"))
+            # qk_scale > 0, so max(s) * qk_scale == max(s * qk_scale); the safe max keeps a row
+            # that has seen only -inf at m = -inf without exp2(-inf - -inf) = NaN
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p = gl.convert_layout(p.to(v_s.dtype), p_layout)
+            t = warpgroup_mma(p, v_s.index(st), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[t, p])
+            # every wgmma that read this stage is complete: one arrive for this warpgroup
+            mbarrier.arrive(empty.index(st), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _consumer(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt, stride_qh,
+                  stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free, b_lo, n_iter,
+                  qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
+                  CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                  STAGES: gl.constexpr):
+        # One consumer warpgroup (4 warps): query rows m0 + 64 * WG + [0, 64).
+        WM: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        r0 = m0 + WG * WM
+        head64 = head.to(gl.int64)
+        io_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, io_layout))
+        io_ok = gl.expand_dims(r0 + io_rows < seqlen_q, 1)
+        o_ptrs = (out_ptr + (q_start + r0).to(gl.int64) * stride_ot + head64 * stride_oh
+                  + gl.expand_dims(io_rows, 1) * stride_ot
+                  + gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, io_layout)), 0))
+        o_rows = gl.arange(0, WM, layout=row_o)
+        l_ptrs = (lse_ptr + (q_start + r0).to(gl.int64) * stride_lt + head64 * stride_lh
+                  + o_rows * stride_lt)
+        l_ok = r0 + o_rows < seqlen_q
+        if n_iter > 0:
+            # this warpgroup's queries into its Q buffer (rows past the sequence read 0 and are
+            # never stored)
+            q_base = q_ptr + (q_start + r0).to(gl.int64) * stride_qt + head64 * stride_qh
+            q_rows = gl.expand_dims(io_rows, 1) * stride_qt
+            q1 = gl.load(q_base + q_rows + gl.expand_dims(
+                gl.arange(0, D1, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
+                other=0.0)
+            q2 = gl.load(q_base + q_rows + D1 + gl.expand_dims(
+                gl.arange(0, D2, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
+                other=0.0)
+            q1w = q1_s.index(WG)
+            q2w = q2_s.index(WG)
+            q1w.store(q1)
+            q2w.store(q2)
+            fence_async_shared()  # generic-proxy stores before the wgmma read them
+            gl.thread_barrier()  # this partition's warps only
+
+            offs_m = r0 + gl.arange(0, WM, layout=gl.SliceLayout(1, s_layout))
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s_zero = gl.zeros([WM, BLOCK_N], gl.float32, s_layout)
+            m_i = gl.full([WM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([WM, DV], gl.float32, o_layout)
+            # iterations [0, free) need no mask: blocks below n_free (every row sees them whole)
+            free = gl.minimum(gl.maximum(n_free - b_lo, 0), n_iter)
+            acc, m_i, l_i = _key_blocks(acc, m_i, l_i, 0, free, b_lo, q1w, q2w, k_s, r_s, v_s,
+                                        ready, empty, s_zero, qk_scale, offs_m, offs_n, kv_end,
+                                        False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+            acc, m_i, l_i = _key_blocks(acc, m_i, l_i, free, n_iter, b_lo, q1w, q2w, k_s, r_s,
+                                        v_s, ready, empty, s_zero, qk_scale, offs_m, offs_n,
+                                        kv_end, True, CAUSAL, BLOCK_N, STAGES, o_layout,
+                                        p_layout)
+            # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
+            # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
+            l_o = gl.convert_layout(l_i, row_o)
+            lse2 = gl.convert_layout(m_i, row_o) + gl.log2(l_o)
+            bad = (l_o == 0.0) | (lse2 == float("inf"))
+            o = acc * gl.expand_dims(1.0 / l_o, 1)
+            o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
+            lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
+            if ACCUMULATE:
+                # kernels.merge's rules: "no keys" is exactly -inf, NaN propagates, a +inf LSE
+                # merges to NaN; where(), not a multiply, for a side without keys. Each thread
+                # stores only the elements it loaded (same layouts), so no barrier is needed.
+                l1 = gl.load(l_ptrs, mask=l_ok, other=float("-inf"))
+                o1 = gl.convert_layout(gl.load(o_ptrs, mask=io_ok, other=0.0),
+                                       o_layout).to(gl.float32)
+                e1 = l1 == float("-inf")
+                e2 = lse == float("-inf")
+                empty_row = e1 & e2
+                mx = gl.where(empty_row, 0.0, gl.maximum(l1, lse))
+                w1 = gl.where(e1, 0.0, gl.exp(l1 - mx))
+                w2 = gl.where(e2, 0.0, gl.exp(lse - mx))
+                s_safe = gl.where(empty_row, 1.0, w1 + w2)
+                c1 = gl.expand_dims(w1 / s_safe, 1)
+                c2 = gl.expand_dims(w2 / s_safe, 1)
+                o = (gl.where(gl.expand_dims(e1, 1), 0.0, o1 * c1)
+                     + gl.where(gl.expand_dims(e2, 1), 0.0, o * c2))
+                lse = gl.where(empty_row, float("-inf"), mx + gl.log(s_safe))
+            gl.store(o_ptrs, gl.convert_layout(o.to(dtype), io_layout), mask=io_ok)
+            gl.store(l_ptrs, lse, mask=l_ok)
+        elif not ACCUMULATE:  # no key here: out = 0, lse = -inf (merging nothing: no write)
+            gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
+            gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
+
+    @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
+                                  "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3"])
+    def _hopper_attention_kernel(
+            q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
+            dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+            stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
+            CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+            STAGES: gl.constexpr, num_warps: gl.constexpr):
+        # The default partition (num_warps = 4) is consumer warpgroup 0; workers: consumer
+        # warpgroup 1 (4 warps) and the producer (1 warp). No early return: every program
+        # enters the warp-specialized region with its n_iter (0 for a query block past the
+        # sequence, or with no key left to it), and all three partitions loop n_iter times.
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        WM: gl.constexpr = 64
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D1], dtype)
+        q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D2], dtype)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+        r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
+        v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
+
+        # heaviest causal query blocks (the last ones) first, so the short ones fill the tail
+        m_block = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+        seq = gl.program_id(1)
+        head = gl.program_id(2)
+        q_start = gl.load(cu_q_ptr + seq)
+        seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
+        m0 = m_block * BLOCK_M
+        k_start = gl.load(cu_k_ptr + seq)
+        seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
+        if CAUSAL:
+            kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M)
+            n_free = gl.minimum(seqlen_k, m0 + 1) // BLOCK_N  # blocks every row sees whole
+        else:
+            kv_end = seqlen_k
+            n_free = seqlen_k // BLOCK_N
+        # keys [0, k_lo) of this block were left to another kernel (a dense rectangle)
+        m_end = m0 + BLOCK_M
+        k_lo = gl.where((seq >= dlo0) & (seq < dhi0) & (m_end <= dq0), dk0, 0)
+        k_lo = gl.where((seq >= dlo1) & (seq < dhi1) & (m_end <= dq1), dk1, k_lo)
+        k_lo = gl.where((seq >= dlo2) & (seq < dhi2) & (m_end <= dq2), dk2, k_lo)
+        k_lo = gl.where((seq >= dlo3) & (seq < dhi3) & (m_end <= dq3), dk3, k_lo)
+        b_lo = k_lo // BLOCK_N
+        live = (m0 < seqlen_q) & (k_lo < kv_end)
+        n_iter = gl.where(live, gl.cdiv(kv_end, BLOCK_N) - b_lo, 0)
+
+        q1_s = gl.allocate_shared_memory(dtype, [2, WM, D1], q1_sl)
+        q2_s = gl.allocate_shared_memory(dtype, [2, WM, D2], q2_sl)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k_sl)
+        r_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], r_sl)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_sl)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA bytes finish it
+            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
+                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 0,
+                         CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
+            (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
+                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 1,
+                         CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
+            (_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                         stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, ready,
+                         empty, b_lo, n_iter, BLOCK_N, D1, D2, DV, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in strides)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_rope: torch.Tensor | None,
+                       dense: tuple[tuple[int, int, int, int], ...] = (), *,
+                       causal: bool = False, accumulate: bool = False) -> str | None:
+    """Why this kernel cannot run a call that :func:`~mlaprefill.kernels.attention.varlen_attention`
+    has already validated (None: it can). Host metadata only, no device work."""
+    if not ENABLED:
+        return "disabled (hopper_attention.ENABLED is False)"
+    if not HAS_GLUON:
+        return "needs Triton's Gluon with its Hopper API (Triton 3.6)"
+    if q.device.type != "cuda":
+        return f"needs a CUDA device, got {q.device.type}"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs bfloat16 or float16, got {q.dtype}"
+    failed = _FAILED.get((q.dtype, bool(causal), bool(accumulate)))
+    if failed is not None:
+        return f"failed to compile here: {failed}"
+    if q.shape[2] != _D1 + _D2 or v.shape[2] != _DV:
+        return f"needs qk_head_dim {_D1 + _D2} and v_head_dim {_DV} (MLA's)"
+    if q.shape[1] > _MAX_GRID_YZ:
+        return "too many heads for the grid"
+    if k_rope is None:
+        if k.shape[2] != _D1 + _D2:
+            return f"needs joined keys of {_D1 + _D2} dims"
+        rope, rope_strides = k[:, :, _D1:], k.stride()[:2]
+    else:
+        if k.shape[2] != _D1 or k_rope.shape[-1] != _D2:
+            return f"needs split keys of {_D1} + {_D2} dims"
+        rope = k_rope
+        rope_strides = (k_rope.stride(0), k_rope.stride(1) if k_rope.dim() == 3 else 0)
+    for t, strides in ((k, k.stride()[:2]), (rope, rope_strides), (v, v.stride()[:2])):
+        if not _aligned(t, strides):
+            return "TMA needs 16-byte aligned key / value bases and strides"
+    for _, _, q_rows, k_rows in dense:
+        if q_rows % BLOCK_M or k_rows % BLOCK_N:
+            return f"dense rectangles must be multiples of {BLOCK_M} x {BLOCK_N}"
+    return None
+
+
+def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
+                     max_seqlen_q: int, causal: bool, softmax_scale: float,
+                     dense_args: list[int], k_rope: torch.Tensor | None,
+                     out: torch.Tensor, lse: torch.Tensor, accumulate: bool) -> bool:
+    """One launch of the kernel into ``(out, lse)`` (merged into them when ``accumulate``).
+
+    Called by :func:`~mlaprefill.kernels.attention.varlen_attention` after its checks and after
+    :func:`unsupported_reason` said None, with the 16 rectangle scalars of its ``dense=``. Returns
+    False, having launched nothing, when the kernel fails to build here (remembered: later calls
+    of that dtype, causal and accumulate get a reason from :func:`unsupported_reason`); the caller
+    then runs the Triton kernel. Never synchronizes.
+    """
+    if k_rope is None:
+        rope, stride_rt, stride_rh = k[:, :, _D1:], k.stride(0), k.stride(1)
+    else:
+        rope = k_rope
+        stride_rt = k_rope.stride(0)
+        stride_rh = k_rope.stride(1) if k_rope.dim() == 3 else 0
+    ensure_allocator()  # device-side tensor descriptors need global scratch
+    grid = (cdiv(max_seqlen_q, BLOCK_M), cu_seqlens_q.shape[0] - 1, q.shape[1])
+    try:
+        _hopper_attention_kernel[grid](
+            q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
+            *dense_args, q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_rt,
+            stride_rh, v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            lse.stride(1), CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, D1=_D1, D2=_D2, DV=_DV, STAGES=STAGES, num_warps=4,
+            maxnreg=_MAXNREG)
+    except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs
+        _FAILED[(q.dtype, bool(causal), bool(accumulate))] = \
+            f"{type(exc).__name__}: {str(exc)[:200]}"
+        return False
+    return True
+
+
+def num_compiled_kernels() -> int:
+    """Binaries of this kernel compiled in this process so far (all devices); 0 without Gluon."""
+    if not HAS_GLUON:
+        return 0
+    caches = getattr(_hopper_attention_kernel, "device_caches", None)
+    if isinstance(caches, dict):
+        return sum(len(entry[0]) for entry in caches.values())
+    return 0
