@@ -383,6 +383,21 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, keys):
     assert torch.equal(bad_o[other], out[other]) and torch.equal(bad_l[other], lse[other])
 
 
+def test_hybrid_takes_no_rectangles_where_the_hopper_kernel_runs():
+    """With its default floors hybrid leaves cuDNN out where the Hopper kernel runs (it reads
+    split keys at cuDNN's speed); an explicit floor still gets rectangles."""
+    from mlaprefill.backends.hybrid import HybridBackend
+    from mlaprefill.kernels import hopper_attention
+
+    cq, ck = [0, 1024, 2048, 3072, 4096], [0, 16384, 32768, 49152, 65536]
+    seqs = VarlenSeqs(torch.tensor(cq, dtype=torch.int32, device="cuda"),
+                      torch.tensor(ck, dtype=torch.int32, device="cuda"), 1024, 16384,
+                      cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
+    hopper = hopper_attention.available(torch.device("cuda"))
+    assert HybridBackend().wants_joined_keys(seqs, 128, False) is not hopper
+    assert HybridBackend(min_queries_per_key=0).wants_joined_keys(seqs, 128, False)
+
+
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])
 def test_long_context_forward_is_bitwise_repeatable(backend):
     """The whole forward at a long-context shape (128k context, 4 iterations) gives the same

@@ -36,6 +36,15 @@ bounds the count (about 30 ``Qf`` values up to 16k queries x about 110 ``Kf`` va
 keys per batch size, fewer above ``BIG_WORK``). :meth:`HybridBackend.warmup` builds the graphs of
 given lengths ahead of time; :meth:`HybridBackend.builds` counts them with the Triton compiles.
 
+Where the warp-specialized Hopper kernel runs (:mod:`mlaprefill.kernels.hopper_attention`: an
+sm_90 GPU with Gluon) and ``min_queries_per_key`` is left to its default, there are no rectangles:
+that kernel reads split keys at 0.90-1.08x cuDNN's time, so joined keys (a slower up-projection
+and a rope copy) no longer pay. Measured on the H200 in one run
+(benchmarks/results/attention_vs_ideal_h200_hopper.json), whole forwards with iteration graphs
+without rectangles (``triton+graphs``) against with them (``hybrid+graphs``): 0.83-1.00x the time
+on 11 of 14 shapes (4 x 1024 over 128k at 128 heads 106.1 against 122.1 ms), 1.003-1.024x on the
+other three, where hybrid took no rectangle either (the same launches); eager 0.43-1.10x.
+
 Without host offsets in :class:`VarlenSeqs` (``cu_seqlens_*_host``) it is the ``triton`` backend.
 Never synchronizes: every decision is made from host ints.
 """
@@ -52,6 +61,7 @@ import torch
 from mlaprefill.backends.base import VarlenSeqs
 from mlaprefill.backends.cudnn import CudnnBackend, dense_cudnn_attention
 from mlaprefill.backends.triton import TritonBackend
+from mlaprefill.kernels import hopper_attention
 from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels, varlen_attention
 from mlaprefill.kernels.merge import merge_attention_states
 
@@ -299,6 +309,11 @@ class HybridBackend(TritonBackend):
         cq, ck = seqs.cu_seqlens_q_host, seqs.cu_seqlens_k_host
         rects: list[Rectangle] = []
         floor = self.min_queries_per_key
+        device = getattr(seqs.cu_seqlens_q, "device", None)
+        if floor is None and device is not None and hopper_attention.available(device):
+            # The Hopper kernel reads split keys at cuDNN's speed: rectangles, which need joined
+            # keys, no longer pay (module docstring); an explicit floor still gets them.
+            cq = None
         if floor is None:
             floor = (MIN_QUERIES_PER_KEY if num_heads >= MANY_HEADS or causal
                      else MIN_QUERIES_PER_KEY_FEW_HEADS)

@@ -41,8 +41,8 @@ import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator
 
-__all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "hopper_attention",
-           "num_compiled_kernels", "unsupported_reason"]
+__all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "available",
+           "hopper_attention", "num_compiled_kernels", "unsupported_reason"]
 
 #: Let :func:`~mlaprefill.kernels.attention.varlen_attention` pick this kernel by default where
 #: it applies (False: the Triton kernel everywhere; an A/B switch, e.g. ``benchmarks/attention.py
@@ -327,6 +327,13 @@ if HAS_GLUON:
                          stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, ready,
                          empty, b_lo, n_iter, BLOCK_N, D1, D2, DV, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel runs on ``device`` at all (enabled, Gluon, an sm_90 GPU): the device
+    half of :func:`unsupported_reason`, for decisions made before the tensors exist."""
+    return (ENABLED and HAS_GLUON and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
