@@ -396,6 +396,9 @@ def test_hybrid_takes_no_rectangles_where_the_hopper_kernel_runs():
     hopper = hopper_attention.available(torch.device("cuda"))
     assert HybridBackend().wants_joined_keys(seqs, 128, False) is not hopper
     assert HybridBackend(min_queries_per_key=0).wants_joined_keys(seqs, 128, False)
+    # host offsets alone (how the iteration graphs ask): the same answer
+    host = VarlenSeqs(None, None, 1024, 16384, cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
+    assert HybridBackend().wants_joined_keys(host, 128, False) is not hopper
 
 
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])

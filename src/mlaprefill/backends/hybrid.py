@@ -284,6 +284,7 @@ class HybridBackend(TritonBackend):
         # id(seqs) -> (seqs, num_heads, causal, rectangles): the forward asks about every
         # context iteration (wants_joined_keys) before it runs them (attend_into)
         self._memo: dict[int, tuple] = {}
+        self._hopper: dict[tuple, bool] = {}  # (device, ENABLED) -> hopper_attention.available
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -309,8 +310,7 @@ class HybridBackend(TritonBackend):
         cq, ck = seqs.cu_seqlens_q_host, seqs.cu_seqlens_k_host
         rects: list[Rectangle] = []
         floor = self.min_queries_per_key
-        device = getattr(seqs.cu_seqlens_q, "device", None)
-        if floor is None and device is not None and hopper_attention.available(device):
+        if floor is None and self._hopper_runs(seqs):
             # The Hopper kernel reads split keys at cuDNN's speed: rectangles, which need joined
             # keys, no longer pay (module docstring); an explicit floor still gets them.
             cq = None
@@ -331,6 +331,21 @@ class HybridBackend(TritonBackend):
             self._memo.clear()
         self._memo[id(seqs)] = (seqs, num_heads, causal, rects)  # keeps seqs: its id stays its own
         return rects
+
+    def _hopper_runs(self, seqs: VarlenSeqs) -> bool:
+        """Whether the Hopper kernel runs this call's device: the offsets' device, or for host
+        offsets alone (the iteration graphs decide layouts before any tensor exists) the current
+        CUDA device; cached per device."""
+        device = getattr(seqs.cu_seqlens_q, "device", None)
+        if device is None:
+            if not torch.cuda.is_available():
+                return False
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, hopper_attention.ENABLED)
+        hit = self._hopper.get(key)
+        if hit is None:
+            hit = self._hopper[key] = hopper_attention.available(device)
+        return hit
 
     def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
         # cuDNN needs whole keys; a call without rectangles is our kernel's alone.
