@@ -65,7 +65,13 @@ warpgroup-local named barriers (``BAR.SYNC 0x0, 0x80`` / ``0x2, 0x80``: Triton p
 each mbarrier wait and one before each single-thread arrive), ``SYNCS`` mbarrier waits and
 arrives, and ``HGMMA`` issues each followed by ``WARPGROUP.DEPBAR``; in "ws_ahead" the
 ``MUFU.EX2`` of block j sit between the ``HGMMA`` issues of S[j+1] and their ``DEPBAR``. Neither
-correctness nor speed of the "ws" schedules has been measured on a GPU yet.
+correctness nor speed of the "ws" schedules had been measured then. On the H200 afterwards
+(benchmarks/results/gluon_attention_ws_h200.json) every "ws" config was bitwise equal to the
+library's Triton kernel on the ragged edge cases (128 x 128 tiles: within 4e-3), and
+``ws_m128_n128_s2`` ran 0.76-0.88x its time, 0.90-1.08x cuDNN's, on the 7 shapes: that config,
+with the library kernel's dense rectangles and epilogue merge added, is now
+:mod:`mlaprefill.kernels.hopper_attention`, the library's default on Hopper. The schedules above
+("ahead", "fa3") were no faster than the Triton kernel (gluon_attention_h200.json).
 
 Each config is checked against the library's output and LSE on the same inputs (max abs
 difference) and timed with ``triton.testing.do_bench`` (median, :func:`_common.kernel_ms`);
