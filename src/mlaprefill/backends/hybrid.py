@@ -1,7 +1,8 @@
-"""``hybrid`` backend: cuDNN on the large rectangles of long sequences, Triton on the rest.
+"""``hybrid`` backend: cuDNN on the large rectangles of long sequences, our kernel on the rest
+(where the Hopper kernel runs: our kernel alone, see below).
 
-cuDNN's fused attention is the fastest kernel on Hopper here (~550-600 TFLOP/s against ~450-505
-for our Triton kernel, H200, qk 192 / v 128) but it builds one graph per distinct shape (40-90 ms of
+cuDNN's fused attention is faster than our Triton kernel (~550-600 TFLOP/s against ~450-505,
+H200, qk 192 / v 128) but it builds one graph per distinct shape (40-90 ms of
 host time) and launches once per sequence (~0.1-0.2 ms of host time each). So this backend gives
 cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
 

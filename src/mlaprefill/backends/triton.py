@@ -1,4 +1,6 @@
-"""``triton`` backend: our own Triton flash-attention forward (:mod:`mlaprefill.kernels.attention`).
+"""``triton`` backend: our own flash-attention forward
+(:func:`mlaprefill.kernels.attention.varlen_attention`: on an sm_90 GPU the warp-specialized
+Gluon kernel of :mod:`mlaprefill.kernels.hopper_attention`, elsewhere the Triton kernel).
 
 One launch per call, no padding of V (the kernel handles ``v_head_dim != qk_head_dim``), LSE
 natural log, empty sequences ``out = 0, lse = -inf`` and the NaN rules of :mod:`.base` inside the

@@ -34,7 +34,7 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     a plain copy, so the variants differ only in planner policy and host overhead.
 
 GPU scenarios: bf16, the ``hybrid`` attention backend with iteration graphs (``hybrid+graphs``:
-our Triton kernel, at these shapes no piece is large enough for its cuDNN part, the forward's
+our attention kernel, on the H200 the Gluon one and no cuDNN part, the forward's
 launches replayed CUDA graphs; see ``_V3_TP8``; ``vllm-default`` eager ``hybrid``, 0.9 % ahead of
 ``hybrid+graphs`` in one run on the H200 (its forward host p99 1.4 ms per layer stays below the
 ~4.9 ms of device time per layer); ``stall`` and ``uneven`` also run one variant on eager
