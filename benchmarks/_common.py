@@ -61,10 +61,12 @@ def write_json(path: str | None, doc: dict[str, Any]) -> None:
 
 def apply_overrides(items: list[str]) -> dict[str, Any]:
     """Set module constants for an A/B run in one process: each ``MODULE.NAME=VALUE`` (e.g.
-    ``mlaprefill.backends.hybrid.MIN_QUERIES_PER_KEY_FEW_HEADS=2048``). VALUE is an int, or the
-    name of a :func:`~mlaprefill.kernels.attention.attention_configs` preset (for a config
-    constant such as ``mlaprefill.kernels.attention.CONTEXT_ATTENTION_CONFIG``). Only constants
-    the code reads at call time take effect. Returns what was set, for the JSON."""
+    ``mlaprefill.backends.hybrid.MIN_QUERIES_PER_KEY_FEW_HEADS=2048``). VALUE is ``true`` or
+    ``false`` for a bool constant (``mlaprefill.kernels.hopper_attention.ENABLED=false``: the
+    Triton kernel instead of the Hopper one), else an int, or the name of a
+    :func:`~mlaprefill.kernels.attention.attention_configs` preset (for a config constant such as
+    ``mlaprefill.kernels.attention.CONTEXT_ATTENTION_CONFIG``). Only constants the code reads at
+    call time take effect. Returns what was set, for the JSON."""
     import importlib
 
     from mlaprefill.kernels.attention import attention_configs
@@ -82,8 +84,13 @@ def apply_overrides(items: list[str]) -> dict[str, Any]:
         if not hasattr(module, name):
             raise ValueError(f"--override {item!r}: {module_name} has no {name}")
         presets = attention_configs()
-        if text.lstrip("-").isdigit():
-            value: Any = int(text)
+        if isinstance(getattr(module, name), bool):
+            if text.lower() not in ("true", "false"):
+                raise ValueError(f"--override {item!r}: {name} is a bool, VALUE must be true or "
+                                 f"false")
+            value: Any = text.lower() == "true"
+        elif text.lstrip("-").isdigit():
+            value = int(text)
         elif text in presets:
             value = presets[text]
         else:

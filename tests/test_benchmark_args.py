@@ -30,6 +30,7 @@ def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
     ("mlaprefill.nowhere.BIG_WORK=1", "no module 'mlaprefill.nowhere'"),
     ("mlaprefill.backends.hybrid.NO_SUCH=1", "mlaprefill.backends.hybrid has no NO_SUCH"),
     ("mlaprefill.backends.hybrid.BIG_WORK=big", "VALUE must be an int or one of the presets"),
+    ("mlaprefill.kernels.hopper_attention.ENABLED=0", "is a bool, VALUE must be true or false"),
 ])
 def test_override_bad_item_is_a_clear_usage_error(item, message, tmp_path) -> None:
     proc = subprocess.run(
@@ -52,3 +53,15 @@ def test_ideal_shapes_parse() -> None:
     assert parse_shapes("128:4x1024:131072,16:1x4096:4096,") == [(128, 4, 1024, 131072),
                                                                  (16, 1, 4096, 4096)]
     assert parse_shapes("") == []
+
+
+def test_override_sets_a_bool_constant(monkeypatch) -> None:
+    """``MODULE.NAME=false`` for a bool constant (the Hopper kernel's A/B switch)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from _common import apply_overrides
+    from mlaprefill.kernels import hopper_attention
+
+    monkeypatch.setattr(hopper_attention, "ENABLED", True)
+    done = apply_overrides(["mlaprefill.kernels.hopper_attention.ENABLED=false"])
+    assert hopper_attention.ENABLED is False
+    assert done == {"mlaprefill.kernels.hopper_attention.ENABLED": "false"}

@@ -46,7 +46,7 @@ __all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "available",
 
 #: Let :func:`~mlaprefill.kernels.attention.varlen_attention` pick this kernel by default where
 #: it applies (False: the Triton kernel everywhere; an A/B switch, e.g. ``benchmarks/attention.py
-#: --override mlaprefill.kernels.hopper_attention.ENABLED=False``).
+#: --override mlaprefill.kernels.hopper_attention.ENABLED=false``).
 ENABLED = True
 #: Query rows per program (two consumer warpgroups of 64) and keys per block: 128 x 128 tiles
 #: with a 2-stage ring measured fastest of 128 x 64 (3 and 4 stages) and 128 x 128 (2).
