@@ -5,6 +5,9 @@
 * :mod:`mlaprefill.kernels.merge` — merge two partial attention results by their log-sum-exp.
 * :mod:`mlaprefill.kernels.rope` — MLA's shared rope key into every head's key (joined layout).
 * :mod:`mlaprefill.kernels.attention` — our varlen flash attention with LSE (Triton only).
+* :mod:`mlaprefill.kernels.hopper_attention` — the same contract as a warp-specialized Gluon
+  kernel for sm_90, which :func:`~mlaprefill.kernels.attention.varlen_attention` runs by default
+  where it applies.
 
 Triton is optional: without it (or on CPU tensors) the torch fallbacks run. Both paths are
 sync-free and CUDA-graph safe (shapes come from host ints only).
