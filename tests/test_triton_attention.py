@@ -736,3 +736,34 @@ def test_hopper_kernel_declines_what_it_cannot_run(monkeypatch):
     assert ha.BLOCK_M % 128 == 0 and ha.BLOCK_N % 64 == 0  # hybrid's rectangles divide them
     from mlaprefill.backends.hybrid import K_ALIGN, Q_ALIGN
     assert Q_ALIGN % ha.BLOCK_M == 0 and K_ALIGN % ha.BLOCK_N == 0
+
+
+def test_hopper_kernel_layout_gate_on_cpu_tensors():
+    """The layout half of the Hopper kernel's gate (pure metadata, so CPU tensors do): MLA's
+    dims in bf16 / fp16 qualify as split keys (views of one [k_nope | v] buffer, a shared rope
+    row) and as joined keys; a misaligned base or stride (TMA needs 16 bytes), other dims, fp32
+    or rectangles off its tiles each get their reason."""
+    from mlaprefill.kernels import hopper_attention as ha
+
+    t, h = 10, 4
+    q = torch.zeros(t, h, 192, dtype=torch.bfloat16)
+    kv = torch.zeros(t, h, 256, dtype=torch.bfloat16)
+    k, v, rope = kv[..., :128], kv[..., 128:], torch.zeros(t, 64, dtype=torch.bfloat16)
+    joined = torch.zeros(t, h, 192, dtype=torch.float16)
+    assert ha.layout_reason(q, k, v, rope) is None
+    assert ha.layout_reason(q.half(), joined, v.half(), None) is None
+    assert ha.layout_reason(q, k, v, rope, ((0, 1, 256, 1024),)) is None
+    assert ha.layout_reason(q, k, v, torch.zeros(t, h, 64, dtype=torch.bfloat16)) is None
+    assert "float16" in ha.layout_reason(q.float(), k.float(), v.float(), rope.float())
+    assert "qk_head_dim 192" in ha.layout_reason(q[..., :128], k, v, rope)
+    assert "v_head_dim 128" in ha.layout_reason(q, k, kv[..., :64], rope)
+    assert "joined keys" in ha.layout_reason(q, k, v, None)
+    assert "split keys" in ha.layout_reason(q, k, v, torch.zeros(t, 32, dtype=torch.bfloat16))
+    shifted = torch.zeros(t, h, 257, dtype=torch.bfloat16)[..., 1:]  # base 2 bytes off
+    assert "16-byte" in ha.layout_reason(q, shifted[..., :128], v, rope)
+    odd = torch.zeros(t, h, 130, dtype=torch.bfloat16)[..., :128]   # head stride 260 bytes
+    assert "16-byte" in ha.layout_reason(q, k, odd, rope)
+    odd_rope = torch.zeros(t, 66, dtype=torch.bfloat16)[:, :64]     # row stride 132 bytes
+    assert "16-byte" in ha.layout_reason(q, k, v, odd_rope)
+    assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 128, 64),))
+    assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 64, 128),))

@@ -42,7 +42,7 @@ import torch
 from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator
 
 __all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "available",
-           "hopper_attention", "num_compiled_kernels", "unsupported_reason"]
+           "hopper_attention", "layout_reason", "num_compiled_kernels", "unsupported_reason"]
 
 #: Let :func:`~mlaprefill.kernels.attention.varlen_attention` pick this kernel by default where
 #: it applies (False: the Triton kernel everywhere; an A/B switch, e.g. ``benchmarks/attention.py
@@ -346,7 +346,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        dense: tuple[tuple[int, int, int, int], ...] = (), *,
                        causal: bool = False, accumulate: bool = False) -> str | None:
     """Why this kernel cannot run a call that :func:`~mlaprefill.kernels.attention.varlen_attention`
-    has already validated (None: it can). Host metadata only, no device work."""
+    has already validated (None: it can): the device, then :func:`layout_reason`. Host metadata
+    only, no device work."""
     if not ENABLED:
         return "disabled (hopper_attention.ENABLED is False)"
     if not HAS_GLUON:
@@ -355,11 +356,20 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return f"needs a CUDA device, got {q.device.type}"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return "needs an sm_90 (Hopper) GPU"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"needs bfloat16 or float16, got {q.dtype}"
     failed = _FAILED.get((q.dtype, bool(causal), bool(accumulate)))
     if failed is not None:
         return f"failed to compile here: {failed}"
+    return layout_reason(q, k, v, k_rope, dense)
+
+
+def layout_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_rope: torch.Tensor | None,
+                  dense: tuple[tuple[int, int, int, int], ...] = ()) -> str | None:
+    """The device-independent half of :func:`unsupported_reason`: dtype, MLA's head dims, the
+    TMA alignment of every key / rope / value base and row / head stride (16 bytes), and dense
+    rectangles on this kernel's tiles. None: the layout qualifies."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs bfloat16 or float16, got {q.dtype}"
     if q.shape[2] != _D1 + _D2 or v.shape[2] != _DV:
         return f"needs qk_head_dim {_D1 + _D2} and v_head_dim {_DV} (MLA's)"
     if q.shape[1] > _MAX_GRID_YZ:
