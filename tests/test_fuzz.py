@@ -952,3 +952,51 @@ def test_fuzz_cli_top_level(argv):
     else:
         assert rc == 0 and out.startswith(("mlaprefill ", "usage: mlaprefill"))
         OUTCOMES[("cli top level", "correct result")] += 1
+
+
+@settings(max_examples=80 * SCALE, **SETTINGS)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       qk=st.sampled_from([192, 192, 192, 128, 200]), dv=st.sampled_from([128, 128, 96]),
+       joined=st.booleans(), pad=st.sampled_from([0, 0, 0, 1, 2, 8]),
+       offset=st.sampled_from([0, 0, 0, 1, 8]), rope_pad=st.sampled_from([0, 0, 2, 8]),
+       rope_heads=st.booleans(),
+       dense=st.lists(st.tuples(st.sampled_from([128, 256, 64, 384]),
+                                st.sampled_from([128, 1024, 64, 192])), max_size=2))
+def test_fuzz_hopper_layout_gate(dtype, qk, dv, joined, pad, offset, rope_pad, rope_heads,
+                                 dense):
+    """The Hopper kernel's layout gate against an independent oracle: it qualifies a layout
+    exactly when the dtype is bf16 / fp16, the dims are MLA's (qk 192 as 128 + 64 joined or
+    128 with a 64-wide rope, v 128), every key / rope / value base and token / head stride is a
+    multiple of 16 bytes (TMA), and every rectangle is on its 128 x 128 tiles; otherwise it
+    returns a one-line reason. It never raises."""
+    from mlaprefill.kernels import hopper_attention as ha
+
+    t, h = 7, 3
+    size = torch.tensor([], dtype=dtype).element_size()
+    width = (qk if joined else 128) + dv + pad
+    buf = torch.zeros(t, h, width + offset, dtype=dtype)[..., offset:]
+    k = buf[..., :qk] if joined else buf[..., :128]
+    v = buf[..., -dv - pad:width - pad] if pad else buf[..., width - dv:]
+    rope = None
+    if not joined:
+        rope_w = qk - 128 if qk > 128 else 64
+        shape = (t, h, rope_w + rope_pad) if rope_heads else (t, rope_w + rope_pad)
+        rope = torch.zeros(*shape, dtype=dtype)[..., :rope_w]
+    q = torch.zeros(t, h, qk, dtype=dtype)
+    rects = tuple((0, 1, qr, kr) for qr, kr in dense)
+    why = ha.layout_reason(q, k, v, rope, rects)
+
+    def aligned(x, strides):
+        return x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in strides)
+
+    parts = [(k, k.stride()[:2]), (v, v.stride()[:2])]
+    if joined:
+        parts.append((k[..., 128:], k.stride()[:2]))
+    else:
+        parts.append((rope, (rope.stride(0), rope.stride(1) if rope.dim() == 3 else 0)))
+    expect = (dtype != torch.float32 and qk == 192 and dv == 128
+              and all(aligned(x, s) for x, s in parts)
+              and all(qr % 128 == 0 and kr % 128 == 0 for qr, kr in dense))
+    assert (why is None) == expect, (why, dtype, qk, dv, joined, pad, offset, rope_pad, dense)
+    assert why is None or (isinstance(why, str) and why and "\n" not in why)
+    correct("hopper layout_reason")
