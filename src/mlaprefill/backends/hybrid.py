@@ -285,7 +285,6 @@ class HybridBackend(TritonBackend):
         # id(seqs) -> (seqs, num_heads, causal, rectangles): the forward asks about every
         # context iteration (wants_joined_keys) before it runs them (attend_into)
         self._memo: dict[int, tuple] = {}
-        self._hopper: dict[tuple, bool] = {}  # (device, ENABLED) -> hopper_attention.available
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -311,17 +310,16 @@ class HybridBackend(TritonBackend):
         cq, ck = seqs.cu_seqlens_q_host, seqs.cu_seqlens_k_host
         rects: list[Rectangle] = []
         floor = self.min_queries_per_key
-        if floor is None and self._hopper_runs(seqs):
-            # The Hopper kernel reads split keys at cuDNN's speed: rectangles, which need joined
-            # keys, no longer pay (module docstring); an explicit floor still gets them.
-            cq = None
+        # The Hopper kernel reads split keys at cuDNN's speed: rectangles, which need joined
+        # keys, no longer pay there (module docstring); an explicit floor still gets them.
+        hopper = floor is None and self._hopper_runs(seqs)
         if floor is None:
             floor = (MIN_QUERIES_PER_KEY if num_heads >= MANY_HEADS or causal
                      else MIN_QUERIES_PER_KEY_FEW_HEADS)
         # Rectangles hold at most max_seqlen_q query rows per key row (a rectangle's work is at
         # most its sequence's q_len x k_len x heads), so below the floor none can pay: skip the
         # per-sequence search (~10 us of Python per call at 8 sequences).
-        if (cq is not None and ck is not None  # else no host offsets: the triton backend alone
+        if (not hopper and cq is not None and ck is not None  # no host offsets: triton alone
                 and not 0 < seqs.max_seqlen_q < floor):
             rects = dense_rectangles(cq, ck, num_heads=num_heads, causal=causal,
                                      big_work=self.big_work)
@@ -333,20 +331,17 @@ class HybridBackend(TritonBackend):
         self._memo[id(seqs)] = (seqs, num_heads, causal, rects)  # keeps seqs: its id stays its own
         return rects
 
-    def _hopper_runs(self, seqs: VarlenSeqs) -> bool:
+    @staticmethod
+    def _hopper_runs(seqs: VarlenSeqs) -> bool:
         """Whether the Hopper kernel runs this call's device: the offsets' device, or for host
         offsets alone (the iteration graphs decide layouts before any tensor exists) the current
-        CUDA device; cached per device."""
+        CUDA device."""
         device = getattr(seqs.cu_seqlens_q, "device", None)
         if device is None:
             if not torch.cuda.is_available():
                 return False
-            device = torch.device("cuda", torch.cuda.current_device())
-        key = (device, hopper_attention.ENABLED)
-        hit = self._hopper.get(key)
-        if hit is None:
-            hit = self._hopper[key] = hopper_attention.available(device)
-        return hit
+            device = torch.device("cuda")
+        return hopper_attention.available(device)
 
     def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
         # cuDNN needs whole keys; a call without rectangles is our kernel's alone.

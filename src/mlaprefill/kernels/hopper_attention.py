@@ -75,6 +75,8 @@ except (ImportError, AttributeError):  # no Triton, or a Triton without this Glu
 
 # (dtype, causal, accumulate) whose compile failed here: the Triton kernel runs them instead
 _FAILED: dict[tuple, str] = {}
+# CUDA device index -> whether it is an sm_90 GPU (asked once: unsupported_reason runs per call)
+_SM90: dict[int, bool] = {}
 
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
@@ -329,11 +331,25 @@ if HAS_GLUON:
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
+def _device_reason(device: torch.device) -> str | None:
+    # the device half of unsupported_reason; the compute capability is asked once per device
+    if not ENABLED:
+        return "disabled (hopper_attention.ENABLED is False)"
+    if not HAS_GLUON:
+        return "needs Triton's Gluon with its Hopper API (Triton 3.6)"
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device.type}"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    sm90 = _SM90.get(index)
+    if sm90 is None:
+        sm90 = _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return None if sm90 else "needs an sm_90 (Hopper) GPU"
+
+
 def available(device: torch.device) -> bool:
     """Whether this kernel runs on ``device`` at all (enabled, Gluon, an sm_90 GPU): the device
     half of :func:`unsupported_reason`, for decisions made before the tensors exist."""
-    return (ENABLED and HAS_GLUON and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    return _device_reason(device) is None
 
 
 def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
@@ -348,14 +364,9 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Why this kernel cannot run a call that :func:`~mlaprefill.kernels.attention.varlen_attention`
     has already validated (None: it can): the device, then :func:`layout_reason`. Host metadata
     only, no device work."""
-    if not ENABLED:
-        return "disabled (hopper_attention.ENABLED is False)"
-    if not HAS_GLUON:
-        return "needs Triton's Gluon with its Hopper API (Triton 3.6)"
-    if q.device.type != "cuda":
-        return f"needs a CUDA device, got {q.device.type}"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "needs an sm_90 (Hopper) GPU"
+    why = _device_reason(q.device)
+    if why is not None:
+        return why
     failed = _FAILED.get((q.dtype, bool(causal), bool(accumulate)))
     if failed is not None:
         return f"failed to compile here: {failed}"
