@@ -100,6 +100,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from _common import kernel_ms, write_json
+from mlaprefill.kernels.hopper_attention import (
+    _CONSUMER_REGS,
+    _MAXNREG,
+    _PRODUCER_REGS,
+    _key_blocks,
+    _producer,
+)
 
 QK, VD, ROPE = 192, 128, 64
 D1 = QK - ROPE
@@ -377,61 +384,9 @@ def _gluon_attn_kernel(q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, c
 # Warp-specialized schedules ("ws", "ws_ahead"): a 1-warp TMA producer partition and two
 # independent 4-warp consumer partitions (64 query rows each). See the module docstring.
 
-#: registers per thread: the kernel is launched with _WS_MAXNREG (12 warps: 4 default + 4 + 1
-#: padded to a warpgroup, 12 * 32 * 168 <= 64 K); setmaxnreg then gives the producer warpgroup
-#: _WS_PRODUCER_REGS and the consumer warpgroups what is left (_WS_CONSUMER_REGS each:
-#: 24 + 2 * 240 = 3 * 168).
-_WS_MAXNREG = 168
-_WS_CONSUMER_REGS = gl.constexpr(240)
-_WS_PRODUCER_REGS = gl.constexpr(24)
-
-
-@gluon.jit
-def _ws_producer(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                 stride_rt, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty, n_blocks,
-                 BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                 STAGES: gl.constexpr):
-    # One warp. Key block `blk` goes to stage st = blk % STAGES in round rnd = blk // STAGES.
-    # Phase bookkeeping (mbarrier.wait(bar, parity) returns once the phase with that parity has
-    # completed; a fresh barrier counts as having completed parity 1):
-    #   empty[st] (count 2: one arrive per consumer warpgroup) completes its phase rnd - 1 when
-    #   both consumers have finished the P V MMA of block blk - STAGES. Round 0 waits parity 1:
-    #   passes at once (the ring starts empty); round rnd waits parity (rnd - 1) & 1.
-    #   ready[st] (count 1 + TMA bytes) completes phase rnd when the three copies of block blk
-    #   land; consumers wait parity rnd & 1.
-    # Neither barrier can run two phases ahead of a waiter: the producer cannot refill st before
-    # both consumers release it, and a consumer cannot release st for round rnd + 1 before the
-    # producer filled it, which needed both releases of round rnd. Each partition loops over
-    # exactly n_blocks blocks (the same scalar), so every expect has its copies, every
-    # consumer wait its fill, and every producer wait its two arrives.
-    #
-    # The descriptors are made here, in the warp that uses them (Triton's tensormap release /
-    # acquire fences run in the creating warp), over exactly this sequence's key rows (at least
-    # one row, so that a sequence without keys still gets a well-formed descriptor; nothing is
-    # loaded then): tiles past them read zeros.
-    head64 = head.to(gl.int64)
-    k_rows = gl.maximum(seqlen_k, 1)
-    k_desc = tma.make_tensor_descriptor(k_ptr + k_start.to(gl.int64) * stride_kt
-                                        + head64 * stride_kh, shape=[k_rows, D1],
-                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, D1],
-                                        layout=k_s.type.layout)
-    r_desc = tma.make_tensor_descriptor(r_ptr + k_start.to(gl.int64) * stride_rt,
-                                        shape=[k_rows, D2], strides=[stride_rt, 1],
-                                        block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + k_start.to(gl.int64) * stride_vt
-                                        + head64 * stride_vh, shape=[k_rows, DV],
-                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, DV],
-                                        layout=v_s.type.layout)
-    nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
-                            + v_desc.block_type.nbytes)
-    for blk in range(n_blocks):
-        st = blk % STAGES
-        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)
-        bar = ready.index(st)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], bar, k_s.index(st))
-        tma.async_copy_global_to_shared(r_desc, [blk * BLOCK_N, 0], bar, r_s.index(st))
-        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], bar, v_s.index(st))
+# The producer, the serial key loop and the register split (launched with _MAXNREG, setmaxnreg
+# giving the producer warpgroup _PRODUCER_REGS and each consumer _CONSUMER_REGS) are the
+# library kernel's (mlaprefill.kernels.hopper_attention), which grew out of this probe.
 
 
 @gluon.jit
@@ -446,22 +401,6 @@ def _ws_pv(p, acc, alpha, v_s, empty, blk, STAGES: gl.constexpr, o_layout: gl.co
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
     mbarrier.arrive(empty.index(st), count=1)
     return acc
-
-
-@gluon.jit
-def _ws_loop_serial(acc, m_i, l_i, lo, hi, q1_s, q2_s, k_s, r_s, v_s, ready, empty, s_zero,
-                    qk_scale, offs_m, offs_n, kv_len, MASKED: gl.constexpr,
-                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr):
-    # "ws": per block S = Q K^T (waited), softmax, O += P V (waited), release. Nothing overlaps
-    # inside the warpgroup; the other consumer warpgroup's MMAs fill the gaps.
-    for j in range(lo, hi):
-        t_tok = _issue_qk(q1_s, q2_s, k_s, r_s, ready, j, s_zero, STAGES)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok])
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, j, offs_m, offs_n, kv_len, MASKED,
-                                      CAUSAL, BLOCK_N)
-        acc = _ws_pv(p, acc, alpha, v_s, empty, j, STAGES, o_layout, p_layout)
-    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -536,14 +475,15 @@ def _ws_consumer(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt
         last = n_blocks - 1
         if INNER == 0:  # "ws"
             free_hi = gl.minimum(n_free, n_blocks)  # blocks [0, free_hi) need no mask
-            acc, m_i, l_i = _ws_loop_serial(
-                acc, m_i, l_i, 0, free_hi, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
+            # the library kernel's key loop (mlaprefill.kernels.hopper_attention), from block 0
+            acc, m_i, l_i = _key_blocks(
+                acc, m_i, l_i, 0, free_hi, 0, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
                 qk_scale, offs_m, offs_n, kv_end, False, CAUSAL, BLOCK_N, STAGES, o_layout,
                 p_layout)
-            acc, m_i, l_i = _ws_loop_serial(
-                acc, m_i, l_i, free_hi, n_blocks, q1w, q2w, k_s, r_s, v_s, ready, empty, s_zero,
-                qk_scale, offs_m, offs_n, kv_end, True, CAUSAL, BLOCK_N, STAGES, o_layout,
-                p_layout)
+            acc, m_i, l_i = _key_blocks(
+                acc, m_i, l_i, free_hi, n_blocks, 0, q1w, q2w, k_s, r_s, v_s, ready, empty,
+                s_zero, qk_scale, offs_m, offs_n, kv_end, True, CAUSAL, BLOCK_N, STAGES,
+                o_layout, p_layout)
         else:  # "ws_ahead"
             t_tok = _issue_qk(q1w, q2w, k_s, r_s, ready, 0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t_tok])
@@ -634,16 +574,17 @@ def _gluon_attn_ws_kernel(q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr
                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
                         n_blocks, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 1, CAUSAL,
                         BLOCK_N, D1, D2, DV, STAGES, INNER)),
-        (_ws_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                        stride_rt, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty, n_blocks,
-                        BLOCK_N, D1, D2, DV, STAGES)),
-    ], [4, 1], [_WS_CONSUMER_REGS, _WS_PRODUCER_REGS])
+        # the library kernel's producer: rope head stride 0 (shared rows), from block 0
+        (_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                     stride_rt, 0, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty, 0,
+                     n_blocks, BLOCK_N, D1, D2, DV, STAGES)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 def _kernel_for(schedule: int) -> tuple[Any, dict[str, int]]:
     """The kernel of a schedule and its extra launch / compile options."""
     if schedule >= 2:  # warp-specialized: 12 warps in all, registers reallocated per partition
-        return _gluon_attn_ws_kernel, {"maxnreg": _WS_MAXNREG}
+        return _gluon_attn_ws_kernel, {"maxnreg": _MAXNREG}
     return _gluon_attn_kernel, {}
 
 
