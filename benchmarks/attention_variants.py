@@ -316,12 +316,25 @@ def variant_attention(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, v: t
     return out, lse
 
 
-def run(names: list[str]) -> dict[str, Any]:
+#: how each benchmark's FLOP count is made (the "flops_formula" of their JSON)
+FLOPS_FORMULA = "2 * sum_r(q_r * keys_r) * H * (192 + 128)"
+
+
+def compare(names: list[str], attend: Any, *, key: str, width: int,
+            causal_too: bool = True) -> list[dict[str, Any]]:
+    """For each of :data:`SHAPES` (the causal ones only with ``causal_too``): the library's
+    kernel and cuDNN (one batched dense call on the keys joined, graph built before timing) timed
+    on the same inputs, then each candidate ``attend(name, q, k, rope, v, cu_q, cu_k, max_q,
+    causal) -> (out, lse)``: its first-call time, max abs difference of out and LSE against the
+    library's, median time (``kernel_ms``), TFLOP/s and the ratios to both. A candidate that
+    does not compile, fit or run gets its error. One row per shape, candidates under ``key``."""
     from mlaprefill.backends.cudnn import dense_cudnn_attention
     from mlaprefill.kernels.attention import varlen_attention
 
     rows = []
     for h, nr, sq, sk, causal in SHAPES:
+        if causal and not causal_too:
+            continue
         if causal:
             sk = sq
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -345,20 +358,24 @@ def run(names: list[str]) -> dict[str, Any]:
 
         ref_out, ref_lse = lib()
         entry: dict[str, Any] = {"heads": h, "num_reqs": nr, "q_len": sq, "k_len": sk,
-                                 "causal": causal, "variants": {}}
+                                 "causal": causal, key: {}}
         for name, fn in (("library", lib), ("cudnn", cudnn)):
             fn()
             torch.cuda.synchronize()
             ms = kernel_ms(fn, warmup=5, rep=60)["median_ms"]
             entry[f"{name}_ms"] = ms
             entry[f"{name}_tflops"] = flops / ms / 1e9
+        c_out, c_lse = cudnn()
+        entry["cudnn_out_max_abs_diff"] = (c_out.float() - ref_out.float()).abs().max().item()
+        entry["cudnn_lse_max_abs_diff"] = (c_lse - ref_lse).abs().max().item()
         print(f"H={h:>3} {nr:>2}x q={sq:<5} k={sk:<6} causal={causal!s:<5} library "
-              f"{entry['library_ms']:.3f} ms  cudnn {entry['cudnn_ms']:.3f} ms", flush=True)
+              f"{entry['library_ms']:.3f} ms ({entry['library_tflops']:.0f} TFLOP/s)  cudnn "
+              f"{entry['cudnn_ms']:.3f} ms ({entry['cudnn_tflops']:.0f})", flush=True)
         for name in names:
             rec: dict[str, Any] = {}
 
             def fn(name: str = name) -> Any:
-                return variant_attention(q, kn, rope, v, cu_q, cu_k, sq, causal, name)
+                return attend(name, q, kn, rope, v, cu_q, cu_k, sq, causal)
             try:
                 t0 = time.perf_counter()
                 out, lse = fn()
@@ -370,18 +387,27 @@ def run(names: list[str]) -> dict[str, Any]:
                 rec["tflops"] = flops / rec["ms"] / 1e9
                 rec["over_library"] = rec["ms"] / entry["library_ms"]
                 rec["over_cudnn"] = rec["ms"] / entry["cudnn_ms"]
-            except Exception as exc:  # a variant that does not compile or fit
+            except Exception as exc:  # a candidate that does not compile, fit or run
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            entry["variants"][name] = rec
-            print(f"    {name:<26}" + (
-                f" {rec['ms']:.3f} ms  x{rec['over_library']:.3f} library  "
-                f"x{rec['over_cudnn']:.3f} cudnn  diff out {rec['out_max_abs_diff']:.1e} "
+            entry[key][name] = rec
+            print(f"    {name:<{width}}" + (
+                f" {rec['ms']:.3f} ms {rec['tflops']:.0f} TFLOP/s  x{rec['over_library']:.3f} "
+                f"library  x{rec['over_cudnn']:.3f} cudnn  diff out {rec['out_max_abs_diff']:.1e} "
                 f"lse {rec['lse_max_abs_diff']:.1e}" if "ms" in rec else f" {rec['error']}"),
                 flush=True)
         rows.append(entry)
-        q = kn = rope = v = joined = ref_out = ref_lse = None  # free before the next shape
+        q = kn = rope = v = joined = ref_out = ref_lse = c_out = c_lse = None  # free them
         torch.cuda.empty_cache()
-    return {"rows": rows, "flops_formula": "2 * sum_r(q_r * keys_r) * H * (192 + 128)",
+    return rows
+
+
+def run(names: list[str]) -> dict[str, Any]:
+    def attend(name: str, q: Any, k: Any, rope: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int,
+               causal: bool) -> Any:
+        return variant_attention(q, k, rope, v, cu_q, cu_k, max_q, causal, name)
+
+    return {"rows": compare(names, attend, key="variants", width=26),
+            "flops_formula": FLOPS_FORMULA,
             "variants": {n: dict(zip(("schedule", "block_m", "block_n", "num_warps",
                                       "num_stages", "warp_specialize"), VARIANTS[n], strict=True))
                          for n in names}}

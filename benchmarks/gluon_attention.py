@@ -1,4 +1,3 @@
-# ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
 """Probe: a Gluon (Triton 3.6 ``triton.experimental.gluon``) forward attention kernel for Hopper
 with FA3-style overlap inside each warpgroup, timed against the library's Triton kernel and
 cuDNN on the same inputs, before any of it goes into the library.
@@ -84,7 +83,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 import torch
@@ -99,7 +97,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from _common import kernel_ms, write_json
+from _common import write_json
 from mlaprefill.kernels.hopper_attention import (
     _CONSUMER_REGS,
     _MAXNREG,
@@ -629,78 +627,14 @@ def gluon_attention(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, v: tor
 
 
 def run(names: list[str], causal_too: bool) -> dict[str, Any]:
-    from attention_variants import SHAPES
-    from mlaprefill.backends.cudnn import dense_cudnn_attention
-    from mlaprefill.kernels.attention import varlen_attention
+    from attention_variants import FLOPS_FORMULA, compare
 
-    rows = []
-    for h, nr, sq, sk, causal in SHAPES:
-        if causal and not causal_too:
-            continue
-        if causal:
-            sk = sq
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(nr * sq, h, QK, device="cuda", dtype=torch.bfloat16, generator=g)
-        kn = torch.randn(nr * sk, h, D1, device="cuda", dtype=torch.bfloat16, generator=g)
-        rope = torch.randn(nr * sk, ROPE, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(nr * sk, h, VD, device="cuda", dtype=torch.bfloat16, generator=g)
-        joined = torch.cat([kn, rope[:, None].expand(-1, h, -1)], dim=-1)
-        cu_q = torch.arange(nr + 1, device="cuda", dtype=torch.int32) * sq
-        cu_k = torch.arange(nr + 1, device="cuda", dtype=torch.int32) * sk
-        keys = sq * (sq + 1) / 2 if causal else sq * sk
-        flops = 2 * nr * keys * h * (QK + VD)
+    def attend(name: str, q: Any, k: Any, rope: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int,
+               causal: bool) -> Any:
+        return gluon_attention(q, k, rope, v, cu_q, cu_k, max_q, causal, name)
 
-        def lib() -> Any:
-            return varlen_attention(q, kn, v, cu_q, cu_k, max_seqlen_q=sq, causal=causal,
-                                    softmax_scale=SCALE, k_rope=rope)
-
-        def cudnn() -> Any:
-            return dense_cudnn_attention(q, joined, v, 0, 0, nr, sq, sk, causal=causal,
-                                         softmax_scale=SCALE)
-
-        ref_out, ref_lse = lib()
-        entry: dict[str, Any] = {"heads": h, "num_reqs": nr, "q_len": sq, "k_len": sk,
-                                 "causal": causal, "configs": {}}
-        for name, fn in (("library", lib), ("cudnn", cudnn)):
-            fn()
-            torch.cuda.synchronize()
-            ms = kernel_ms(fn, warmup=5, rep=60)["median_ms"]
-            entry[f"{name}_ms"] = ms
-            entry[f"{name}_tflops"] = flops / ms / 1e9
-        c_out, c_lse = cudnn()
-        entry["cudnn_out_max_abs_diff"] = (c_out.float() - ref_out.float()).abs().max().item()
-        entry["cudnn_lse_max_abs_diff"] = (c_lse - ref_lse).abs().max().item()
-        print(f"H={h:>3} {nr:>2}x q={sq:<5} k={sk:<6} causal={causal!s:<5} library "
-              f"{entry['library_ms']:.3f} ms ({entry['library_tflops']:.0f} TFLOP/s)  cudnn "
-              f"{entry['cudnn_ms']:.3f} ms ({entry['cudnn_tflops']:.0f})", flush=True)
-        for name in names:
-            rec: dict[str, Any] = {}
-
-            def fn(name: str = name) -> Any:
-                return gluon_attention(q, kn, rope, v, cu_q, cu_k, sq, causal, name)
-            try:
-                t0 = time.perf_counter()
-                out, lse = fn()
-                torch.cuda.synchronize()
-                rec["first_call_s"] = time.perf_counter() - t0
-                rec["out_max_abs_diff"] = (out.float() - ref_out.float()).abs().max().item()
-                rec["lse_max_abs_diff"] = (lse - ref_lse).abs().max().item()
-                rec["ms"] = kernel_ms(fn, warmup=5, rep=60)["median_ms"]
-                rec["tflops"] = flops / rec["ms"] / 1e9
-                rec["over_library"] = rec["ms"] / entry["library_ms"]
-                rec["over_cudnn"] = rec["ms"] / entry["cudnn_ms"]
-            except Exception as exc:  # a config that does not compile, fit or run
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            entry["configs"][name] = rec
-            print(f"    {name:<20}" + (
-                f" {rec['ms']:.3f} ms {rec['tflops']:.0f} TFLOP/s  x{rec['over_library']:.3f} "
-                f"library  x{rec['over_cudnn']:.3f} cudnn  diff out {rec['out_max_abs_diff']:.1e} "
-                f"lse {rec['lse_max_abs_diff']:.1e}" if "ms" in rec else f" {rec['error']}"),
-                flush=True)
-        rows.append(entry)
-        q = kn = rope = v = joined = ref_out = ref_lse = c_out = c_lse = None
-        torch.cuda.empty_cache()
-    return {"rows": rows, "flops_formula": "2 * sum_r(q_r * keys_r) * H * (192 + 128)",
+    return {"rows": compare(names, attend, key="configs", width=20, causal_too=causal_too),
+            "flops_formula": FLOPS_FORMULA,
             "configs": {n: dict(zip(("schedule", "block_m", "block_n", "stages", "num_warps"),
                                     CONFIGS[n], strict=True)) for n in names}}
 
