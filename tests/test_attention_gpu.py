@@ -275,23 +275,16 @@ def test_triton_tma_loads_match_pointer_loads(causal):
 
 
 def _attention_f64(q, k, v, q_lens, k_lens, causal, scale, heads=(0, 5)):
-    """float64 out / LSE of a packed varlen batch for a few heads: ([Tq, h, Dv], [Tq, h])."""
-    outs, lses = [], []
-    q0 = k0 = 0
-    for nq, nk in zip(q_lens, k_lens, strict=True):
-        qs = q[q0:q0 + nq, list(heads)].double()
-        ks = k[k0:k0 + nk, list(heads)].double()
-        vs = v[k0:k0 + nk, list(heads)].double()
-        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:
-            s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu(1),
-                              float("-inf"))
-        lse = torch.logsumexp(s, -1)  # [h, nq]; -inf without keys
-        p = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
-        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
-        lses.append(lse.t())
-        q0, k0 = q0 + nq, k0 + nk
-    return torch.cat(outs), torch.cat(lses)
+    """float64 out / LSE of a packed varlen batch for a few heads, by the math backend:
+    ([Tq, h, Dv], [Tq, h])."""
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                            device=q.device)
+    h = list(heads)
+    return BACKENDS["math"]().attend(
+        q[:, h].double(), k[:, h].double(), v[:, h].double(),
+        VarlenSeqs(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens)), causal=causal,
+        softmax_scale=scale)
 
 
 @pytest.mark.parametrize("causal", [False, True])
