@@ -713,3 +713,71 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
     assert check.sync_debug_error is None
     assert check.pageable_htod == 0 and check.dtoh == 0, check.memcpy_events
     assert shared.captures == captures  # a known shape: replays only
+
+
+@pytest.mark.parametrize("backend", ["hybrid", "triton"])
+def test_iteration_graphs_static_io(backend):
+    """static_query / static_output with captured graphs: two layers sharing one
+    IterationGraphs over steps of changing shapes, three rounds (the last replays only); each
+    forward with q written into the static query and out / lse returned as the arena's views is
+    bitwise the copying forward through the same graphs, and the float64 reference's within
+    bf16; the views are the arena's own; a static step never syncs."""
+    from mlaprefill.audit.cuda_check import check_step_async
+    from mlaprefill.graphs import IterationGraphs
+
+    steps = [([17, 1, 300], [3000, 1280, 129]), ([64, 200, 5, 90], [2000, 64, 2500, 700])]
+    heads = 16
+    shared = IterationGraphs()
+    ops, caches = [], []
+    for layer in range(2):
+        w = _inputs([1], [0], heads=heads, seed=200 + layer)["weight"]
+        ops.append(MLAChunkedPrefill(w, qk_nope_head_dim=NOPE, v_head_dim=V, backend=backend,
+                                     iteration_graphs=shared))
+        # one cache per layer at a fixed address (graphs record it): each step's pages copied in
+        caches.append(torch.empty(128, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda"))
+    planner = ChunkPlanner(768, PAGE, policy="equal")
+    ring = StagingRing("cuda")
+    for rnd in range(3):
+        for s, (query_lens, context_lens) in enumerate(steps):
+            plan = planner.plan(PrefillBatch(query_lens, context_lens, page_size=PAGE))
+            dp = ring.upload(plan)
+            for li, op in enumerate(ops):
+                x = _inputs(query_lens, context_lens, heads=heads, seed=10 * s + li)
+                caches[li][:x["kv_cache"].shape[0]].copy_(x["kv_cache"])
+                rest = (x["kv_c_new"], x["k_pe_new"], caches[li], x["block_table"], dp)
+                copied = op.forward(x["q"], *rest, return_lse=True)
+                sq = op.static_query(plan.num_query_tokens)
+                sq.copy_(x["q"])
+                replays = shared.replays
+                out, lse = op.forward(sq, *rest, return_lse=True, static_output=True)
+                assert rnd < 2 or shared.replays > replays
+                (arena,) = shared._arenas.values()
+                assert sq.data_ptr() == arena.q.data_ptr()
+                assert out.data_ptr() == arena.out.data_ptr()
+                assert lse.data_ptr() == arena.lse.data_ptr()
+                assert torch.equal(out, copied[0]) and torch.equal(lse, copied[1]), (rnd, s, li)
+                ref_out, ref_lse = mla_prefill_reference(
+                    x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                    query_lens, context_lens, op.weight, qk_nope_head_dim=NOPE, v_head_dim=V)
+                rel = (out.double().cpu() - ref_out).norm() / ref_out.norm()
+                assert rel <= 1e-2 and (lse.double().cpu() - ref_lse).abs().max() <= 1e-2
+            shared.capture_pending()
+
+    query_lens, context_lens = steps[1]  # the caches hold this step's pages now
+    x = _inputs(query_lens, context_lens, heads=heads, seed=0)
+    plan = planner.plan(PrefillBatch(query_lens, context_lens, page_size=PAGE))
+    captures = shared.captures
+
+    def step():
+        dp = ring.upload(plan)
+        for op, cache in zip(ops, caches, strict=True):
+            q = op.static_query(plan.num_query_tokens)
+            q.copy_(x["q"])
+            out = op.forward(q, x["kv_c_new"], x["k_pe_new"], cache, x["block_table"], dp,
+                             static_output=True)
+            out.sum()  # a consumer of the view, in stream order
+
+    check = check_step_async(step, steps=3)
+    assert check.sync_debug_error is None
+    assert check.pageable_htod == 0 and check.dtoh == 0, check.memcpy_events
+    assert shared.captures == captures  # known shapes: replays only

@@ -462,6 +462,58 @@ def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
     correct("MLAChunkedPrefill.iteration_graphs")
 
 
+@settings(max_examples=30 * SCALE, **SETTINGS)
+@given(tokens=st.sampled_from(["T"] * 12 + [-1, 0, 3, True, 1.5, "4", None, INT32_MAX + 1]),
+       dtype=st.sampled_from([None] * 5 + [torch.float32, torch.float64, torch.int32,
+                                           "float32"]),
+       rope=st.sampled_from([4] * 8 + [None, 0, -1, True, 4.0]),
+       graphs=st.booleans(), static=st.sampled_from([True, False, 1, "yes", None]),
+       ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3))
+def test_fuzz_static_io(tokens, dtype, rope, graphs, static, ql, ctx):
+    """MLAChunkedPrefill.static_query and forward(static_output=): a clear error naming the
+    field, or a query buffer of the asked shape and dtype that a forward (run where q was
+    written into it) reads to the reference's result."""
+    cl = ctx[:len(ql)]
+    x = paged_mla_inputs(ql, cl, heads=2, rank=8, nope=4, rope=4, v=4, page_size=4)
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
+                           iteration_graphs=graphs)
+    tokens = sum(ql) if tokens == "T" else tokens
+    valid = (type(tokens) is int and 0 <= tokens <= INT32_MAX
+             and dtype in (None, torch.float32, torch.float64)
+             and (rope is None or (type(rope) is int and rope >= 0)))
+    try:
+        buf = op.static_query(tokens, dtype=dtype, qk_rope_head_dim=rope)
+    except Exception as exc:
+        clear_error("static_query", exc, "num_tokens", "dtype", "qk_rope_head_dim")
+        assert not valid, (tokens, dtype, rope)
+        return
+    assert valid, (tokens, dtype, rope)
+    want_rope = 64 if rope is None else rope
+    assert tuple(buf.shape) == (tokens, 2, 4 + want_rope), buf.shape
+    assert buf.dtype == (dtype or torch.float32)
+    correct("static_query")
+    if buf.shape != x["q"].shape or buf.dtype != x["q"].dtype:
+        return
+    buf.copy_(x["q"])
+    plan = ChunkPlanner(16, 4).plan(PrefillBatch(ql, cl, page_size=4))
+    try:
+        out, lse = op.forward(buf, x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                              x["block_table"], StagingRing("cpu").upload(plan),
+                              return_lse=True, static_output=static)
+    except Exception as exc:
+        clear_error("forward(static_output)", exc, "static_output")
+        assert not isinstance(static, bool), static
+        return
+    assert isinstance(static, bool), static
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], ql, cl,
+        x["weight"], qk_nope_head_dim=4, v_head_dim=4)
+    assert (out.double() - ref_out).abs().max() <= 1e-4
+    assert (lse.double() - ref_lse).abs().max() <= 1e-4
+    correct("forward(static_output)")
+
+
 @settings(max_examples=150 * SCALE, **SETTINGS)
 @given(case=forward_cases())
 def test_fuzz_forward_and_one_call(case):

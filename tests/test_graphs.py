@@ -82,12 +82,40 @@ def test_arena_reused_while_it_fits_and_grown_to_new_buffers():
     assert grown is not a and grown.generation > a.generation
     assert grown.q.shape[0] == 128 and grown.cu_q.shape == (9,)  # what ran out at least doubled
     assert grown.workspace.shape == (96, 24) and grown.cu_k.shape[0] == 4  # the rest kept
+    # buffers whose size did not change are the old ones (a static query stays valid while
+    # the token capacity holds), what ran out is new; never the counter (``next`` restarts)
+    assert grown.workspace is a.workspace and grown.kv_buf is a.kv_buf
+    assert grown.q is not a.q and grown.cu_k is not a.cu_k and grown.counter is not a.counter
+    more_rows = shared.arena(key, _need(tokens=65, seqs=8, rows=200), **DIMS)
+    assert more_rows.q is grown.q and more_rows.out is grown.out and more_rows.lse is grown.lse
+    assert more_rows.workspace is not grown.workspace and more_rows.workspace.shape[0] == 200
+    assert more_rows.generation > grown.generation
+    grown = more_rows
     assert shared.arena(key, _need(), **DIMS) is grown  # smaller needs fit the grown one
     other = shared.arena(("other",), _need(), **DIMS)
     assert other.generation > grown.generation and len(shared._arenas) == 2
     assert shared.memory_bytes() > 0
     shared.release()
     assert shared.memory_bytes() == 0
+
+
+def test_static_query_without_graphs_and_bad_arguments():
+    w = torch.zeros(2 * 32, 16)
+    off = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, qk_rope_head_dim=8)
+    q = off.static_query(5)
+    assert q.shape == (5, 2, 24) and q.dtype == w.dtype  # a new tensor: nothing to share
+    assert off.static_query(5).data_ptr() != q.data_ptr()
+    on = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=True)
+    a, b = on.static_query(5, dtype=torch.float16), on.static_query(7, dtype=torch.float16)
+    assert a.shape == (5, 2, 80) and b.shape == (7, 2, 80)  # rope 64 by default
+    assert a.data_ptr() == b.data_ptr()  # one buffer
+    assert on.static_query(3, dtype=torch.float32).data_ptr() != a.data_ptr()  # per dtype
+    for bad, match in (({"num_tokens": -1}, "num_tokens"), ({"num_tokens": 2**31}, "num_tokens"),
+                       ({"num_tokens": 4.0}, "num_tokens"), ({"num_tokens": True}, "num_tokens"),
+                       ({"num_tokens": 4, "dtype": torch.int8}, "dtype"),
+                       ({"num_tokens": 4, "qk_rope_head_dim": -2}, "qk_rope_head_dim")):
+        with pytest.raises(ValueError, match=match):
+            on.static_query(**bad)
 
 
 def test_layer_graphs_lru_and_stale_generation():

@@ -227,6 +227,12 @@ _SCRIPT = textwrap.dedent("""
             assert torch.isnan(lse1[:q_lens[0], 1][3 if causal else 0:]).all()
             rest = slice(q_lens[0], None)
             assert torch.equal(out1[rest], out[rest]) and torch.equal(lse1[rest], lse[rest])
+            # attend_to: the same result stored into given tensors (over stale values), the
+            # rectangles merged into them
+            o2 = torch.full_like(out, 5.0)
+            l2 = torch.full_like(lse, -3.0)
+            assert be.attend_to(q, k, v, seqs, o2, l2, causal=causal, softmax_scale=0.3) is None
+            assert torch.equal(o2, out) and torch.equal(l2, lse), (q_lens, k_lens)
 
     def group_forward():
         # The whole chunked forward on the triton and hybrid backends (Triton gather, attention
@@ -309,6 +315,26 @@ _SCRIPT = textwrap.dedent("""
             fin = torch.isfinite(ref_lse)
             assert (joined[0].double() - ref_out).abs().max() < 1e-5
             assert (joined[1].double()[fin] - ref_lse[fin]).abs().max() < 1e-5
+            # out=: the same result stored into strided views of bigger tensors over stale
+            # values (a sequence without keys too), nothing outside the views written
+            big_o = torch.full((q.shape[0] + 3, 3, 20), 7.0)
+            big_l = torch.full((q.shape[0] + 3, 3), 7.0)
+            o_view, l_view = big_o[2:-1, :, :16], big_l[2:-1]
+            got = varlen_attention(q, k[..., :16].contiguous(), v, cq, ck, **kw,
+                                   k_rope=k[:, 0, 16:].contiguous(), out=(o_view, l_view))
+            assert got[0] is o_view and got[1] is l_view
+            assert torch.equal(o_view, joined[0]) and torch.equal(l_view, joined[1])
+            assert (big_o[:2] == 7).all() and (big_o[-1] == 7).all()
+            assert (big_o[..., 16:] == 7).all() and (big_l[:2] == 7).all()
+            for bad, match in (({"state": (o_view, l_view)}, "not both"),
+                               ({}, "out lse must be float32")):
+                try:
+                    varlen_attention(q, k, v, cq, ck, **kw, out=(o_view, l_view.double())
+                                     if not bad else (o_view, l_view), **bad)
+                except ValueError as exc:
+                    assert match in str(exc), exc
+                else:
+                    raise AssertionError(f"out= accepted with {bad or 'a float64 lse'}")
 
         # The rope copy for backends that need joined keys (Triton kernel in the interpreter).
         from mlaprefill.kernels.rope import broadcast_rope_
@@ -529,17 +555,101 @@ _SCRIPT = textwrap.dedent("""
             assert (out.double() - ref_out).abs().max() < 1e-4
             assert (lse.double() - ref_lse).abs().max() < 1e-4
 
+    def group_static_io():
+        # MLAChunkedPrefill.static_query and forward(static_output=True) through the static
+        # buffers (padded launches, eager on CPU), two layers sharing one IterationGraphs: a q
+        # written into the static query is not copied, out / lse are the arena's own (the next
+        # forward overwrites them), the results are the copying forward's and the float64
+        # reference's; a static query survives the arena growing for more rows; a stale one
+        # (the token capacity grew since) is copied like any q.
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from conftest import paged_mla_inputs
+        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.batch import PrefillBatch
+        from mlaprefill.graphs import IterationGraphs
+        from mlaprefill.plan import ChunkPlanner
+        from mlaprefill.reference import mla_prefill_reference
+        from mlaprefill.staging import StagingRing
+
+        class CopiesInto(TorchDispatchMode):
+            # (storage written, shape written) of every aten.copy_; the interpreter copies each
+            # kernel argument back onto itself, a whole argument (arena.q or a bucket of it)
+            def __init__(self):
+                super().__init__()
+                self.into = set()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.copy_.default:
+                    self.into.add((args[0].untyped_storage().data_ptr(), tuple(args[0].shape)))
+                return func(*args, **(kwargs or {}))
+
+        query_lens, context_lens = [17, 1, 30, 5], [0, 64, 200, 33]
+        x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=16, rope=8, v=16,
+                             page_size=16)
+        T = sum(query_lens)
+        ref_out, ref_lse = mla_prefill_reference(
+            x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+            context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
+        dp = StagingRing("cpu").upload(ChunkPlanner(96, 16, policy="balanced").plan(
+            PrefillBatch(query_lens, context_lens, page_size=16)))
+        assert dp.chunk_plan.num_iterations >= 2
+        rest = (x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], dp)
+        kw = dict(dtype=torch.float32, device="cpu", qk_rope_head_dim=8)
+
+        def layers(shared):
+            return [MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                                      backend="triton", iteration_graphs=shared)
+                    for _ in range(2)]
+
+        # the static query made first: the forward then grows the arena for rows, seqs, ...
+        shared = IterationGraphs()
+        op1, op2 = layers(shared)
+        sq = op1.static_query(T, **kw)
+        assert sq.shape == x["q"].shape and sq.dtype == torch.float32
+        assert op2.static_query(T, **kw).data_ptr() == sq.data_ptr()  # one per IterationGraphs
+        sq.copy_(x["q"])
+        with CopiesInto() as copies:
+            out, lse = op1.forward(sq, *rest, return_lse=True, static_output=True)
+        (arena,) = shared._arenas.values()
+        assert arena.generation > 1 and arena.q.data_ptr() == sq.data_ptr()  # grew, q kept
+        q_copy = (sq.untyped_storage().data_ptr(), tuple(sq.shape))
+        assert q_copy not in copies.into  # q not copied in
+        assert out.data_ptr() == arena.out.data_ptr() and lse.data_ptr() == arena.lse.data_ptr()
+        assert (out.double() - ref_out).abs().max() < 1e-4
+        assert (lse.double() - ref_lse).abs().max() < 1e-4
+        with CopiesInto() as copies:
+            plain = op1.forward(x["q"], *rest, return_lse=True)  # copies in and out
+        assert q_copy in copies.into and plain[0].data_ptr() != arena.out.data_ptr()
+        assert torch.equal(plain[0], out) and torch.equal(plain[1], lse)
+        # the next forward through the arena overwrites the views: layer 2, other queries
+        first = out.clone()
+        q2 = x["q"] * 0.5
+        sq.copy_(q2)
+        out2, lse2 = op2.forward(sq, *rest, return_lse=True, static_output=True)
+        assert out2.data_ptr() == out.data_ptr() and torch.equal(out, out2)
+        assert not torch.equal(out2, first)
+        want = op1.forward(q2, *rest, return_lse=True)
+        assert torch.equal(want[0], out2) and torch.equal(want[1], lse2)
+        # a stale static query: the token capacity grew after it was handed out
+        stale = op1.static_query(T, **kw)
+        grown = op1.static_query(8 * arena.q.shape[0], **kw)
+        assert grown.data_ptr() != stale.data_ptr()
+        stale.copy_(x["q"])
+        out3 = op1.forward(stale, *rest, static_output=True)
+        assert (out3.double() - ref_out).abs().max() < 1e-4
+
     {"small_dims": group_small_dims, "tma": group_tma, "graphs_random": group_graphs_random,
      "split_and_state": group_split_and_state, "deepseek_dims": group_deepseek_dims,
      "nonfinite": group_nonfinite, "hybrid": group_hybrid, "forward": group_forward,
-     "stand_ins": group_stand_ins}[sys.argv[1]]()
+     "stand_ins": group_stand_ins, "static_io": group_static_io}[sys.argv[1]]()
     print("INTERPRET_OK")
 """)
 
 
 @pytest.mark.parametrize("group", ["small_dims", "tma", "graphs_random", "split_and_state",
                                    "deepseek_dims", "nonfinite", "hybrid", "forward",
-                                   "stand_ins"])
+                                   "stand_ins", "static_io"])
 def test_varlen_attention_in_interpreter(group):
     """Output and LSE against the float64 reference, empty sequences, NaN isolation."""
     pytest.importorskip("triton")

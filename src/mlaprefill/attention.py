@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
+from mlaprefill.batch import INT32_MAX
 from mlaprefill.graphs import (
     EAGER,
     MIN_QUERY_BUCKET,
@@ -83,8 +84,9 @@ class MLAChunkedPrefill:
         ``auto`` picks the fastest backend that runs the weight's device and dtype (see
         :data:`mlaprefill.backends.AUTO_ORDER`); :attr:`backend_name` tells which.
     qk_rope_head_dim : int, optional
-        Only used to pick the backend before the first forward (default 64); the forward reads
-        the real rope dim from ``k_pe_new`` and re-checks.
+        Only used to pick the backend before the first forward and to size
+        :meth:`static_query` (default 64); the forward reads the real rope dim from
+        ``k_pe_new`` and re-checks.
     iteration_graphs : bool or IterationGraphs
         Experimental, off by default; for the ``triton`` and ``hybrid`` backends and forwards
         without ``context_source`` (a DCP forward runs eagerly). Each context iteration runs as
@@ -145,7 +147,7 @@ class MLAChunkedPrefill:
         self.v_head_dim = v_head_dim
         self.softmax_scale = softmax_scale
         self._backend_request = backend
-        rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
+        rope = self._rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
         self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
         # (rope, dtype, device, V padded, "k" | "v") -> W_K or W_V (joined keys); (dtype, device,
         # "kv") -> the weight as split keys use it; per instance.
@@ -290,14 +292,15 @@ class MLAChunkedPrefill:
     def _validate(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                   kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
                   context_source: Any = None, return_lse: Any = False,
-                  validate: Any = False) -> int:
+                  validate: Any = False, static_output: Any = False) -> int:
         """Check every input against the weight and the plan's host ints; return rope dim.
 
         Host-only (never reads device memory) unless ``validate``; see :meth:`forward`. With a
         ``context_source`` the forward never reads ``block_table`` (the source gathers the rows,
         e.g. from a rank's local shard), so it is not checked against the contexts.
         """
-        for name, flag in (("return_lse", return_lse), ("validate", validate)):
+        for name, flag in (("return_lse", return_lse), ("validate", validate),
+                           ("static_output", static_output)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if context_source is not None and not callable(context_source):
@@ -374,7 +377,7 @@ class MLAChunkedPrefill:
     def forward(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                 kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any, *,
                 return_lse: bool = False, context_source: ContextSource | None = None,
-                validate: bool = False,
+                validate: bool = False, static_output: bool = False,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output of every new token over its context and the new tokens before it.
 
@@ -396,6 +399,15 @@ class MLAChunkedPrefill:
             context reads is in ``[0, num_blocks)``, and the DevicePlan's device tensors still
             hold its plan (a ring slot is reused after ``valid_uploads`` later uploads). For
             debugging and first integration, not for the hot path.
+        static_output : bool
+            With ``iteration_graphs``, return ``out`` (and ``lse``) as views of its static
+            buffers instead of copies: valid until the next forward through the same
+            :class:`~mlaprefill.graphs.IterationGraphs` overwrites them, i.e. whatever the
+            caller queues on the stream before that forward (e.g. the output projection) reads
+            them intact; ``clone()`` to keep them longer. Saves a device copy of ``out`` per
+            forward. Forwards that run eagerly (no ``iteration_graphs``, a ``context_source``, a
+            backend without split keys) return their own tensors as always. See
+            :meth:`static_query` for the input side.
 
         Returns
         -------
@@ -423,7 +435,7 @@ class MLAChunkedPrefill:
         """
         rope = self._validate(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
                               context_source=context_source, return_lse=return_lse,
-                              validate=validate)
+                              validate=validate, static_output=static_output)
         plan = device_plan.chunk_plan
         device, dtype = q.device, q.dtype
         nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
@@ -450,7 +462,8 @@ class MLAChunkedPrefill:
         if (self._graphs is not None and context_source is None
                 and backend.takes_split_keys):
             return self._forward_graphs(q, kv_c_new, k_pe_new, kv_cache, block_table,
-                                        device_plan, rope, scale, lse_dtype, return_lse)
+                                        device_plan, rope, scale, lse_dtype, return_lse,
+                                        static_output)
         tensors = plan_tensors(plan, device_plan)
         cu_q = tensors["cu_query_lens"]
         # int64 [T], for backends that read it (computed once per step, not per iteration)
@@ -511,7 +524,7 @@ class MLAChunkedPrefill:
     def _forward_graphs(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor,
                         device_plan: DevicePlan, rope: int, scale: float,
-                        lse_dtype: torch.dtype, return_lse: bool,
+                        lse_dtype: torch.dtype, return_lse: bool, static_output: bool,
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` through the static buffers of ``iteration_graphs``: the new tokens'
         stage, then runs of context iterations, each a replay of a cached CUDA graph (or, at a
@@ -549,18 +562,66 @@ class MLAChunkedPrefill:
             run = 1 << (run.bit_length() - 1)  # a power of two: few keys
             replay.run(i, None if device_rows else rows, run)
             k += run
-        return replay.result(lse_dtype, return_lse)
+        return replay.result(lse_dtype, return_lse, static_output)
 
     __call__ = forward
+
+    def _arena(self, shared: IterationGraphs, need: dict[str, int], device: torch.device,
+               dtype: torch.dtype, rope: int) -> Arena:
+        """The static buffers of ``shared`` for this layer's shapes in ``dtype`` on ``device``
+        (its cache has q's dtype), with at least the capacities ``need``."""
+        h, qk, rank = self.num_heads, self.qk_nope_head_dim + rope, self.kv_lora_rank
+        return shared.arena((device, dtype, dtype, h, qk, self.v_head_dim, rank + rope), need,
+                            device=device, dtype=dtype, kv_dtype=dtype, heads=h, qk=qk,
+                            v=self.v_head_dim, latent=rank + rope)
+
+    def static_query(self, num_tokens: int, *, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None,
+                     qk_rope_head_dim: int | None = None) -> torch.Tensor:
+        """Where to write a forward's ``q`` so that it is not copied: ``[num_tokens, H,
+        qk_nope_head_dim + qk_rope_head_dim]``, a view of the static query buffer of
+        ``iteration_graphs`` (shared by the layers that share it).
+
+        Write the step's roped queries into it (e.g. ``torch.cat(..., out=)`` or a GEMM's
+        ``out=``) and pass it as :meth:`forward`'s ``q``: the forward sees that q already is
+        the buffer and skips its copy (~17 us for 4096 x 16 heads of bf16 on the H200). It
+        holds one layer's queries at a time: write a layer's only after the previous layer's
+        forward was queued (in stream order, as a layer stack does). A q elsewhere is copied in
+        as always, so using it is never required; should the buffer have grown since (more
+        tokens than any forward before), the view is no longer the buffer and the forward
+        copies it. Without ``iteration_graphs``: a new tensor (the forward reads q where it
+        is).
+
+        ``dtype`` / ``device`` default to the weight's; ``qk_rope_head_dim`` to the one given
+        at construction (64 if none). Host-only: never synchronizes.
+        """
+        if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                or not 0 <= num_tokens <= INT32_MAX):
+            raise ValueError(f"num_tokens must be an int in [0, 2**31 - 1] (a plan's "
+                             f"num_query_tokens), got {num_tokens!r}")
+        rope = self._rope if qk_rope_head_dim is None else qk_rope_head_dim
+        if isinstance(rope, bool) or not isinstance(rope, int) or rope < 0:
+            raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got {rope!r}")
+        dtype = self.weight.dtype if dtype is None else dtype
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
+        device = self.weight.device if device is None else torch.device(device)
+        qk = self.qk_nope_head_dim + rope
+        if self.iteration_graphs is None:
+            return torch.empty(num_tokens, self.num_heads, qk, dtype=dtype, device=device)
+        arena = self._arena(self.iteration_graphs, {"tokens": row_bucket(num_tokens)}, device,
+                            dtype, rope)
+        return arena.q[:num_tokens]
 
 
 class _NewTokens:
     """The new tokens' stage, sized to a graph key and reading only static buffers: the
     up-projection of the arena's first ``tokens`` latent rows (the step's ``kv_c_new | k_pe_new``,
     then rows of no sequence) and the backend's causal attention of the arena's queries over
-    them (``seqs`` sequences, grid of ``max_q`` queries), written as the arena's running
-    ``(out, lse)``. ``host``: the plan's host ``cu_query_lens`` when the backend wants joined
-    keys (``hybrid``'s cuDNN rectangles are placed from them; part of the key), else None.
+    them (``seqs`` sequences, grid of ``max_q`` queries), stored as the arena's running
+    ``(out, lse)`` (``attend_to``: no result tensors, no copy). ``host``: the plan's host
+    ``cu_query_lens`` when the backend wants joined keys (``hybrid``'s cuDNN rectangles are
+    placed from them; part of the key), else None.
     """
 
     __slots__ = ("arena", "host", "launch", "op")
@@ -577,12 +638,11 @@ class _NewTokens:
         latent = arena.workspace[:tokens]
         k, v = op._up_project(latent[:, :rank], latent[:, rank:], arena.kv_buf, rope, joined)
         cu = arena.cu_q[:seqs + 1]
-        out, lse = op._backend.attend(
+        op._backend.attend_to(
             arena.q[:tokens], k, v, VarlenSeqs(cu, cu, max_q, max_q, cu_seqlens_q_host=self.host,
                                                cu_seqlens_k_host=self.host),
-            causal=True, softmax_scale=scale, k_rope=None if joined else latent[:, rank:])
-        arena.out[:tokens].copy_(out[..., :op.v_head_dim])
-        arena.lse[:tokens].copy_(lse)
+            arena.out[:tokens], arena.lse[:tokens], causal=True, softmax_scale=scale,
+            k_rope=None if joined else latent[:, rank:])
 
 
 class _PaddedIteration:
@@ -643,7 +703,8 @@ class _PaddedIteration:
 class _ArenaReplay:
     """One forward's launches, run as replays of cached CUDA graphs.
 
-    On construction, copies the forward's queries and new latent rows into the
+    On construction, copies the forward's queries (unless they are the arena's own:
+    :meth:`MLAChunkedPrefill.static_query`) and new latent rows into the
     :class:`~mlaprefill.graphs.IterationGraphs` arena, and the plan's offsets (padded to the
     bucketed sequence count: padded sequences get no queries and no keys) and block table unless
     the arena holds them already: the previous forward through this arena (e.g. the previous
@@ -656,7 +717,8 @@ class _ArenaReplay:
     object meets a graph key its launches run eagerly (that loads every kernel) and the key is
     queued for capture; it is captured at the next ``capture_pending`` (until that is first
     called: at its second sight), then replayed, in this forward and the next ones with the same
-    key. ``result()`` copies the arena's ``(out, lse)`` out. On a device without CUDA graphs the
+    key. ``result()`` copies the arena's ``(out, lse)`` out (or returns them, for
+    ``static_output``). On a device without CUDA graphs the
     padded launches always run eagerly.
     """
 
@@ -669,17 +731,16 @@ class _ArenaReplay:
         num_tokens, num_seqs, num_iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
         seqs = pow2_at_least(num_seqs)
         max_q = pow2_at_least(plan.max_query_len, MIN_QUERY_BUCKET)
-        h, qk, rank = op.num_heads, op.qk_nope_head_dim + rope, op.kv_lora_rank
+        qk, rank = op.qk_nope_head_dim + rope, op.kv_lora_rank
         device = q.device
-        arena = self.arena = shared.arena(
-            (device, q.dtype, kv_cache.dtype, h, qk, op.v_head_dim, rank + rope),
-            {"tokens": tokens, "seqs": seqs, "iters": num_iters,
-             "blocks": block_table.shape[1], "rows": max_rows,
-             "kv": op._kv_numel(max_rows, qk)},
-            device=device, dtype=q.dtype, kv_dtype=kv_cache.dtype, heads=h, qk=qk,
-            v=op.v_head_dim, latent=rank + rope)
-        # Inputs in (device copies, stream ordered after the previous forward's replays).
-        arena.q[:num_tokens].copy_(q)
+        arena = self.arena = op._arena(
+            shared, {"tokens": tokens, "seqs": seqs, "iters": num_iters,
+                     "blocks": block_table.shape[1], "rows": max_rows,
+                     "kv": op._kv_numel(max_rows, qk)}, device, q.dtype, rope)
+        # Inputs in (device copies, stream ordered after the previous forward's replays); q
+        # not when it is the arena's own (static_query): q is contiguous, of num_tokens rows.
+        if q.data_ptr() != arena.q.data_ptr():
+            arena.q[:num_tokens].copy_(q)
         arena.workspace[:num_tokens, :rank].copy_(kv_c_new)
         arena.workspace[:num_tokens, rank:].copy_(k_pe_new)
         staged = device_plan.tensors
@@ -737,14 +798,16 @@ class _ArenaReplay:
                      stand_in=rows is not None and joined is None)
         arena.next = i + count  # each iteration added one to the counter
 
-    def result(self, lse_dtype: torch.dtype, return_lse: bool
+    def result(self, lse_dtype: torch.dtype, return_lse: bool, static: bool = False
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward's ``out`` (and ``lse``): new tensors, copied from the arena."""
+        """The forward's ``out`` (and ``lse``): new tensors copied from the arena, or with
+        ``static`` the arena's own (views, overwritten by the next forward through it)."""
         t = self.num_tokens
-        out = self.arena.out[:t].clone()
+        out = self.arena.out[:t] if static else self.arena.out[:t].clone()
         if not return_lse:
             return out
-        return out, self.arena.lse[:t].to(lse_dtype, copy=True)
+        lse = self.arena.lse[:t]
+        return out, (lse if static and lse.dtype == lse_dtype else lse.to(lse_dtype, copy=True))
 
     def _launch(self, key: tuple[Any, ...], make: Callable[[], Any], *,
                 stand_in: bool = False) -> None:

@@ -203,39 +203,47 @@ class IterationGraphs:
               dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, qk: int, v: int,
               latent: int) -> Arena:
         """The arena for ``key`` with at least the capacities ``need`` (tokens, seqs, iters,
-        blocks, rows, kv), grown (to new buffers and a new generation) when it has less."""
+        blocks, rows, kv; a missing one: any), grown when it has less: a new generation, new
+        buffers for what ran out, the old ones kept where they still fit (so a view of its
+        queries, ``MLAChunkedPrefill.static_query``'s, stays its queries while the token
+        capacity holds)."""
         old = self._arenas.get(key)
+        need = {k: need.get(k, 0) for k in ("tokens", "seqs", "iters", "blocks", "rows", "kv")}
         if old is not None and old.fits(need):
             return old
         caps = dict(need)
         if old is not None:  # grow: at least double what ran out, keep the rest
             for k, have in old.caps().items():
                 caps[k] = max(need[k], have) if have >= need[k] else max(need[k], 2 * have)
-            self._arenas.pop(key)
-            # Captures queued against it would never replay (the layers drop graphs of an old
-            # generation) and would keep its buffers alive: its memory goes back to the
-            # allocator before the new buffers are made.
-            self._pending = OrderedDict((k, p) for k, p in self._pending.items()
-                                        if p[3].arena is not old)
-            del old
         tokens = pow2_at_least(caps["tokens"], 16)
         seqs, iters = caps["seqs"], pow2_at_least(caps["iters"], 4)
         blocks = -(-max(caps["blocks"], 1) // 64) * 64
         rows, kv = max(caps["rows"], 1), max(caps["kv"], 1)
-
-        def ints(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int32, device=device)
-
-        arena = Arena(
-            generation=next(_GENERATIONS),
-            q=torch.zeros(tokens, heads, qk, dtype=dtype, device=device),
-            out=torch.zeros(tokens, heads, v, dtype=dtype, device=device),
-            lse=torch.zeros(tokens, heads, dtype=torch.float32, device=device),
-            cu_q=ints(seqs + 1), cu_k=ints(iters, seqs + 1), starts=ints(iters, seqs),
-            block_table=ints(seqs, blocks),
-            workspace=torch.zeros(rows, latent, dtype=kv_dtype, device=device),
-            kv_buf=torch.empty(kv, dtype=dtype, device=device),
-            counter=torch.zeros(1, dtype=torch.int64, device=device))
+        shapes = {"q": ((tokens, heads, qk), dtype), "out": ((tokens, heads, v), dtype),
+                  "lse": ((tokens, heads), torch.float32), "cu_q": ((seqs + 1,), torch.int32),
+                  "cu_k": ((iters, seqs + 1), torch.int32),
+                  "starts": ((iters, seqs), torch.int32),
+                  "block_table": ((seqs, blocks), torch.int32),
+                  "workspace": ((rows, latent), kv_dtype), "kv_buf": ((kv,), dtype),
+                  "counter": ((1,), torch.int64)}
+        kept: dict[str, torch.Tensor] = {}
+        if old is not None:
+            self._arenas.pop(key)
+            # Captures queued against it would never replay (the layers drop graphs of an old
+            # generation) and would keep its buffers alive: what is not kept (sizes never
+            # shrink, so a buffer of the same shape still fits) goes back to the allocator
+            # before the new buffers are made.
+            self._pending = OrderedDict((k, p) for k, p in self._pending.items()
+                                        if p[3].arena is not old)
+            # (Not the counter: a new arena's host view of it, ``next``, starts at 0.)
+            kept = {name: getattr(old, name) for name, (shape, _) in shapes.items()
+                    if name != "counter" and tuple(getattr(old, name).shape) == shape}
+            del old
+        made = {name: kept[name] if name in kept else
+                (torch.empty if name == "kv_buf" else torch.zeros)(shape, dtype=dt, device=device)
+                for name, (shape, dt) in shapes.items()}
+        del kept
+        arena = Arena(generation=next(_GENERATIONS), **made)
         self._arenas[key] = arena
         return arena
 

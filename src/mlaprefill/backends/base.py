@@ -214,6 +214,24 @@ class AttentionBackend(abc.ABC):
                                          softmax_scale=softmax_scale)
         merge_attention_states(out, lse, part_out[..., :out.shape[2]], part_lse)
 
+    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                  k_rope: torch.Tensor | None = None) -> None:
+        """:meth:`attend`, its result written into ``out [Tq, H, Dv]`` and float32 ``lse [Tq,
+        H]`` (overwritten, not merged; rows of no sequence hold anything afterwards): a caller's
+        static buffers, e.g. a CUDA graph's.
+
+        The default runs :meth:`attend` and copies; kernels that can write to given tensors
+        override it (no copy). ``k_rope``: see :meth:`wants_joined_keys`.
+        """
+        if k_rope is not None:
+            raise ValueError(f"backend {self.name!r} needs joined keys (wants_joined_keys is "
+                             f"True): pass k [Tk, H, qk_head_dim] and no k_rope")
+        part_out, part_lse = self.attend(q, k, v, seqs, causal=causal,
+                                         softmax_scale=softmax_scale)
+        out.copy_(part_out[..., :out.shape[2]])
+        lse.copy_(part_lse)
+
     def builds(self) -> int | None:
         """Kernel builds this backend has caused in this process so far: cuDNN graphs built for
         new shapes, Triton kernels compiled; 0 for precompiled kernels; None when unknown.

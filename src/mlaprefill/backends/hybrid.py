@@ -353,14 +353,16 @@ class HybridBackend(TritonBackend):
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
              state: tuple[torch.Tensor, torch.Tensor] | None, causal: bool,
-             softmax_scale: float, k_rope: torch.Tensor | None
+             softmax_scale: float, k_rope: torch.Tensor | None,
+             into: tuple[torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
         # With k_rope (split keys) no rectangle: cuDNN cannot read them (wants_joined_keys).
+        # state: merged into; into: overwritten (attend_to).
         rects = [] if k_rope is not None else self._rectangles(seqs, q.shape[1], causal)
         out, lse = varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                     max_seqlen_q=seqs.max_seqlen_q, causal=causal,
                                     softmax_scale=softmax_scale, k_rope=k_rope, state=state,
-                                    dense=tuple(r.kernel_args for r in rects))
+                                    out=into, dense=tuple(r.kernel_args for r in rects))
         dense = self._dense_fn(q.device)
         graph = (q.shape[1], q.shape[2], v.shape[2], causal, q.dtype)
         for r in rects:
@@ -392,6 +394,12 @@ class HybridBackend(TritonBackend):
         # The Triton part merges into (out, lse) in its epilogue (rows a rectangle covers whole
         # are not touched there); each rectangle is then merged into its rows.
         self._run(q, k, v, seqs, (out, lse), causal, softmax_scale, k_rope)
+
+    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                  k_rope: torch.Tensor | None = None) -> None:
+        # The Triton part stores into (out, lse); rectangles are then merged into their rows.
+        self._run(q, k, v, seqs, None, causal, softmax_scale, k_rope, (out, lse))
 
     def warmup(self, calls: Iterable[tuple[Sequence[int], Sequence[int], bool]], *,
                num_heads: int, qk_head_dim: int, v_head_dim: int,

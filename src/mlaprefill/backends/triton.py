@@ -89,3 +89,12 @@ class TritonBackend(AttentionBackend):
                          max_seqlen_q=seqs.max_seqlen_q, causal=causal,
                          softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
                          state=(out, lse))
+
+    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                  k_rope: torch.Tensor | None = None) -> None:
+        # The kernel stores straight into (out, lse): no result tensors, no copy.
+        varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                         max_seqlen_q=seqs.max_seqlen_q, causal=causal,
+                         softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
+                         out=(out, lse))

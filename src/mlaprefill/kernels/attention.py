@@ -556,21 +556,22 @@ def _check_tma(parts: list[tuple[str, torch.Tensor, tuple[int, ...]]]) -> None:
                              f"tma=False or a contiguous copy")
 
 
-def _check_state(state: object, q: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_state(state: object, q: torch.Tensor, v_dim: int, name: str = "state"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(state, tuple) and len(state) == 2
             and all(isinstance(t, torch.Tensor) for t in state)):
-        raise TypeError(f"state must be a tuple (out, lse) of tensors, got "
+        raise TypeError(f"{name} must be a tuple (out, lse) of tensors, got "
                         f"{type(state).__name__}")
     out, lse = state
     want = (q.shape[0], q.shape[1], v_dim)
     if tuple(out.shape) != want or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(f"state out must be [Tq, H, Dv] = {want} in q's dtype {q.dtype} with a "
+        raise ValueError(f"{name} out must be [Tq, H, Dv] = {want} in q's dtype {q.dtype} with a "
                          f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")
     if tuple(lse.shape) != want[:2] or lse.dtype != torch.float32:
-        raise ValueError(f"state lse must be float32 [Tq, H] = {want[:2]}, got "
+        raise ValueError(f"{name} lse must be float32 [Tq, H] = {want[:2]}, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
     if out.device != q.device or lse.device != q.device:
-        raise ValueError(f"state must be on q's device {q.device}")
+        raise ValueError(f"{name} must be on q's device {q.device}")
     return out, lse
 
 
@@ -581,6 +582,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      dense: tuple[tuple[int, int, int, int], ...] = (),
                      k_rope: torch.Tensor | None = None,
                      state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed varlen batch, with LSE (one Triton launch).
 
@@ -623,11 +625,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         :func:`mlaprefill.kernels.merge.merge_attention_states`), instead of new tensors: no
         separate merge pass. Rows with no key in this call are not touched (merging nothing is
         the identity), so a rectangle left to another kernel costs no write here.
+    out : ``(out [Tq, H, v_head_dim], lse float32 [Tq, H])``, optional
+        Tensors to write the result into instead of new ones (overwritten, not merged: not
+        with ``state``); a caller's static buffers, e.g. a CUDA graph's. Rows of no sequence
+        hold anything afterwards, as in new tensors.
 
     Returns
     -------
-    out : [Tq, H, v_head_dim], q's dtype; lse : float32 [Tq, H], natural log (``state``'s tensors
-    when given, else new contiguous ones)
+    out : [Tq, H, v_head_dim], q's dtype; lse : float32 [Tq, H], natural log (``state``'s or
+    ``out``'s tensors when given, else new contiguous ones)
 
     A sequence without keys gives ``out = 0, lse = -inf``; a non-finite input gives NaN only in
     its own sequence's rows. Never synchronizes (the grid comes from host ints only); CUDA-graph
@@ -648,18 +654,25 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check_tma(parts)
         ensure_allocator()
     v_dim = v.shape[2]
+    if state is not None and out is not None:
+        raise ValueError("pass state= (merge into a running result) or out= (overwrite), not "
+                         "both")
     if state is not None:
         state = _check_state(state, q, v_dim)
+    if out is not None:
+        out = _check_state(out, q, v_dim, "out")
     if not use_triton(q):
         raise ValueError(f"varlen_attention runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got device {q.device}; on CPU use the 'math' "
                          f"backend")
     num_tokens_q, num_heads = q.shape[:2]
-    if state is None:
+    if state is not None:
+        out, lse = state
+    elif out is not None:
+        out, lse = out
+    else:
         out = torch.empty(num_tokens_q, num_heads, v_dim, dtype=q.dtype, device=q.device)
         lse = torch.empty(num_tokens_q, num_heads, dtype=torch.float32, device=q.device)
-    else:
-        out, lse = state
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens_q == 0 or num_heads == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse
