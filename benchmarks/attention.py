@@ -125,33 +125,42 @@ def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
 def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
                   ) -> tuple[Any, Any, Any]:
     """``(op, plan, fwd)``: the forward of ``x``'s requests on ``backend`` (``NAME+graphs``:
-    with ``iteration_graphs=True``) planned with the backend's auto policy, ``fwd()`` running
-    it once (plan uploaded once)."""
+    with ``iteration_graphs=True``; ``NAME+graphs+static``: q in the static query, written
+    there once as an engine's q projection would, and ``static_output=True``) planned with the
+    backend's auto policy, ``fwd()`` running it once (plan uploaded once)."""
     from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
-    from mlaprefill.bench.engine import split_graphs_suffix
+    from mlaprefill.bench.engine import split_graphs_suffix, split_static
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
-    base, graphs = split_graphs_suffix(backend)
+    core, static = split_static(backend)
+    base, graphs = split_graphs_suffix(core)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
                            backend=base, iteration_graphs=graphs or False)
     plan = ChunkPlanner(workspace, PAGE, policy=op.resolve_policy("auto")).plan(
         PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE))
     dplan = StagingRing(device).upload(plan)
+    q = x["q"]
+    if static:
+        q = op.static_query(q.shape[0], dtype=q.dtype, device=q.device,
+                            qk_rope_head_dim=q.shape[2] - NOPE)
+        q.copy_(x["q"])
 
     def fwd() -> Any:
-        return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                          x["block_table"], dplan, return_lse=True)
+        return op.forward(q, x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                          dplan, return_lse=True, static_output=static)
 
     return op, plan, fwd
 
 
-def _label(op: Any) -> str:
-    """The backend an :func:`_auto_forward` op runs, as results name it (``NAME+graphs``)."""
-    from mlaprefill.bench.engine import graphs_suffix
+def _label(op: Any, backend: str) -> str:
+    """The backend an :func:`_auto_forward` op of ``backend`` runs, as results name it
+    (``NAME+graphs``, ``NAME+graphs+static``: ``auto`` resolved)."""
+    from mlaprefill.bench.engine import STATIC, graphs_suffix, split_static
 
-    return op.backend_name + graphs_suffix(op.iteration_graphs)
+    static = STATIC if split_static(backend)[1] and op.iteration_graphs else ""
+    return op.backend_name + graphs_suffix(op.iteration_graphs) + static
 
 
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
@@ -471,7 +480,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
                 b1 = op.backend.builds()
                 host = host_enqueue_ms(fwd)
                 setups[name] = {"op": op, "fwd": fwd, "b0": b0, "b1": b1, "rounds": [],
-                                "row": {**shape, "backend": _label(op), "policy": plan.policy,
+                                "row": {**shape, "backend": _label(op, name), "policy": plan.policy,
                                         "iterations": plan.num_iterations,
                                         "first_call_host_ms": first_host_ms,
                                         "host_enqueue_ms_p50": host[10],

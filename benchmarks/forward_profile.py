@@ -81,7 +81,7 @@ def profile(backends: list[str],
                               for k in prof.key_averages() if k.device_time_total > 0),
                              key=lambda r: -r[1])
             rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
-                         "backend": _label(op), "policy": plan.policy,
+                         "backend": _label(op, name), "policy": plan.policy,
                          "iterations": plan.num_iterations, "do_bench_ms": isolated,
                          "back_to_back_ms": start.elapsed_time(end) / 10,
                          "host_enqueue_ms_p50": host[10],
@@ -132,7 +132,7 @@ def host_profile(backends: list[str], shape: tuple[int, int, int, int],
         total = sum(v[2] for v in stats.values())
         entries = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
         rows.append({"heads": heads, "num_reqs": nr, "query_len": q, "context_len": c,
-                     "backend": _label(op), "iterations": plan.num_iterations,
+                     "backend": _label(op, name), "iterations": plan.num_iterations,
                      "host_enqueue_ms_p50": host[len(host) // 2],
                      "host_ms_per_forward_under_cprofile": total * 1e3 / calls,
                      "top_own_time": [{"function": f"{k[0].rsplit('/', 2)[-1]}:{k[1]} {k[2]}",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #11's host-side checks in one call on one H200, writing JSON/PNG/logs under OUT_DIR:
 #
-#   benchmarks/graphs_h200.sh OUT_DIR [tests] [gemm] [uneven] [stall] [hostprof]  (default: all)
+#   benchmarks/graphs_h200.sh OUT_DIR [JOB ...]  (default: tests gemm uneven stall hostprof)
 #
 # alltests  every gpu-marked test but DCP's (JUnit XML in OUT_DIR/gpu_tests.xml)
 # tests     the iteration-graph and no-sync GPU tests (tests/test_attention_gpu.py -k ...)
@@ -15,6 +15,9 @@
 #           hybrid+graphs and varlen in one run
 # variants  benchmarks/attention_variants.py: key-loop schedules against the library's kernel
 # gemm      the up-projection GEMM with its rows on the device vs torch.mm (benchmarks/upproj.py)
+# ideal     benchmarks/attention.py's whole forward vs issue #11's ideal on its 14 shapes, 3
+#           interleaved rounds; IDEAL_BACKENDS (default hybrid,hybrid+graphs,hybrid+graphs+static)
+# profile   benchmarks/forward_profile.py on the shapes nearest the target (PROFILE_BACKENDS)
 set -uo pipefail
 out=${1:?usage: benchmarks/graphs_h200.sh OUT_DIR [JOB ...]}
 shift
@@ -61,6 +64,23 @@ if has variants; then
     timeout 300 python3 benchmarks/attention_variants.py --out "$out/attention_variants_h200.json" \
         2>&1 | grep -v Warn | tail -n 70
     echo "== variants rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
+if has ideal; then
+    shapes=128:1x4096:4096,128:1x4096:32768,128:1x4096:131072,128:4x1024:32768,128:16x256:8192
+    shapes+=,16:1x4096:4096,16:1x4096:131072,16:4x1024:32768,16:16x256:8192,16:16x256:131072
+    shapes+=,128:4x1000:30000,16:16x250:8000,128:4x1024:131072,16:4x1024:131072
+    (cd benchmarks && timeout 400 python3 attention.py --skip gather,merge,attention,forward,policies \
+        --backends "${IDEAL_BACKENDS:-hybrid,hybrid+graphs,hybrid+graphs+static}" --repeats 3 \
+        --ideal-shapes "$shapes" --out "$out/attention_vs_ideal_h200.json" 2>&1 \
+        | grep -v Warn | tail -n 50)
+    echo "== ideal rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
+if has profile; then
+    timeout 200 python3 benchmarks/forward_profile.py \
+        --backends "${PROFILE_BACKENDS:-hybrid,hybrid+graphs,hybrid+graphs+static}" \
+        --shapes 16:1x4096:4096,16:16x256:8192,128:1x4096:4096 \
+        --out "$out/forward_profile_h200.json" 2>&1 | grep -v Warn | tail -n 40
+    echo "== profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
 fi
 if has hostprof; then
     timeout 200 python3 benchmarks/forward_profile.py --host-only \

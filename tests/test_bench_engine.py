@@ -164,6 +164,19 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     assert not layers[0].iteration_graphs.device_rows
     with pytest.raises(ValueError, match="graphs-device-rows"):
         Variant.parse("ring+packed@math+graphs-rows")
+    # +static: q written into each layer's static query, the output taken as views (math runs
+    # eagerly, so its forward returns its own tensors; the query buffer is the arena's still)
+    static_run = engine.run(Variant.parse("ring+packed@math+graphs+static"))
+    assert engine.backend_name("math+graphs+static") == "math+graphs+static"
+    static_layers = engine.attention_layers("math+graphs+static")
+    assert static_layers[0].iteration_graphs is not layers[0].iteration_graphs
+    assert static_run.first_tokens == default.first_tokens
+    (arena,) = static_layers[0].iteration_graphs._arenas.values()  # the model wrote q there
+    assert arena.q.abs().sum() > 0
+    for bad, match in (("math+static", "needs iteration graphs"),
+                       ("fastest+graphs+static", "unknown")):
+        with pytest.raises(ValueError, match=match):
+            Variant.parse(f"ring+packed@{bad}")
 
 
 @pytest.mark.gpu

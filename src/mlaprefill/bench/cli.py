@@ -385,12 +385,10 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
         raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
                          f"device(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1}).")
     if args.backend is not None:
-        from mlaprefill.backends import BACKENDS
-        from mlaprefill.bench.engine import GRAPHS, GRAPHS_DEVICE_ROWS, graphs_base
-        if graphs_base(args.backend) not in ("auto", *BACKENDS):
-            raise ValueError(f"--backend {args.backend!r} is unknown; choose one of "
-                             f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} or "
-                             f"{GRAPHS_DEVICE_ROWS!r} (iteration graphs).")
+        from mlaprefill.bench.engine import backend_error
+        why = backend_error(args.backend, "--backend")
+        if why is not None:
+            raise ValueError(why)
     values = dict(scenario.engine)
     for opt, fld in _ENGINE_OPTS.items():
         v = getattr(args, opt, None)

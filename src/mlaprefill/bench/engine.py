@@ -57,9 +57,38 @@ GRAPHS = "+graphs"
 GRAPHS_DEVICE_ROWS = "+graphs-device-rows"
 
 
+#: After a graphs suffix: the model writes each layer's q into the forward's static query and
+#: takes its output as views of the static buffers (``MLAChunkedPrefill.static_query``,
+#: ``forward(static_output=True)``): no device copy of q in or of out out per forward.
+STATIC = "+static"
+
+
+def split_static(backend: str) -> tuple[str, bool]:
+    """``backend`` without a :data:`STATIC` suffix, and whether it had one."""
+    return (backend.removesuffix(STATIC), True) if backend.endswith(STATIC) else (backend, False)
+
+
 def graphs_base(backend: str) -> str:
-    """``backend`` without a graphs suffix (``+graphs``, ``+graphs-device-rows``)."""
-    return backend.removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
+    """``backend`` without a graphs suffix (``+graphs``, ``+graphs-device-rows``, either with
+    ``+static``)."""
+    return split_static(backend)[0].removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
+
+
+def backend_error(backend: str, field: str) -> str | None:
+    """Why ``backend`` is not a bench backend name (``field`` names the option in the
+    message), or None: ``auto`` or a backend, optionally with a graphs suffix, optionally then
+    :data:`STATIC`."""
+    from mlaprefill.backends import BACKENDS
+
+    core, static = split_static(backend)
+    if graphs_base(backend) not in ("auto", *BACKENDS):
+        return (f"{field} {backend!r} is unknown; choose one of {['auto', *BACKENDS]}, "
+                f"optionally with {GRAPHS!r} or {GRAPHS_DEVICE_ROWS!r} (MLAChunkedPrefill's "
+                f"iteration_graphs), then optionally {STATIC!r} (static query and output).")
+    if static and graphs_base(backend) == core:
+        return (f"{field} {backend!r}: {STATIC!r} needs iteration graphs before it, e.g. "
+                f"'hybrid{GRAPHS}{STATIC}'.")
+    return None
 
 
 def graphs_suffix(graphs: IterationGraphs | None) -> str:
@@ -120,13 +149,9 @@ class Variant:
         if self.tables not in TABLES:
             raise ValueError(f"Variant.tables = {self.tables!r}; choose one of {TABLES}.")
         if self.backend is not None:
-            from mlaprefill.backends import BACKENDS
-            if graphs_base(self.backend) not in ("auto", *BACKENDS):
-                raise ValueError(f"Variant.backend = {self.backend!r}; choose one of "
-                                 f"{['auto', *BACKENDS]}, optionally with {GRAPHS!r} "
-                                 f"(MLAChunkedPrefill's iteration_graphs) or "
-                                 f"{GRAPHS_DEVICE_ROWS!r} (with IterationGraphs(device_rows="
-                                 f"True)).")
+            why = backend_error(self.backend, "Variant.backend")
+            if why is not None:
+                raise ValueError(why)
 
     @property
     def name(self) -> str:
@@ -348,11 +373,12 @@ class PrefillEngine:
         if backend not in self._attention:
             m = self.dims.mla
             # +graphs: one IterationGraphs for the layers, so they share its static buffers
-            base, shared = split_graphs_suffix(backend)
+            base, shared = split_graphs_suffix(split_static(backend)[0])
             graphs = {} if shared is None else {"iteration_graphs": shared}
             self._attention[backend] = [
                 self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
-                                        v_head_dim=m.v_head_dim, backend=base, **graphs)
+                                        v_head_dim=m.v_head_dim, backend=base,
+                                        qk_rope_head_dim=m.qk_rope_head_dim, **graphs)
                 for w in self.model.kv_b_proj]
         return self._attention[backend]
 
@@ -361,7 +387,9 @@ class PrefillEngine:
         ``+graphs`` where its iteration graphs are on)."""
         layers = self.attention_layers(backend)
         name = str(getattr(layers[0], "backend_name", "unknown"))
-        return name + graphs_suffix(getattr(layers[0], "iteration_graphs", None))
+        graphs = getattr(layers[0], "iteration_graphs", None)
+        static = split_static(self.config.backend if backend is None else backend)[1]
+        return name + graphs_suffix(graphs) + (STATIC if static and graphs else "")
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
@@ -422,6 +450,8 @@ class PrefillEngine:
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
         iteration_graphs = getattr(layers[0], "iteration_graphs", None)
+        static = iteration_graphs is not None and split_static(
+            cfg.backend if variant.backend is None else variant.backend)[1]
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -470,7 +500,8 @@ class PrefillEngine:
             slot = step_idx % state.pinned_tokens.shape[0]
             warm0 = None if iteration_graphs is None else iteration_graphs.warm_runs
             forward_ms, forward_gc_ms = self._launch(
-                dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot], layers)
+                dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot], layers,
+                static)
             end.record()
             td = time.perf_counter()
             events.append((start, end))
@@ -525,10 +556,11 @@ class PrefillEngine:
                      "pinned_bytes": ring.stats.pinned_bytes})
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
-                attention: list[Any]) -> tuple[float, float]:
+                attention: list[Any], static: bool = False) -> tuple[float, float]:
         """Enqueue one step's device work; never synchronizes. Returns the host time (ms) spent
         enqueuing the attention forwards of all layers, and how much of it was Python's garbage
-        collector."""
+        collector. ``static``: the model writes q into each layer's static query and takes the
+        forward's output as views of the static buffers (:data:`STATIC`)."""
         slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
         block_table = dplan["block_table"]
         caches = self.cache.layers
@@ -543,14 +575,22 @@ class PrefillEngine:
             PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
             gc0 = clock.ms
             t = time.perf_counter()
-            out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
+            if static:
+                out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan,
+                                           static_output=True)
+            else:
+                out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
             forward_ms += (time.perf_counter() - t) * 1e3
             gc_ms += clock.ms - gc0
             return out
 
+        def query_buffer(i: int, num_tokens: int) -> torch.Tensor:
+            return attention[i].static_query(num_tokens)
+
         with clock:
             tokens = self.model.forward(dplan["token_ids"], dplan["positions"],
-                                        dplan["sample_index"] if num_sampled else None, attend)
+                                        dplan["sample_index"] if num_sampled else None, attend,
+                                        query_buffer=query_buffer if static else None)
         if tokens is not None:
             token_slot[:num_sampled].copy_(tokens, non_blocking=True)
         return forward_ms, gc_ms

@@ -42,6 +42,7 @@ MODEL_PRESETS: Mapping[str, tuple[int, int | None, int]] = MappingProxyType({
 
 # attend(layer_index, q [T, H, qk_head], kv_c [T, kv_lora_rank], k_pe [T, qk_rope]) -> [T, H, v]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+QueryBufferFn = Callable[[int, int], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,8 @@ class BenchModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 sample_index: torch.Tensor | None, attend: AttendFn, *,
-                return_logits: bool = False) -> torch.Tensor | None:
+                return_logits: bool = False,
+                query_buffer: QueryBufferFn | None = None) -> torch.Tensor | None:
         """Run all layers on one step's tokens; return the greedy first token of sampled rows.
 
         Parameters
@@ -200,6 +202,10 @@ class BenchModel:
 
         return_logits : bool
             Return the float32 logits [S, vocab] instead of the argmax (tests use it).
+        query_buffer : callable, optional
+            ``query_buffer(layer, T)`` -> ``[T, H, qk_head]``: where to write that layer's roped
+            q (e.g. the attention's static query, so that it is not copied); default: a new
+            tensor per layer.
 
         Returns
         -------
@@ -221,8 +227,9 @@ class BenchModel:
             else:
                 q = F.linear(self._norm(F.linear(h, w["q_a"])), w["q_b"])
             q = q.view(T, H, m.qk_head_dim)
-            q = torch.cat((q[..., : m.qk_nope_head_dim],
-                           _rope(q[..., m.qk_nope_head_dim:], cos, sin)), dim=-1)
+            parts = (q[..., : m.qk_nope_head_dim], _rope(q[..., m.qk_nope_head_dim:], cos, sin))
+            q = torch.cat(parts, dim=-1) if query_buffer is None else torch.cat(
+                parts, dim=-1, out=query_buffer(i, T))
             kv = F.linear(h, w["kv_a"])  # [T, kv_lora_rank + qk_rope]
             kv_c = self._norm(kv[:, : m.kv_lora_rank])
             k_pe = _rope(kv[:, m.kv_lora_rank:], cos, sin)
