@@ -89,7 +89,7 @@ class Scenario:
 _V3_TP8: Mapping[str, Any] = MappingProxyType({
     "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
     "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
-    "backend": "hybrid+graphs"})
+    "backend": "hybrid+graphs+static"})
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
