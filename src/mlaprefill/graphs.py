@@ -13,6 +13,9 @@ offsets, the block table, the workspace and the key/value buffer. A forward copi
 (the plan's offsets only when its DevicePlan is not the one they came from: once per step, not
 per layer), replays, and copies ``(out, lse)`` out; the layers that share an
 :class:`IterationGraphs` share one arena, so its memory does not grow with the layer count.
+With static I/O an engine skips the copies of the queries and of ``(out, lse)``: it writes q into
+``MLAChunkedPrefill.static_query(T)`` (a view of the arena's) and takes ``forward(...,
+static_output=True)``'s result as views of the arena's, valid until the next forward through it.
 
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and

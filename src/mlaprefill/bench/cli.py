@@ -33,12 +33,11 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
     a plain copy, so the variants differ only in planner policy and host overhead.
 
-GPU scenarios: bf16, the ``hybrid`` attention backend with iteration graphs (``hybrid+graphs``:
-our attention kernel, on the H200 the Gluon one and no cuDNN part, the forward's
-launches replayed CUDA graphs; see ``_V3_TP8``; ``vllm-default`` eager ``hybrid``, 0.9 % ahead of
-``hybrid+graphs`` in one run on the H200 (its forward host p99 1.4 ms per layer stays below the
-~4.9 ms of device time per layer); ``stall`` and ``uneven`` also run one variant on eager
-``hybrid`` and one on the FlashAttention-2 ``varlen`` backend, the default before, for the
+GPU scenarios: bf16, the ``hybrid`` attention backend with iteration graphs and static I/O
+(``hybrid+graphs+static``: our attention kernel, on the H200 the Gluon one and no cuDNN part,
+the forward's launches replayed CUDA graphs, the model writing q where the graphs read it and
+reading their output in place; see ``_V3_TP8``; ``stall`` and ``uneven`` also run one variant on
+eager ``hybrid`` and one on the FlashAttention-2 ``varlen`` backend, the default before, for the
 side-by-side ratios), 2
 interleaved repeats after one unmeasured full warm-up run, capped at 165 s of measuring.
 ``fair`` sharing is close to vLLM V0's ``--max-num-partial-prefills`` (several long prefills
@@ -83,9 +82,11 @@ class Scenario:
 # faster than FlashAttention-2 varlen on the H200 (benchmarks/results/triton_attention_h200.json).
 # cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. With iteration
 # graphs (+graphs): the forward's host time per layer p99 0.40-0.69 ms instead of 0.85-3.0 ms
-# eager, for 1.1-1.2 % of tokens/s (benchmarks/results/bench_*_h200_standins.json); a real
-# model has ~30x the bench's 2 layers, so its host time per step grows 30x while each layer's
-# device time does not. Falls back to `auto` without Triton on CUDA.
+# eager, for 1.1-1.2 % of tokens/s (benchmarks/results/bench_*_h200_standins.json); with static
+# I/O (+static, no copy of q in or of the output out) p99 0.30-0.65 ms, within 0.4-1.1 % of
+# eager's tokens/s (bench_*_h200_static.json); a real model has ~30x the bench's 2 layers, so
+# its host time per step grows 30x while each layer's device time does not. Falls back to
+# `auto` without Triton on CUDA.
 _V3_TP8: Mapping[str, Any] = MappingProxyType({
     "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
     "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
@@ -95,11 +96,11 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
         note="vLLM defaults: FCFS 4096-token steps, 65,536-token workspace; metadata <= ~0.6 MiB "
              "per step (below the ~3 MiB pageable-stall threshold measured on the H200)",
-        # eager hybrid: 212.5k tok/s against 210.5k with iteration graphs in one run on the
-        # H200 (bench_vllm-default_h200_graphs.json; forward host p99 per layer 1.40 against
-        # 0.39 ms, both below the step's device time), so it stays eager
+        # hybrid+graphs+static: 219.1k tok/s against 218.3k eager hybrid in one run on the
+        # H200 (bench_vllm-default_h200_static.json, 2 repeats), forward host p99 per layer 0.39
+        # against 1.43 ms (before static I/O, with copies: 210.5k against 212.5k eager)
         engine=MappingProxyType({**_V3_TP8, "num_layers": 4, "workspace_tokens": 65536,
-                                 "share": "fcfs", "backend": "hybrid"})),
+                                 "share": "fcfs"})),
     "stall": Scenario(
         note="budget shared by 16 running prefills + 1 Mi-token workspace: token_to_seq ~4 B x "
              "sum(context) reaches 3-8 MiB per step (past the measured pageable-stall threshold)",
@@ -169,12 +170,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
-                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs]]: TRANSFER "
-                        "pageable|pin|ring, POLICY equal|packed|balanced, '+vllm' also ships "
-                        "vLLM's per-token token_to_seq (the pre-fix metadata layout), "
+                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs[+static]]]: "
+                        "TRANSFER pageable|pin|ring, POLICY equal|packed|balanced, '+vllm' "
+                        "also ships vLLM's per-token token_to_seq (the pre-fix metadata layout), "
                         "'@BACKEND' another attention backend than --backend (e.g. "
                         "ring+balanced@varlen), '+graphs' with iteration graphs (e.g. "
-                        "ring+balanced@hybrid+graphs); or 'all' (every TRANSFER+POLICY). "
+                        "ring+balanced@hybrid+graphs), '+graphs+static' with static I/O too; "
+                        "or 'all' (every TRANSFER+POLICY). "
                         "Default: the scenario's, else "
                         + ", ".join(DEFAULT_VARIANTS))
     p.add_argument("--repeats", type=int, help="interleaved repeats per variant")
@@ -185,8 +187,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--backend",
                    help="attention backend of MLAChunkedPrefill: auto, hybrid, triton, cudnn, "
                         "varlen, flex, math, optionally +graphs or +graphs-device-rows "
-                        "(iteration graphs; stall, uneven: hybrid+graphs; vllm-default: "
-                        "hybrid; cpu-tiny: auto); a "
+                        "(iteration graphs), then optionally +static (static query and "
+                        "output; GPU scenarios: hybrid+graphs+static; cpu-tiny: auto); a "
                         "variant may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
