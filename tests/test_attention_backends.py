@@ -132,6 +132,17 @@ def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
     with pytest.raises(ValueError, match="needs joined keys"):
         be.attend_into(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4,
                        k_rope=kb[..., :2])
+    # The default attend_to: attend's result written over stale values (NaN here), in place.
+    causal = q_lens == b_lens  # causal needs equal lengths per sequence
+    fresh = be.attend(q, kb, vb, seqs_b, causal=causal, softmax_scale=0.4)
+    into = (torch.full_like(fresh[0], float("nan")), torch.full_like(fresh[1], float("nan")))
+    ptrs = [t.data_ptr() for t in into]
+    assert be.attend_to(q, kb, vb, seqs_b, *into, causal=causal, softmax_scale=0.4) is None
+    assert [t.data_ptr() for t in into] == ptrs
+    assert torch.equal(into[0], fresh[0]) and torch.equal(into[1], fresh[1])
+    with pytest.raises(ValueError, match="needs joined keys"):
+        be.attend_to(q, kb, vb, seqs_b, *into, causal=False, softmax_scale=0.4,
+                     k_rope=kb[..., :2])
 
 
 def test_hybrid_thresholds_are_checked():
