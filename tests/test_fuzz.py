@@ -467,10 +467,11 @@ def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
        dtype=st.sampled_from([None] * 5 + [torch.float32, torch.float64, torch.int32,
                                            "float32"]),
        rope=st.sampled_from([4] * 8 + [None, 0, -1, True, 4.0]),
+       device=st.sampled_from([None] * 6 + ["cpu", torch.device("cpu"), "gpu", 3.5]),
        graphs=st.booleans(), static=st.sampled_from([True, False, 1, "yes", None]),
        ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3))
-def test_fuzz_static_io(tokens, dtype, rope, graphs, static, ql, ctx):
+def test_fuzz_static_io(tokens, dtype, rope, device, graphs, static, ql, ctx):
     """MLAChunkedPrefill.static_query and forward(static_output=): a clear error naming the
     field, or a query buffer of the asked shape and dtype that a forward (run where q was
     written into it) reads to the reference's result."""
@@ -481,14 +482,18 @@ def test_fuzz_static_io(tokens, dtype, rope, graphs, static, ql, ctx):
     tokens = sum(ql) if tokens == "T" else tokens
     valid = (type(tokens) is int and 0 <= tokens <= INT32_MAX
              and dtype in (None, torch.float32, torch.float64)
-             and (rope is None or (type(rope) is int and rope >= 0)))
+             and (rope is None or (type(rope) is int and rope >= 0))
+             and device in (None, "cpu", torch.device("cpu")))
+    arenas = dict(op.iteration_graphs._arenas) if graphs else None
     try:
-        buf = op.static_query(tokens, dtype=dtype, qk_rope_head_dim=rope)
+        buf = op.static_query(tokens, dtype=dtype, qk_rope_head_dim=rope, device=device)
     except Exception as exc:
-        clear_error("static_query", exc, "num_tokens", "dtype", "qk_rope_head_dim")
-        assert not valid, (tokens, dtype, rope)
+        clear_error("static_query", exc, "num_tokens", "dtype", "qk_rope_head_dim", "device")
+        assert not valid, (tokens, dtype, rope, device)
+        assert not graphs or op.iteration_graphs._arenas == arenas  # no state changed
         return
-    assert valid, (tokens, dtype, rope)
+    assert valid, (tokens, dtype, rope, device)
+    assert buf.device.type == "cpu"
     want_rope = 64 if rope is None else rope
     assert tuple(buf.shape) == (tokens, 2, 4 + want_rope), buf.shape
     assert buf.dtype == (dtype or torch.float32)

@@ -607,7 +607,14 @@ class MLAChunkedPrefill:
         dtype = self.weight.dtype if dtype is None else dtype
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
-        device = self.weight.device if device is None else torch.device(device)
+        if device is None:
+            device = self.weight.device
+        else:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be a torch.device or a device string such as "
+                                 f"'cuda' or 'cuda:0', got {device!r}") from None
         qk = self.qk_nope_head_dim + rope
         if self.iteration_graphs is None:
             return torch.empty(num_tokens, self.num_heads, qk, dtype=dtype, device=device)
