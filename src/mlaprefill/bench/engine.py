@@ -301,9 +301,10 @@ class PrefillEngine:
     ----------
     config : EngineConfig
     attention_factory : callable, optional
-        ``factory(kv_b_proj_weight, qk_nope_head_dim=, v_head_dim=, backend=)`` returning an object
-        with the ``MLAChunkedPrefill.forward`` signature; defaults to
-        :class:`mlaprefill.attention.MLAChunkedPrefill`.
+        ``factory(kv_b_proj_weight, qk_nope_head_dim=, v_head_dim=, backend=,
+        qk_rope_head_dim=[, iteration_graphs=])`` returning an object with the
+        ``MLAChunkedPrefill.forward`` signature (and its ``static_query`` for a ``+static``
+        backend); defaults to :class:`mlaprefill.attention.MLAChunkedPrefill`.
     """
 
     def __init__(self, config: EngineConfig, *,
