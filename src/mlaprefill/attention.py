@@ -55,7 +55,7 @@ from mlaprefill.kernels.gather import gather_context_rows
 from mlaprefill.kernels.rope import broadcast_rope_
 from mlaprefill.kernels.upproj import matmul_device_rows
 from mlaprefill.plan import ChunkPlan
-from mlaprefill.staging import DevicePlan
+from mlaprefill.staging import DevicePlan, parse_device
 
 __all__ = ["DEFAULT_WORKSPACE_TOKENS", "MLAChunkedPrefill", "infer_head_dims"]
 
@@ -119,10 +119,7 @@ class MLAChunkedPrefill:
         for name, value in (("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if qk_rope_head_dim is not None and (isinstance(qk_rope_head_dim, bool) or not isinstance(
-                qk_rope_head_dim, int) or qk_rope_head_dim < 0):
-            raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got "
-                             f"{qk_rope_head_dim!r}")
+        check_rope_dim(qk_rope_head_dim)
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str ('auto', 'hybrid', 'triton', 'cudnn', 'flex', "
@@ -601,20 +598,12 @@ class MLAChunkedPrefill:
                 or not 0 <= num_tokens <= INT32_MAX):
             raise ValueError(f"num_tokens must be an int in [0, 2**31 - 1] (a plan's "
                              f"num_query_tokens), got {num_tokens!r}")
-        rope = self._rope if qk_rope_head_dim is None else qk_rope_head_dim
-        if isinstance(rope, bool) or not isinstance(rope, int) or rope < 0:
-            raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got {rope!r}")
+        rope = self._rope if check_rope_dim(qk_rope_head_dim) is None else qk_rope_head_dim
         dtype = self.weight.dtype if dtype is None else dtype
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
-        if device is None:
-            device = self.weight.device
-        else:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device must be a torch.device or a device string such as "
-                                 f"'cuda' or 'cuda:0', got {device!r}") from None
+        device = self.weight.device if device is None else parse_device(
+            device, "static_query device")
         qk = self.qk_nope_head_dim + rope
         if self.iteration_graphs is None:
             return torch.empty(num_tokens, self.num_heads, qk, dtype=dtype, device=device)
@@ -856,6 +845,15 @@ class _ArenaReplay:
                 return
         graph.replay()
         self.shared.replays += 1
+
+
+def check_rope_dim(qk_rope_head_dim: Any) -> int | None:
+    """``qk_rope_head_dim`` itself: an int >= 0 or None; ``ValueError`` naming it otherwise."""
+    if qk_rope_head_dim is not None and (isinstance(qk_rope_head_dim, bool) or not isinstance(
+            qk_rope_head_dim, int) or qk_rope_head_dim < 0):
+        raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got "
+                         f"{qk_rope_head_dim!r}")
+    return qk_rope_head_dim
 
 
 def check_softmax_scale(softmax_scale: Any) -> float | None:

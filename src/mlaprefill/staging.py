@@ -119,6 +119,16 @@ def layout(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[tuple[str, int, tupl
     return tuple(entries), off
 
 
+def parse_device(device: Any, what: str) -> torch.device:
+    """``torch.device(device)``, or a ValueError that starts with ``what`` for a value torch
+    cannot parse (torch raises RuntimeError or TypeError)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {device!r} ({type(device).__name__}) is not a device torch "
+                         f"knows here; pass 'cuda', 'cuda:N' or 'cpu'.") from None
+
+
 @dataclass
 class StagingStats:
     """Counters of one StagingRing (read by benchmarks).
@@ -291,11 +301,7 @@ class StagingRing:
             raise ValueError(
                 f"StagingRing.valid_uploads must be an int >= 0, got {valid_uploads!r}."
             )
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"StagingRing device {device!r} ({type(device).__name__}) is not a "
-                             f"device torch knows here; pass 'cuda', 'cuda:N' or 'cpu'.") from None
+        dev = parse_device(device, "StagingRing device")
         if dev.type not in ("cpu", "cuda"):
             # Checked here: other devices (meta, ...) would only fail at the first upload.
             raise ValueError(f"StagingRing device {dev} is not supported; staging ships plans "
