@@ -207,11 +207,7 @@ class AttentionBackend(abc.ABC):
         """
         from mlaprefill.kernels.merge import merge_attention_states
 
-        if k_rope is not None:
-            raise ValueError(f"backend {self.name!r} needs joined keys (wants_joined_keys is "
-                             f"True): pass k [Tk, H, qk_head_dim] and no k_rope")
-        part_out, part_lse = self.attend(q, k, v, seqs, causal=causal,
-                                         softmax_scale=softmax_scale)
+        part_out, part_lse = self._attend_joined(q, k, v, seqs, causal, softmax_scale, k_rope)
         merge_attention_states(out, lse, part_out[..., :out.shape[2]], part_lse)
 
     def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
@@ -224,13 +220,19 @@ class AttentionBackend(abc.ABC):
         The default runs :meth:`attend` and copies; kernels that can write to given tensors
         override it (no copy). ``k_rope``: see :meth:`wants_joined_keys`.
         """
+        part_out, part_lse = self._attend_joined(q, k, v, seqs, causal, softmax_scale, k_rope)
+        out.copy_(part_out[..., :out.shape[2]])
+        lse.copy_(part_lse)
+
+    def _attend_joined(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       seqs: VarlenSeqs, causal: bool, softmax_scale: float,
+                       k_rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` for the defaults of :meth:`attend_into` / :meth:`attend_to`, which
+        take joined keys only."""
         if k_rope is not None:
             raise ValueError(f"backend {self.name!r} needs joined keys (wants_joined_keys is "
                              f"True): pass k [Tk, H, qk_head_dim] and no k_rope")
-        part_out, part_lse = self.attend(q, k, v, seqs, causal=causal,
-                                         softmax_scale=softmax_scale)
-        out.copy_(part_out[..., :out.shape[2]])
-        lse.copy_(part_lse)
+        return self.attend(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale)
 
     def builds(self) -> int | None:
         """Kernel builds this backend has caused in this process so far: cuDNN graphs built for

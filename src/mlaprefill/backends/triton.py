@@ -74,27 +74,28 @@ class TritonBackend(AttentionBackend):
     def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
         return False  # the kernel reads the rope key apart (head stride 0)
 
+    def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                causal: bool, softmax_scale: float, k_rope: torch.Tensor | None,
+                **into: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # into: nothing (new tensors), state= (merged in the epilogue) or out= (stored there)
+        return varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                                max_seqlen_q=seqs.max_seqlen_q, causal=causal,
+                                softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
+                                **into)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
                causal: bool, softmax_scale: float, k_rope: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
-                                max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                                softmax_scale=softmax_scale, config=self.config, k_rope=k_rope)
+        return self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope)
 
     def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                     out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
                     softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
         # The kernel merges into (out, lse) in its epilogue: no partial result, no merge pass.
-        varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
-                         max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                         softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
-                         state=(out, lse))
+        self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope, state=(out, lse))
 
     def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                   out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
                   k_rope: torch.Tensor | None = None) -> None:
         # The kernel stores straight into (out, lse): no result tensors, no copy.
-        varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
-                         max_seqlen_q=seqs.max_seqlen_q, causal=causal,
-                         softmax_scale=softmax_scale, config=self.config, k_rope=k_rope,
-                         out=(out, lse))
+        self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope, out=(out, lse))
