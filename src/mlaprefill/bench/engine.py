@@ -389,8 +389,14 @@ class PrefillEngine:
         layers = self.attention_layers(backend)
         name = str(getattr(layers[0], "backend_name", "unknown"))
         graphs = getattr(layers[0], "iteration_graphs", None)
-        static = split_static(self.config.backend if backend is None else backend)[1]
-        return name + graphs_suffix(graphs) + (STATIC if static and graphs else "")
+        return name + graphs_suffix(graphs) + (STATIC if self.static_io(backend) else "")
+
+    def static_io(self, backend: str | None = None) -> bool:
+        """Whether the layers of ``backend`` (default: the config's) run with static I/O: a
+        :data:`STATIC` suffix after iteration graphs."""
+        backend = self.config.backend if backend is None else backend
+        graphs = getattr(self.attention_layers(backend)[0], "iteration_graphs", None)
+        return graphs is not None and split_static(backend)[1]
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
@@ -451,8 +457,7 @@ class PrefillEngine:
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
         iteration_graphs = getattr(layers[0], "iteration_graphs", None)
-        static = iteration_graphs is not None and split_static(
-            cfg.backend if variant.backend is None else variant.backend)[1]
+        static = self.static_io(variant.backend)
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -567,6 +572,8 @@ class PrefillEngine:
         caches = self.cache.layers
         forward_ms = gc_ms = 0.0
         clock = _GcClock()
+        # only when asked: an attention_factory's objects need not know the keyword
+        static_kw = {"static_output": True} if static else {}
 
         def attend(i: int, q: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor) -> torch.Tensor:
@@ -576,11 +583,8 @@ class PrefillEngine:
             PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
             gc0 = clock.ms
             t = time.perf_counter()
-            if static:
-                out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan,
-                                           static_output=True)
-            else:
-                out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan)
+            out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan,
+                                       **static_kw)
             forward_ms += (time.perf_counter() - t) * 1e3
             gc_ms += clock.ms - gc0
             return out
