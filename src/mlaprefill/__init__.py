@@ -13,12 +13,11 @@ in any PyTorch code; ``mlaprefill.dcp`` shards the context over ranks.
 
 from typing import TYPE_CHECKING
 
-from mlaprefill.config import PRESETS, MLAConfig
-
 # Lazy exports: `mlaprefill lint`, `mlaprefill plan` and the flake8/pytest plugins must not pay
 # for importing torch and Triton.
 _LAZY = {
-    "MLAChunkedPrefill": "mlaprefill.attention",
+    "MLAChunkedPrefill": "mlaprefill.prefill",
+    "IOBuffers": "mlaprefill.prefill",
     "IterationGraphs": "mlaprefill.graphs",
     "mla_chunked_prefill": "mlaprefill.api",
     "PrefillBatch": "mlaprefill.batch",
@@ -34,11 +33,11 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from mlaprefill.api import mla_chunked_prefill
-    from mlaprefill.attention import MLAChunkedPrefill
     from mlaprefill.audit import HostSyncError, no_host_sync
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.graphs import IterationGraphs
     from mlaprefill.plan import ChunkPlan, ChunkPlanner
+    from mlaprefill.prefill import IOBuffers, MLAChunkedPrefill
     from mlaprefill.reference import mla_prefill_reference
     from mlaprefill.staging import DevicePlan, StagingRing, StagingStats
 
@@ -53,14 +52,13 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "PRESETS",
     "ChunkPlan",
     "ChunkPlanner",
     "DevicePlan",
     "HostSyncError",
+    "IOBuffers",
     "IterationGraphs",
     "MLAChunkedPrefill",
-    "MLAConfig",
     "PrefillBatch",
     "StagingRing",
     "StagingStats",

@@ -1,23 +1,31 @@
 """The one-call API: plan, upload and forward in one function, on one rank or over DCP ranks.
 
-This module sits above the stages (imports point one way: ``plan <- staging <- attention/dcp
-<- api``), so the forward (:mod:`mlaprefill.attention`) and the context-parallel pieces
+This module sits above the stages (imports point one way: ``plan <- staging <- prefill/dcp
+<- api``), so the forward (:mod:`mlaprefill.prefill`) and the context-parallel pieces
 (:mod:`mlaprefill.dcp`) never import each other. Engines that keep a planner and a staging ring
 per step call the stages directly; these functions build both per call.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill, infer_head_dims
 from mlaprefill.batch import PrefillBatch
+from mlaprefill.dcp.forward import (
+    DCPContextSource,
+    check_dcp_consistency,
+    check_local_cache,
+    dcp_world,
+)
+from mlaprefill.dcp.layout import check_dcp_config
+from mlaprefill.dcp.plan import DCPChunkPlanner, dcp_config_digest
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.staging import StagingRing
+from mlaprefill.validation import infer_head_dims
 
 __all__ = ["mla_chunked_prefill", "mla_chunked_prefill_dcp"]
 
@@ -40,13 +48,15 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     = k_pe_new.shape[1]``, ``qk_nope_head_dim = q.shape[2] - rope``, ``v_head_dim =
     weight rows / H - nope`` (pass them to check). ``page_size`` defaults to ``kv_cache.shape[1]``.
     ``policy="auto"`` plans with the backend's :attr:`~MLAChunkedPrefill.preferred_policy`
-    (``packed`` for cudnn/flex/math, ``balanced`` for varlen); or name a planner policy.
+    (``balanced`` for mlaprefill and fa2, ``packed`` for cudnn/flex/math); or name a planner
+    policy.
     With ``process_group`` of world size > 1 this is the context-parallel version
     (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
     single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
 
     ``validate=True`` adds the checks that read device memory (and so **synchronize**): see
-    :meth:`MLAChunkedPrefill.forward`; single-rank only (the DCP path has ``debug``). Every
+    :meth:`MLAChunkedPrefill.forward`; on the DCP path, the one collective check that every
+    rank passed the same lengths and config (see :func:`mla_chunked_prefill_dcp`). Every
     argument is checked on the host first (``TypeError``/``ValueError`` naming it); the README's
     "Validation contract" lists what is checked when.
     """
@@ -54,14 +64,11 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
         import torch.distributed as dist
 
         if dist.get_world_size(process_group) > 1:
-            if validate:
-                raise ValueError("validate=True checks the single-rank path only; for the "
-                                 "context-parallel path set MLAPREFILL_DCP_DEBUG=1 instead")
             return mla_chunked_prefill_dcp(
                 q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
                 kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
                 page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
-                process_group=process_group, dcp_interleave=dcp_interleave)
+                process_group=process_group, dcp_interleave=dcp_interleave, validate=validate)
 
     nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight, qk_nope_head_dim,
                                         v_head_dim)
@@ -95,7 +102,7 @@ def mla_chunked_prefill_dcp(
     kv_b_proj_weight: torch.Tensor, *, process_group: Any, dcp_interleave: int,
     softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     page_size: int | None = None, policy: str = "auto", backend: str = "auto",
-    return_lse: bool = False, debug: bool | None = None, staging: Any = None,
+    return_lse: bool = False, validate: bool = False, staging: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
 
@@ -118,11 +125,9 @@ def mla_chunked_prefill_dcp(
     softmax_scale, workspace_tokens, page_size, policy, backend, return_lse
         As in :func:`mla_chunked_prefill`; ``workspace_tokens`` also bounds
         the all-gathered rows of an iteration, ``page_size`` defaults to ``kv_cache.shape[1]``.
-    debug : bool, optional
+    validate : bool
         Check with one small collective that all ranks passed the same lengths and config
-        (raises ``ValueError`` naming what differs). Synchronizes the host once. Default: on
-        when the environment has ``MLAPREFILL_DCP_DEBUG=1`` (reaches the one-call
-        ``mla_chunked_prefill(..., process_group=...)`` path too).
+        (raises ``ValueError`` naming what differs). Synchronizes the host once.
     staging : StagingRing, optional
         Reused for the upload; default a fresh ``StagingRing(q.device)``.
 
@@ -137,24 +142,17 @@ def mla_chunked_prefill_dcp(
     ValueError
         Before any collective: non-positive ``dcp_interleave``, a workspace that cannot hold an
         iteration's gathered rows, a local block table too short for this rank's share, and
-        the planner's own errors. With ``debug`` the input errors are raised right after the
+        the planner's own errors. With ``validate`` the input errors are raised right after the
         one check collective, on every rank (also ranks whose own inputs were fine), and ranks
         that disagree on the global lengths/config raise naming what differs.
 
     Notes
     -----
     Collective: every rank of ``process_group`` must call it with the same global lengths.
-    Host work is the plan (numpy) and one upload; no host synchronization unless ``debug``.
+    Host work is the plan (numpy) and one upload; no host synchronization unless ``validate``.
     """
-    from mlaprefill.dcp.forward import (
-        DEBUG_ENV,
-        DCPContextSource,
-        check_dcp_consistency,
-        check_local_cache,
-        dcp_world,
-    )
-    from mlaprefill.dcp.layout import check_dcp_config
-    from mlaprefill.dcp.plan import DCPChunkPlanner, dcp_config_digest
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
 
     check_dcp_config(1, dcp_interleave)
     rank, world = dcp_world(process_group)
@@ -162,11 +160,10 @@ def mla_chunked_prefill_dcp(
         return mla_chunked_prefill(
             q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
             kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
-            page_size=page_size, policy=policy, backend=backend, return_lse=return_lse)
+            page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
+            validate=validate)
     page = kv_cache.shape[1] if page_size is None else page_size
     batch = PrefillBatch(query_lens, context_lens, page_size=page)
-    if debug is None:
-        debug = os.environ.get(DEBUG_ENV) == "1"
     resolved = policy
     try:
         nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight)
@@ -179,12 +176,12 @@ def mla_chunked_prefill_dcp(
         plan = planner.plan(batch, rank=rank)
         check_local_cache(kv_cache, block_table, plan)
     except ValueError as exc:
-        if not debug:
+        if not validate:
             raise  # before any collective; identical inputs fail identically on every rank
         error: ValueError | None = exc
     else:
         error = None
-    if debug:
+    if validate:
         # Inconsistent inputs can fail on some ranks only: agree first, then raise everywhere.
         import torch.distributed as dist
 

@@ -1,8 +1,8 @@
 """The forward's launches as CUDA graphs, captured once and replayed across forwards and layers.
 
-With ``MLAChunkedPrefill(iteration_graphs=...)`` a forward is a few device copies and a few graph
-replays: the new tokens' stage (their up-projection and causal attention, the running ``(out,
-lse)``), then each run of consecutive context iterations of one launch shape (a gather from the
+With ``MLAChunkedPrefill(..., graphs=IterationGraphs())`` a forward is a few device copies and a
+few graph replays: the new tokens' stage (their up-projection and causal attention, the running
+``(out, lse)``), then each run of consecutive context iterations of one launch shape (a gather from the
 paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
 iteration) as one graph of a power-of-two count of iterations. A graph records device addresses,
 launch grids and host arguments, so for one graph to serve many forwards (every step in which a
@@ -13,18 +13,17 @@ offsets, the block table, the workspace and the key/value buffer. A forward copi
 (the plan's offsets only when its DevicePlan is not the one they came from: once per step, not
 per layer), replays, and copies ``(out, lse)`` out; the layers that share an
 :class:`IterationGraphs` share one arena, so its memory does not grow with the layer count.
-With static I/O an engine skips the copies of the queries and of ``(out, lse)``: it writes q into
-``MLAChunkedPrefill.static_query(T)`` (a view of the arena's) and takes ``forward(...,
-static_output=True)``'s result as views of the arena's, valid until the next forward through it.
+An engine skips the copies of the queries and of ``(out, lse)`` by using the arena's own
+buffers (``MLAChunkedPrefill.io_buffers(T)``: it writes q there and passes them as ``q``, ``out=``
+and ``lse=``); they hold one layer's data until the next forward through the arena.
 
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and
 the longest query run to a power of two of at least 64, and the rows (the gather's and the
 GEMM's size) to 32 buckets per octave (:func:`row_bucket`). A graph's key is those buckets, the
 run length, the layer's cache address, and what the backend's launches depend on besides
-(``AttentionBackend.launch_key``: ``hybrid``'s cuDNN rectangles); each layer keeps its own graphs
-(they record its weights). With ``IterationGraphs(device_rows=True)`` the rows leave the key
-(the GEMM reads them on the device; slower on the H200, see the field).
+(``AttentionBackend.launch_key``: the ``mlaprefill`` backend's cuDNN rectangles); each layer keeps
+its own graphs (they record its weights).
 
 A graph key's first sight replays a captured graph of bigger buckets when the layer has one
 (:meth:`LayerGraphs.stand_in`), else runs its launches eagerly (that loads every kernel the
@@ -138,8 +137,8 @@ class _Side:
 class IterationGraphs:
     """Captured context iterations and the static buffers they read, shared by forward objects.
 
-    Pass one instance to every layer's ``MLAChunkedPrefill(iteration_graphs=graphs)`` so that
-    the layers share one set of static buffers (``iteration_graphs=True`` gives a layer its own).
+    Pass one instance to every layer's ``MLAChunkedPrefill(..., graphs=graphs)`` so that the
+    layers share one set of static buffers.
     Each forward object keeps its own graphs (they record its weights and its cache), at most
     ``max_graphs_per_layer``, the least recently used dropped first.
 
@@ -149,17 +148,6 @@ class IterationGraphs:
         Graphs a forward object keeps (>= 1). The bench's scenarios meet 18-80 launch shapes
         per layer with balanced plans (dry runs); with a cap of 64, ``stall`` with ``equal``
         plans re-captured 256 graphs in every measured run (evicted before they came again).
-    device_rows : bool
-        Split-key iterations read their row count on the device: the gather and the
-        up-projection GEMM (:func:`mlaprefill.kernels.upproj.matmul_device_rows`,
-        ``torch._grouped_mm`` on Hopper) cover the arena's capacity, so a graph key has no row
-        bucket and a run of consecutive iterations of any rows is one launch: far fewer launch
-        shapes (``stall``: 1 instead of 80), so a step almost never meets a new one. The cost:
-        that GEMM is 1.1-1.2x ``torch.mm`` on the H200, -5.6 % / -10.0 % tokens/s on the
-        bench's ``uneven`` / ``stall`` (benchmarks/results/bench_*_h200_device_rows.json).
-        Default False: iterations sized to row buckets, ``torch.mm``; a launch shape met for
-        the first time replays a captured one of bigger buckets when this layer has one
-        (``stand_ins``, :meth:`LayerGraphs.stand_in`).
 
     Attributes
     ----------
@@ -180,7 +168,6 @@ class IterationGraphs:
     """
 
     max_graphs_per_layer: int = 256
-    device_rows: bool = False
     captures: int = 0
     replays: int = 0
     warm_runs: int = 0
@@ -199,8 +186,6 @@ class IterationGraphs:
         m = self.max_graphs_per_layer
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_graphs_per_layer must be an int >= 1, got {m!r}")
-        if not isinstance(self.device_rows, bool):
-            raise TypeError(f"device_rows must be a bool, got {type(self.device_rows).__name__}")
 
     def arena(self, key: tuple[Any, ...], need: dict[str, int], *, device: torch.device,
               dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, qk: int, v: int,
@@ -208,7 +193,7 @@ class IterationGraphs:
         """The arena for ``key`` with at least the capacities ``need`` (tokens, seqs, iters,
         blocks, rows, kv; a missing one: any), grown when it has less: a new generation, new
         buffers for what ran out, the old ones kept where they still fit (so a view of its
-        queries, ``MLAChunkedPrefill.static_query``'s, stays its queries while the token
+        buffers, ``MLAChunkedPrefill.io_buffers``', stay its buffers while the token
         capacity holds)."""
         old = self._arenas.get(key)
         need = {k: need.get(k, 0) for k in ("tokens", "seqs", "iters", "blocks", "rows", "kv")}

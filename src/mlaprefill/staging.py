@@ -50,7 +50,7 @@ import torch
 from mlaprefill.plan import ChunkPlan, StagedPlan
 
 __all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "HostEvent", "StagingRing", "StagingStats",
-           "layout"]
+           "layout", "rows_to_requests"]
 
 ALIGN_BYTES = 64
 _ALIGN = ALIGN_BYTES // 4  # in int32 elements
@@ -228,8 +228,6 @@ class DevicePlan:
         shipped = self.tensors.get("token_to_seq")
         if shipped is not None:
             return shipped
-        from mlaprefill.kernels.gather import rows_to_requests
-
         return rows_to_requests(self.cu_seq_lens,
                                 self.chunk_plan.max_iteration_tokens).to(torch.int32)
 
@@ -517,3 +515,19 @@ class StagingRing:
                 if self.stats.pinned_bytes + need <= self.max_pinned_bytes:
                     return
         raise AssertionError("unreachable: a single plan fits max_pinned_bytes")
+
+
+def rows_to_requests(cu_seq_lens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [..., num_rows]: request of each workspace row, from ``cu_seq_lens [..., R + 1]``.
+
+    vLLM's ``token_to_seq`` (one iteration's row for 1-D input, the whole table for the plan's
+    2-D ``[num_iterations, num_reqs + 1]``), built on ``cu_seq_lens``' device with one
+    ``searchsorted``; rows at or past an iteration's total are padding, 0 as in vLLM.
+    ``num_rows`` is a host int: never synchronizes.
+    """
+    cu = cu_seq_lens.long()
+    j = torch.arange(num_rows, device=cu.device, dtype=torch.int64)
+    j = j.expand(*cu.shape[:-1], num_rows).contiguous()
+    # number of piece ends <= j = index of the piece holding row j
+    req = torch.searchsorted(cu[..., 1:].contiguous(), j, right=True)
+    return req.masked_fill_(j >= cu[..., -1:], 0)

@@ -1,10 +1,10 @@
 """Attention backends returning ``(out, lse)`` for a packed varlen batch.
 
-``hybrid`` (cuDNN on large rectangles + ``triton``; on Hopper no rectangles), ``triton`` (our
-flash attention, varlen: the warp-specialized Gluon kernel on Hopper, the Triton kernel
-elsewhere), ``cudnn`` (cuDNN fused attention), ``flex`` (FlexAttention, document block mask),
-``varlen`` (FlashAttention-2 varlen, V padded to the QK width) and ``math`` (masked dense torch,
-CPU/float64). ``get_backend("auto", ...)`` picks the
+``mlaprefill`` (our flash attention, one launch per call: the warp-specialized Gluon kernel on
+Hopper, the Triton kernel elsewhere, there with cuDNN on the large rectangles of long sequences),
+``cudnn`` (cuDNN fused attention, one launch per sequence), ``fa2`` (PyTorch's FlashAttention-2
+varlen, V padded to the QK width), ``flex`` (FlexAttention, document block mask) and ``math``
+(masked dense torch, CPU/float64). ``get_backend("auto", ...)`` picks the
 first of :data:`AUTO_ORDER` that supports the device, dtype and head dims; the choice is visible
 as ``backend.name``.
 """
@@ -21,11 +21,10 @@ from mlaprefill.backends.base import (
     seq_ids_from_cu,
 )
 from mlaprefill.backends.cudnn import CudnnBackend
+from mlaprefill.backends.fa2 import FA2Backend
 from mlaprefill.backends.flex import FlexBackend
-from mlaprefill.backends.hybrid import HybridBackend
 from mlaprefill.backends.math import MathBackend
-from mlaprefill.backends.triton import TritonBackend
-from mlaprefill.backends.varlen import VarlenFlashBackend
+from mlaprefill.backends.mlaprefill import MLAPrefillBackend
 
 __all__ = [
     "AUTO_ORDER",
@@ -39,24 +38,20 @@ __all__ = [
 ]
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    "hybrid": HybridBackend,
-    "triton": TritonBackend,
+    "mlaprefill": MLAPrefillBackend,
     "cudnn": CudnnBackend,
+    "fa2": FA2Backend,
     "flex": FlexBackend,
-    "varlen": VarlenFlashBackend,
     "math": MathBackend,
 }
 
-#: ``auto`` preference (H200, bf16, qk 192 / v 128; benchmarks/results/triton_attention_h200.json,
-#: attention_h200.json "vs_ideal"): ``hybrid`` (cuDNN on the large rectangles of long sequences,
-#: from a fixed grid of shapes, our kernel on everything else: one launch per call, compiled
-#: once, plus at most 4 cuDNN launches that each run >= ~1 ms; on Hopper our Gluon kernel alone,
-#: which runs at 0.90-1.08x cuDNN's time), ``triton`` (ours alone: on Hopper the Gluon kernel,
-#: elsewhere the Triton one, 430-510 TFLOP/s on long non-causal chunks of an H200), ``cudnn``
-#: (~600 TFLOP/s but one graph build of 40-90 ms per new (q_len, k_len) and one launch per
-#: sequence), FA2 ``varlen`` (~270), ``flex`` (compiles per new shape) and ``math`` (CPU /
-#: float64).
-AUTO_ORDER: tuple[str, ...] = ("hybrid", "triton", "cudnn", "varlen", "flex", "math")
+#: ``auto`` preference (H200, bf16, qk 192 / v 128; docs/RESULTS.md): ``mlaprefill`` (on Hopper
+#: our Gluon kernel at 0.90-1.08x cuDNN's time; elsewhere our Triton kernel, 430-510 TFLOP/s on
+#: long non-causal chunks of an H200, with cuDNN on the large rectangles of long sequences from
+#: a fixed grid of shapes), ``cudnn`` (~600 TFLOP/s but one graph build of 40-90 ms per new
+#: (q_len, k_len) and one launch per sequence), ``fa2`` (~270), ``flex`` (compiles per new shape)
+#: and ``math`` (CPU / float64).
+AUTO_ORDER: tuple[str, ...] = ("mlaprefill", "cudnn", "fa2", "flex", "math")
 
 
 def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk_head_dim: int,

@@ -152,8 +152,8 @@ class AttentionBackend(abc.ABC):
     needs_seq_ids: bool = True
     #: Some calls run on split keys (``k_rope``; :meth:`wants_joined_keys` False), through our
     #: own kernels, which a CUDA graph captures: ``MLAChunkedPrefill(iteration_graphs=True)``
-    #: replays context iterations for such backends only (``triton``, ``hybrid``; with
-    #: ``hybrid`` its joined-key iterations too, keyed by :meth:`launch_key`).
+    #: replays context iterations for such backends only (``mlaprefill``, its joined-key
+    #: iterations too, keyed by :meth:`launch_key`).
     takes_split_keys: bool = False
 
     @abc.abstractmethod
@@ -196,9 +196,9 @@ class AttentionBackend(abc.ABC):
         (one launch whose arguments are the shapes)."""
         return ()
 
-    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                         out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                         softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
         """Merge this call's attention into the running ``out [Tq, H, Dv]`` and float32 ``lse
         [Tq, H]`` in place, by LSE (:func:`mlaprefill.kernels.merge.merge_attention_states`).
 
@@ -210,9 +210,10 @@ class AttentionBackend(abc.ABC):
         part_out, part_lse = self._attend_joined(q, k, v, seqs, causal, softmax_scale, k_rope)
         merge_attention_states(out, lse, part_out[..., :out.shape[2]], part_lse)
 
-    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                  k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seqs: VarlenSeqs, out: torch.Tensor, lse: torch.Tensor, *,
+                         causal: bool, softmax_scale: float,
+                         k_rope: torch.Tensor | None = None) -> None:
         """:meth:`attend`, its result written into ``out [Tq, H, Dv]`` and float32 ``lse [Tq,
         H]`` (overwritten, not merged; rows of no sequence hold anything afterwards): a caller's
         static buffers, e.g. a CUDA graph's.
@@ -227,8 +228,8 @@ class AttentionBackend(abc.ABC):
     def _attend_joined(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        seqs: VarlenSeqs, causal: bool, softmax_scale: float,
                        k_rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`attend` for the defaults of :meth:`attend_into` / :meth:`attend_to`, which
-        take joined keys only."""
+        """:meth:`attend` for the defaults of :meth:`attend_and_merge` /
+        :meth:`attend_and_store`, which take joined keys only."""
         if k_rope is not None:
             raise ValueError(f"backend {self.name!r} needs joined keys (wants_joined_keys is "
                              f"True): pass k [Tk, H, qk_head_dim] and no k_rope")

@@ -1,12 +1,14 @@
-"""``triton`` backend: our own flash-attention forward
-(:func:`mlaprefill.kernels.attention.varlen_attention`: on an sm_90 GPU the warp-specialized
-Gluon kernel of :mod:`mlaprefill.kernels.hopper_attention`, elsewhere the Triton kernel).
+"""Our own flash-attention forward alone, the base of the ``mlaprefill`` backend
+(:mod:`mlaprefill.backends.mlaprefill`, which adds cuDNN rectangles where they win); not a
+registered backend name. :func:`mlaprefill.kernels.attention.varlen_attention` runs, on an
+sm_90 GPU, the warp-specialized Gluon kernel of :mod:`mlaprefill.kernels.hopper_attention`,
+elsewhere the Triton kernel.
 
 One launch per call, no padding of V (the kernel handles ``v_head_dim != qk_head_dim``), LSE
 natural log, empty sequences ``out = 0, lse = -inf`` and the NaN rules of :mod:`.base` inside the
 kernel, so no fix-up pass after it. It takes split keys (``wants_joined_keys`` is False: MLA's
 rope key ``k_rope [Tk, rope]`` apart, read with head stride 0) and merges into the forward's
-running ``(out, lse)`` in the kernel's epilogue (``attend_into``): no merge pass.
+running ``(out, lse)`` in the kernel's epilogue (``attend_and_merge``): no merge pass.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ __all__ = ["TritonBackend"]
 
 
 class TritonBackend(AttentionBackend):
-    """Triton varlen flash attention (CUDA fp16/bf16; CPU under ``TRITON_INTERPRET=1``).
+    """Our varlen flash attention alone (CUDA fp16/bf16; CPU under ``TRITON_INTERPRET=1``).
 
     Parameters
     ----------
@@ -35,7 +37,7 @@ class TritonBackend(AttentionBackend):
         Tiles and launch options (default: the kernel's Hopper default); for config sweeps.
     """
 
-    name = "triton"
+    name = "mlaprefill-kernel"  # not registered: the base of MLAPrefillBackend
     # One program per (query block, sequence, head) over all of the sequence's keys, no split-KV:
     # the same shape of work as FlashAttention-2 varlen, so the same policy. ``packed`` can leave
     # one long request alone in an iteration; with few heads (tensor parallelism) and a short
@@ -88,14 +90,15 @@ class TritonBackend(AttentionBackend):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope)
 
-    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                         out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                         softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
         # The kernel merges into (out, lse) in its epilogue: no partial result, no merge pass.
         self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope, state=(out, lse))
 
-    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                  k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seqs: VarlenSeqs, out: torch.Tensor, lse: torch.Tensor, *,
+                         causal: bool, softmax_scale: float,
+                         k_rope: torch.Tensor | None = None) -> None:
         # The kernel stores straight into (out, lse): no result tensors, no copy.
         self._varlen(q, k, v, seqs, causal, softmax_scale, k_rope, out=(out, lse))

@@ -5,8 +5,9 @@
 * :mod:`~mlaprefill.dcp.plan` — :class:`DCPChunkPlanner`: the single-rank plan of the global
   lengths plus each rank's local share and the compact reorder table (pure CPU, no torch).
 * :mod:`~mlaprefill.dcp.forward` — :class:`DCPContextSource` (local gather -> all-gather ->
-  reorder, the forward's ``context_source``). The one-call :func:`mla_chunked_prefill_dcp` lives
-  in :mod:`mlaprefill.api` (exported here too).
+  reorder, the forward's ``context_source``). The one call is
+  ``mlaprefill.mla_chunked_prefill(..., process_group=group, dcp_interleave=I)``
+  (:mod:`mlaprefill.api`, which sits above this package).
 * :mod:`~mlaprefill.dcp.shard` — shard / unshard a paged cache (torch; tests and migration).
 
 Exports are lazy, so ``import mlaprefill.dcp.plan`` (or this package) loads no torch until a
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "DCPContextSource": "forward",
     "check_dcp_consistency": "forward",
-    "mla_chunked_prefill_dcp": "mlaprefill.api",
     "reorder_rows_index": "forward",
     "check_dcp_config": "layout",
     "dcp_global_token": "layout",
@@ -37,7 +37,6 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mlaprefill.api import mla_chunked_prefill_dcp
     from mlaprefill.dcp.forward import (
         DCPContextSource,
         check_dcp_consistency,
@@ -58,8 +57,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mlaprefill.dcp' has no attribute {name!r}")
-    path = module if "." in module else f"mlaprefill.dcp.{module}"
-    return getattr(importlib.import_module(path), name)
+    return getattr(importlib.import_module(f"mlaprefill.dcp.{module}"), name)
 
 
 __all__ = [
@@ -75,7 +73,6 @@ __all__ = [
     "dcp_token_location",
     "dcp_unshard_context",
     "derive_dcp_arrays",
-    "mla_chunked_prefill_dcp",
     "reorder_rows_index",
     "shard_paged_cache",
 ]

@@ -26,17 +26,15 @@ import torch.distributed as dist
 
 from mlaprefill.dcp.plan import DCPChunkPlan
 from mlaprefill.kernels import gather_context_rows
+from mlaprefill.staging import rows_to_requests
 
 __all__ = [
-    "DEBUG_ENV",
     "DCPContextSource",
     "check_dcp_consistency",
     "dcp_world",
     "reorder_rows_index",
 ]
 
-#: Environment variable that turns on the cross-rank consistency check by default.
-DEBUG_ENV = "MLAPREFILL_DCP_DEBUG"
 _DIGEST_FIELDS = ("query_lens", "context_lens", "config (world/interleave/workspace/page/policy)")
 
 
@@ -72,7 +70,6 @@ def reorder_rows_index(cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
     gathered row is ``reorder_base[r, k]`` plus that local index. Device work only (a
     ``searchsorted`` and a few elementwise ops), never synchronizes.
     """
-    from mlaprefill.kernels.gather import rows_to_requests
 
     req = rows_to_requests(cu_seq_lens, num_rows)
     j = torch.arange(num_rows, device=cu_seq_lens.device, dtype=torch.int64)
@@ -212,11 +209,3 @@ def check_local_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
             f"dcp_interleave={plan.interleave}); pass this rank's shard "
             f"(see mlaprefill.dcp.shard_paged_cache).")
 
-
-def __getattr__(name: str) -> Any:
-    # The one-call DCP function moved to mlaprefill.api (it sits above attention and dcp).
-    if name == "mla_chunked_prefill_dcp":
-        from mlaprefill import api
-
-        return api.mla_chunked_prefill_dcp
-    raise AttributeError(f"module 'mlaprefill.dcp.forward' has no attribute {name!r}")

@@ -6,12 +6,10 @@ parallelism). Each rank holds its own paged cache and block table over its local
 
 Pure numpy, so the DCP planner stays torch-free. The torch helpers that move cache rows
 (``shard_paged_cache``, ``dcp_unshard_context``, ``context_rows``) live in
-:mod:`mlaprefill.dcp.shard` (still importable from here).
+:mod:`mlaprefill.dcp.shard`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -22,18 +20,6 @@ __all__ = [
     "dcp_local_count",
     "dcp_token_location",
 ]
-
-_SHARD_HELPERS = ("context_rows", "dcp_unshard_context", "shard_paged_cache")
-
-
-def __getattr__(name: str) -> Any:
-    # Old import path of the torch helpers; importing them here loads torch only on use.
-    if name in _SHARD_HELPERS:
-        from mlaprefill.dcp import shard
-
-        return getattr(shard, name)
-    raise AttributeError(f"module 'mlaprefill.dcp.layout' has no attribute {name!r}")
-
 
 def check_dcp_config(world: int, interleave: int) -> None:
     """Raise ``ValueError`` unless ``world`` and ``interleave`` are positive ints."""

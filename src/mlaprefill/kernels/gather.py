@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, cdiv, tl, triton, use_triton
+from mlaprefill.staging import rows_to_requests
 
 __all__ = ["gather_context_rows", "gather_context_rows_torch", "rows_to_requests"]
 
@@ -127,22 +128,6 @@ def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch
                          f"num_reqs = block_table.shape[0] = {num_reqs}; got "
                          f"{tuple(cu_seq_lens.shape)} and {tuple(chunk_starts.shape)} (pass one "
                          f"iteration's row of the plan)")
-
-
-def rows_to_requests(cu_seq_lens: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int64 [..., num_rows]: request of each workspace row, from ``cu_seq_lens [..., R + 1]``.
-
-    vLLM's ``token_to_seq`` (one iteration's row for 1-D input, the whole table for the plan's
-    2-D ``[num_iterations, num_reqs + 1]``), built on ``cu_seq_lens``' device with one
-    ``searchsorted``; rows at or past an iteration's total are padding, 0 as in vLLM.
-    ``num_rows`` is a host int: never synchronizes.
-    """
-    cu = cu_seq_lens.long()
-    j = torch.arange(num_rows, device=cu.device, dtype=torch.int64)
-    j = j.expand(*cu.shape[:-1], num_rows).contiguous()
-    # number of piece ends <= j = index of the piece holding row j
-    req = torch.searchsorted(cu[..., 1:].contiguous(), j, right=True)
-    return req.masked_fill_(j >= cu[..., -1:], 0)
 
 
 def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -37,17 +37,20 @@ cuDNN's. It compiles once per (dtype, causal, accumulate); lengths come from ``c
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator
 
-__all__ = ["BLOCK_M", "BLOCK_N", "ENABLED", "HAS_GLUON", "STAGES", "available",
+__all__ = ["BLOCK_M", "BLOCK_N", "DISABLE_ENV", "HAS_GLUON", "STAGES", "available",
            "hopper_attention", "layout_reason", "num_compiled_kernels", "unsupported_reason"]
 
-#: Let :func:`~mlaprefill.kernels.attention.varlen_attention` pick this kernel by default where
-#: it applies (False: the Triton kernel everywhere; an A/B switch, e.g. ``benchmarks/attention.py
-#: --override mlaprefill.kernels.hopper_attention.ENABLED=false``).
-ENABLED = True
+#: The one debug override of the library (docs/DESIGN.md, "Debug override"): with this
+#: environment variable set to ``1``, :func:`~mlaprefill.kernels.attention.varlen_attention` runs
+#: the Triton kernel where this one would run (an A/B switch for benchmarks and bug reports; read
+#: at each call, so it can be flipped between runs of one process).
+DISABLE_ENV = "MLAPREFILL_DISABLE_HOPPER_KERNEL"
 #: Query rows per program (two consumer warpgroups of 64) and keys per block: 128 x 128 tiles
 #: with a 2-stage ring measured fastest of 128 x 64 (3 and 4 stages) and 128 x 128 (2).
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
@@ -333,8 +336,8 @@ if HAS_GLUON:
 
 def _device_reason(device: torch.device) -> str | None:
     # the device half of unsupported_reason; the compute capability is asked once per device
-    if not ENABLED:
-        return "disabled (hopper_attention.ENABLED is False)"
+    if os.environ.get(DISABLE_ENV) == "1":
+        return f"disabled ({DISABLE_ENV}=1)"
     if not HAS_GLUON:
         return "needs Triton's Gluon with its Hopper API (Triton 3.6)"
     if device.type != "cuda":

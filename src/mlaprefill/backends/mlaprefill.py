@@ -1,5 +1,8 @@
-"""``hybrid`` backend: cuDNN on the large rectangles of long sequences, our kernel on the rest
-(where the Hopper kernel runs: our kernel alone, see below).
+"""``mlaprefill`` backend: our own flash attention with LSE, one launch per call (the
+warp-specialized Gluon kernel on Hopper, the Triton kernel elsewhere: :func:`~mlaprefill.kernels.
+attention.varlen_attention` picks), reading MLA's shared rope key once per token and merging
+into the running result in its epilogue; where the Hopper kernel does not run, cuDNN takes the
+large rectangles of long sequences, where that wins (below).
 
 cuDNN's fused attention is faster than our Triton kernel (~550-600 TFLOP/s against ~450-505,
 H200, qk 192 / v 128) but it builds one graph per distinct shape (40-90 ms of
@@ -29,22 +32,24 @@ cuDNN only what pays for that, with shapes from a small fixed grid, and exactly:
 * One Triton launch does everything else: every other sequence whole, and for a rectangle's
   sequence the rows not in a cuDNN call over all keys and the others over keys ``>= Kf`` only
   (``dense=`` of :func:`~mlaprefill.kernels.attention.varlen_attention`), merging into the
-  running ``(out, lse)`` in its epilogue where the caller has one (``attend_into``). Each cuDNN
+  running ``(out, lse)`` in its epilogue where the caller has one (``attend_and_merge``). Each cuDNN
   call's ``(out, lse)`` is then merged into its rows by LSE (:func:`merge_attention_states`).
 
 Graph cache: one cuDNN graph per (batch, heads, Qf or T, Kf, causal, dtype, head dims); the grid
 bounds the count (about 30 ``Qf`` values up to 16k queries x about 110 ``Kf`` values up to 128k
-keys per batch size, fewer above ``BIG_WORK``). :meth:`HybridBackend.warmup` builds the graphs of
-given lengths ahead of time; :meth:`HybridBackend.builds` counts them with the Triton compiles.
+keys per batch size, fewer above ``BIG_WORK``). :meth:`MLAPrefillBackend.warmup` builds the graphs
+of given lengths ahead of time; :meth:`MLAPrefillBackend.builds` counts them with the Triton
+compiles.
 
 Where the warp-specialized Hopper kernel runs (:mod:`mlaprefill.kernels.hopper_attention`: an
 sm_90 GPU with Gluon) and ``min_queries_per_key`` is left to its default, there are no rectangles:
 that kernel reads split keys at 0.90-1.08x cuDNN's time, so joined keys (a slower up-projection
 and a rope copy) no longer pay. Measured on the H200 in one run
 (benchmarks/results/attention_vs_ideal_h200_hopper.json), whole forwards with iteration graphs
-without rectangles (``triton+graphs``) against with them (``hybrid+graphs``): 0.83-1.00x the time
+without rectangles against with them (then named ``triton+graphs`` and
+``hybrid+graphs``): 0.83-1.00x the time
 on 11 of 14 shapes (4 x 1024 over 128k at 128 heads 106.1 against 122.1 ms), 1.003-1.024x on the
-other three, where hybrid took no rectangle either (the same launches); eager 0.43-1.10x.
+other three, where no rectangle was taken either (the same launches); eager 0.43-1.10x.
 
 Without host offsets in :class:`VarlenSeqs` (``cu_seqlens_*_host``) it is the ``triton`` backend.
 Never synchronizes: every decision is made from host ints.
@@ -67,7 +72,7 @@ from mlaprefill.kernels.attention import MAX_DENSE_BLOCKS, num_compiled_kernels,
 from mlaprefill.kernels.merge import merge_attention_states
 
 __all__ = ["BIG_WORK", "MANY_HEADS", "MIN_QUERIES_PER_KEY", "MIN_QUERIES_PER_KEY_FEW_HEADS",
-           "HybridBackend", "Rectangle", "bucket_floor", "dense_rectangles"]
+           "MLAPrefillBackend", "Rectangle", "bucket_floor", "dense_rectangles"]
 
 #: A rectangle goes to cuDNN when ``batch * Qf * Kf * heads`` reaches this (2^28: about 0.3 ms
 #: of cuDNN at 600 TFLOP/s with qk 192 / v 128, against ~0.1-0.2 ms of host time per launch).
@@ -248,8 +253,9 @@ def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: 
     return torch.cat(outs).to(q.dtype), torch.cat(lses).to(torch.float32)
 
 
-class HybridBackend(TritonBackend):
-    """cuDNN for the large rectangles of long sequences, Triton for the rest (see the module).
+class MLAPrefillBackend(TritonBackend):
+    """Our kernel, with cuDNN on the large rectangles of long sequences where that wins (see
+    the module).
 
     Parameters
     ----------
@@ -262,7 +268,7 @@ class HybridBackend(TritonBackend):
         :data:`MANY_HEADS` heads.
     """
 
-    name = "hybrid"
+    name = "mlaprefill"
     # balanced: with the 128-row default kernel config it led equal in every bench `uneven` run
     # on the H200 (one repeat each, 2026-12-01; bench_uneven_h200*.json): 210.8k / 209.0k,
     # 223.1k / 217.7k, 208.1k / 206.2k, 205.0k / 201.8k, 208.6k / 204.0k (beside GPU tests) tok/s,
@@ -278,12 +284,12 @@ class HybridBackend(TritonBackend):
             if name == "min_queries_per_key" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"HybridBackend {name} must be an int >= 0, got {value!r}")
+                raise ValueError(f"MLAPrefillBackend {name} must be an int >= 0, got {value!r}")
         super().__init__()
         self.big_work = big_work
         self.min_queries_per_key = min_queries_per_key
         # id(seqs) -> (seqs, num_heads, causal, rectangles): the forward asks about every
-        # context iteration (wants_joined_keys) before it runs them (attend_into)
+        # context iteration (wants_joined_keys) before it runs them (attend_and_merge)
         self._memo: dict[int, tuple] = {}
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
@@ -357,7 +363,7 @@ class HybridBackend(TritonBackend):
              into: tuple[torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
         # With k_rope (split keys) no rectangle: cuDNN cannot read them (wants_joined_keys).
-        # state: merged into; into: overwritten (attend_to).
+        # state: merged into; into: overwritten (attend_and_store).
         rects = [] if k_rope is not None else self._rectangles(seqs, q.shape[1], causal)
         out, lse = varlen_attention(q, k, v, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                     max_seqlen_q=seqs.max_seqlen_q, causal=causal,
@@ -388,16 +394,17 @@ class HybridBackend(TritonBackend):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._run(q, k, v, seqs, None, causal, softmax_scale, k_rope)
 
-    def attend_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                    softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+                         out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                         softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
         # The Triton part merges into (out, lse) in its epilogue (rows a rectangle covers whole
         # are not touched there); each rectangle is then merged into its rows.
         self._run(q, k, v, seqs, (out, lse), causal, softmax_scale, k_rope)
 
-    def attend_to(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                  k_rope: torch.Tensor | None = None) -> None:
+    def attend_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seqs: VarlenSeqs, out: torch.Tensor, lse: torch.Tensor, *,
+                         causal: bool, softmax_scale: float,
+                         k_rope: torch.Tensor | None = None) -> None:
         # The Triton part stores into (out, lse); rectangles are then merged into their rows.
         self._run(q, k, v, seqs, None, causal, softmax_scale, k_rope, (out, lse))
 

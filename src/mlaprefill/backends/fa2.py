@@ -1,4 +1,4 @@
-"""``varlen`` backend: PyTorch's FlashAttention-2 varlen kernel (``aten._flash_attention_forward``).
+"""``fa2`` backend: PyTorch's FlashAttention-2 varlen kernel (``aten._flash_attention_forward``).
 
 FA2 needs ``v_head_dim == qk_head_dim``: V is zero-padded to the QK width (192 for DeepSeek) and
 the output sliced back. The forward pads for free by laying zero columns into its up-projection
@@ -19,13 +19,13 @@ from mlaprefill.backends.base import (
     seq_ids_from_cu,
 )
 
-__all__ = ["VarlenFlashBackend"]
+__all__ = ["FA2Backend"]
 
 
-class VarlenFlashBackend(AttentionBackend):
+class FA2Backend(AttentionBackend):
     """FlashAttention-2 varlen (CUDA, fp16/bf16, head dim <= 256 and a multiple of 8)."""
 
-    name = "varlen"
+    name = "fa2"
     needs_v_padded = True
     preferred_policy = "balanced"  # one launch, one CTA per (query block, head): no split-KV
 
