@@ -2,8 +2,8 @@
 
 With ``MLAChunkedPrefill(..., graphs=IterationGraphs())`` a forward is a few device copies and a
 few graph replays: the new tokens' stage (their up-projection and causal attention, the running
-``(out, lse)``), then each run of consecutive context iterations of one launch shape (a gather from the
-paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
+``(out, lse)``), then each run of consecutive context iterations of one launch shape (a gather
+from the paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
 iteration) as one graph of a power-of-two count of iterations. A graph records device addresses,
 launch grids and host arguments, so for one graph to serve many forwards (every step in which a
 layer meets that launch shape) the tensors it touches live at fixed addresses: an
