@@ -2,20 +2,20 @@
 
 With ``MLAChunkedPrefill(..., graphs=IterationGraphs())`` a forward is a few device copies and a
 few graph replays: the new tokens' stage (their up-projection and causal attention, the running
-``(out, lse)``), then each run of consecutive context iterations of one launch shape (a gather
-from the paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
+``(out, lse)``), then each run of consecutive context iterations of one launch shape (a gather from
+the paged cache, the up-projection GEMM and the backend's attention merged into ``(out, lse)``, per
 iteration) as one graph of a power-of-two count of iterations. A graph records device addresses,
 launch grids and host arguments, so for one graph to serve many forwards (every step in which a
 layer meets that launch shape) the tensors it touches live at fixed addresses: an
-:class:`IterationGraphs` owns, per device and model shape, one set of static buffers (an
-*arena*) for the step's queries and new latent rows, the running ``(out, lse)``, the plan's
-offsets, the block table, the workspace and the key/value buffer. A forward copies its inputs in
-(the plan's offsets only when its DevicePlan is not the one they came from: once per step, not
-per layer), replays, and copies ``(out, lse)`` out; the layers that share an
-:class:`IterationGraphs` share one arena, so its memory does not grow with the layer count.
-An engine skips the copies of the queries and of ``(out, lse)`` by using the arena's own
-buffers (``MLAChunkedPrefill.io_buffers(T)``: it writes q there and passes them as ``q``, ``out=``
-and ``lse=``); they hold one layer's data until the next forward through the arena.
+:class:`IterationGraphs` owns, per device and model shape, one set of static buffers (an *arena*)
+for the step's queries and new latent rows, the running ``(out, lse)``, the plan's offsets, the
+block table, the workspace and the key/value buffer. A forward copies its inputs in (the plan's
+offsets only when its DevicePlan is not the one they came from: once per step, not per layer),
+replays, and copies ``(out, lse)`` out; the layers that share an :class:`IterationGraphs` share one
+arena, so its memory does not grow with the layer count. An engine skips the copies of the queries
+and of ``(out, lse)`` by using the arena's own buffers (``MLAChunkedPrefill.io_buffers(T)``: it
+writes q there and passes them as ``q``, ``out=`` and ``lse=``); they hold one layer's data until
+the next forward through the arena.
 
 Launch grids are bucketed so that few graphs serve many steps: the sequence count to a power of
 two (the padded sequences have no queries and no keys, so their programs return at once) and
