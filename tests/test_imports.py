@@ -34,19 +34,3 @@ def test_plans_implement_the_staged_plan_contract():
         assert p.chunk_plan is base
         assert list(p.device_arrays())[:4] == list(base.device_arrays())
 
-
-def test_one_call_api_sits_above_attention_and_dcp():
-    """attention and dcp.forward do not import each other or the one-call module; the old
-    import paths of the one-call functions still work."""
-    code = ("import sys, mlaprefill.attention, mlaprefill.dcp.forward; "
-            "print(int('mlaprefill.api' in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "0"
-    from mlaprefill import api, attention, dcp
-    from mlaprefill.dcp import forward
-
-    assert attention.mla_chunked_prefill is api.mla_chunked_prefill
-    assert forward.mla_chunked_prefill_dcp is api.mla_chunked_prefill_dcp
-    assert dcp.mla_chunked_prefill_dcp is api.mla_chunked_prefill_dcp

@@ -36,7 +36,7 @@ DEFAULT_PAGE_SIZE = 64
 _MAX_PIECES_SHOWN = 8
 _MAX_ITERATIONS = 100_000
 # Kept here (not imported) so `mlaprefill plan` does not import torch unless --policy auto.
-_BACKEND_NAMES = ("hybrid", "triton", "cudnn", "flex", "varlen", "math")
+_BACKEND_NAMES = ("mlaprefill", "cudnn", "fa2", "flex", "math")
 
 
 class _InputError(ValueError):

@@ -25,8 +25,9 @@ What: `x.to(device, non_blocking=True)`, `x.cuda(non_blocking=True)` or
 made on the host by torch or NumPy without pin_memory, or computed from host tensors.
 
 Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
-the host wait until every kernel already queued has finished (measured: 68-71 ms behind 55 ms
-of queued work on an H200 from 3 MiB up). `torch.cuda.set_sync_debug_mode` does not report it.
+the host wait until every kernel already queued has finished (measured on an H200: with 50 ms
+of kernels queued, a copy from 2120 KiB up blocked the host for the whole queue; the size
+depends on the platform and driver). `torch.cuda.set_sync_debug_mode` does not report it.
 
 Fix: allocate the source with pin_memory=True, or copy it into a pinned staging buffer that is
 reused only after an event says its last copy is done (see mlaprefill.StagingRing):

@@ -33,12 +33,11 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     fairly, a 256-token workspace: runs in seconds on two cores. On the CPU every transfer mode is
     a plain copy, so the variants differ only in planner policy and host overhead.
 
-GPU scenarios: bf16, the ``hybrid`` attention backend with iteration graphs and static I/O
-(``hybrid+graphs+static``: our attention kernel, on the H200 the Gluon one and no cuDNN part,
-the forward's launches replayed CUDA graphs, the model writing q where the graphs read it and
-reading their output in place; see ``_V3_TP8``; ``stall`` and ``uneven`` also run one variant on
-eager ``hybrid`` and one on the FlashAttention-2 ``varlen`` backend, the default before, for the
-side-by-side ratios), 2
+GPU scenarios: bf16, the ``mlaprefill`` attention backend with CUDA graphs
+(``mlaprefill+graphs``: our attention kernel, on the H200 the Gluon one, the forward's launches
+replayed CUDA graphs, the model writing q into the forward's I/O buffers and reading its output
+there; see ``_V3_TP8``; ``stall`` and ``uneven`` also run one variant on eager ``mlaprefill`` and
+one on the FlashAttention-2 ``fa2`` backend, the default before, for the side-by-side ratios), 2
 interleaved repeats after one unmeasured full warm-up run, capped at 165 s of measuring.
 ``fair`` sharing is close to vLLM V0's ``--max-num-partial-prefills`` (several long prefills
 advancing together); a prefix-cache heavy workload gives steps the same shape (many long
@@ -76,29 +75,25 @@ class Scenario:
     max_seconds: float | None = 165.0
 
 
-# GPU scenarios use the hybrid backend, i.e. here our Triton varlen attention (16 heads and
-# short per-request pieces never reach its cuDNN threshold): one kernel per call for the whole
-# ragged batch, compiled once per (causal, dtype, head dims), never per shape, and 1.4-1.6x
-# faster than FlashAttention-2 varlen on the H200 (benchmarks/results/triton_attention_h200.json).
-# cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. With iteration
-# graphs (+graphs): the forward's host time per layer p99 0.40-0.69 ms instead of 0.85-3.0 ms
-# eager, for 1.1-1.2 % of tokens/s (benchmarks/results/bench_*_h200_standins.json); with static
-# I/O (+static, no copy of q in or of the output out) p99 0.30-0.65 ms, within 0.4-1.1 % of
-# eager's tokens/s (bench_*_h200_static.json); a real model has ~30x the bench's 2 layers, so
-# its host time per step grows 30x while each layer's device time does not. Falls back to
-# `auto` without Triton on CUDA.
+# GPU scenarios use the mlaprefill backend (on the H200 our Gluon kernel): one kernel per call
+# for the whole ragged batch, compiled once per (causal, dtype, head dims), never per shape.
+# cuDNN builds a graph per new (q_len, k_len) and contexts grow every step. With graphs and
+# their I/O buffers (+graphs) the forward's host time per layer was p99 0.30-0.65 ms instead of
+# 0.85-3.0 ms eager, within 0.4-1.1 % of eager's tokens/s (docs/RESULTS.md); a real model has
+# ~30x the bench's 2 layers, so its host time per step grows 30x while each layer's device time
+# does not. Falls back to `auto` without Triton on CUDA.
 _V3_TP8: Mapping[str, Any] = MappingProxyType({
     "preset": "deepseek-v3", "tp": 8, "prompt_len": 81920, "num_requests": 16,
     "max_concurrent": 16, "token_budget": 4096, "page_size": 64, "vocab_size": 4096,
-    "backend": "hybrid+graphs+static"})
+    "backend": "mlaprefill+graphs"})
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
         note="vLLM defaults: FCFS 4096-token steps, 65,536-token workspace; metadata <= ~0.6 MiB "
              "per step (below the ~3 MiB pageable-stall threshold measured on the H200)",
-        # hybrid+graphs+static: 219.1k tok/s against 218.3k eager hybrid in one run on the
-        # H200 (bench_vllm-default_h200_static.json, 2 repeats), forward host p99 per layer 0.39
-        # against 1.43 ms (before static I/O, with copies: 210.5k against 212.5k eager)
+        # with graphs and their I/O buffers: 219.1k tok/s against 218.3k eager in one run on
+        # the H200 (bench_vllm-default_h200_static.json, 2 repeats), forward host p99 per layer
+        # 0.39 against 1.43 ms
         engine=MappingProxyType({**_V3_TP8, "num_layers": 4, "workspace_tokens": 65536,
                                  "share": "fcfs"})),
     "stall": Scenario(
@@ -107,7 +102,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
         engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 1048576,
                                  "share": "fair"}),
         variants=("pageable+equal+vllm", "pin+equal+vllm", "pageable+equal", "ring+equal",
-                  "ring+equal@hybrid", "ring+equal@varlen")),
+                  "ring+equal@mlaprefill", "ring+equal@fa2")),
     "uneven": Scenario(
         note="mixed 8-156 Ki prompts, 8 concurrent, fair share, 65,536-token workspace: steps "
              "mix long and short contexts, where packed needs fewer iterations and smaller "
@@ -116,7 +111,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
                                  "share": "fair", "max_concurrent": 8,
                                  "prompt_len_spread": 0.9}),
         variants=("pageable+equal+vllm", "ring+equal", "ring+packed", "ring+balanced",
-                  "ring+balanced@hybrid", "ring+balanced@varlen")),
+                  "ring+balanced@mlaprefill", "ring+balanced@fa2")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine=MappingProxyType({
@@ -170,12 +165,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
-                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs[+static]]]: "
+                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs]]: "
                         "TRANSFER pageable|pin|ring, POLICY equal|packed|balanced, '+vllm' "
                         "also ships vLLM's per-token token_to_seq (the pre-fix metadata layout), "
                         "'@BACKEND' another attention backend than --backend (e.g. "
-                        "ring+balanced@varlen), '+graphs' with iteration graphs (e.g. "
-                        "ring+balanced@hybrid+graphs), '+graphs+static' with static I/O too; "
+                        "ring+balanced@fa2), '+graphs' with CUDA graphs and their I/O buffers "
+                        "(e.g. ring+balanced@mlaprefill+graphs); "
                         "or 'all' (every TRANSFER+POLICY). "
                         "Default: the scenario's, else "
                         + ", ".join(DEFAULT_VARIANTS))
@@ -185,10 +180,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="skip the unmeasured full run that shows every step shape to the "
                         "attention backend before measuring")
     p.add_argument("--backend",
-                   help="attention backend of MLAChunkedPrefill: auto, hybrid, triton, cudnn, "
-                        "varlen, flex, math, optionally +graphs or +graphs-device-rows "
-                        "(iteration graphs), then optionally +static (static query and "
-                        "output; GPU scenarios: hybrid+graphs+static; cpu-tiny: auto); a "
+                   help="attention backend of MLAChunkedPrefill: auto, mlaprefill, cudnn, fa2, "
+                        "flex, math, optionally +graphs (MLAChunkedPrefill(graphs=...) and "
+                        "io_buffers; GPU scenarios: mlaprefill+graphs; cpu-tiny: auto); a "
                         "variant may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
@@ -396,7 +390,7 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
         v = getattr(args, opt, None)
         if v is not None:
             values[fld] = v
-    if (args.backend is None and str(values.get("backend", "")).startswith("hybrid")
+    if (args.backend is None and str(values.get("backend", "")).startswith("mlaprefill")
             and has_cuda):
         from mlaprefill.kernels._triton import HAS_TRITON
         if not HAS_TRITON:

@@ -51,62 +51,26 @@ ProgressFn = Callable[[str, int, int, int, int], None]
 TABLES = ("compact", "vllm")
 
 
-#: Suffix of a variant's backend that turns on ``MLAChunkedPrefill(iteration_graphs=True)``.
+#: Suffix of a variant's backend that runs the fast path as an engine integrates it:
+#: ``MLAChunkedPrefill(..., graphs=IterationGraphs())`` shared by the layers, and each layer's
+#: q written into ``io_buffers(T).q`` and its output taken as ``out=io.out`` (no copies).
 GRAPHS = "+graphs"
-#: The same with ``IterationGraphs(device_rows=True)`` (row counts read on the device).
-GRAPHS_DEVICE_ROWS = "+graphs-device-rows"
-
-
-#: After a graphs suffix: the model writes each layer's q into the forward's static query and
-#: takes its output as views of the static buffers (``MLAChunkedPrefill.static_query``,
-#: ``forward(static_output=True)``): no device copy of q in or of out out per forward.
-STATIC = "+static"
-
-
-def split_static(backend: str) -> tuple[str, bool]:
-    """``backend`` without a :data:`STATIC` suffix, and whether it had one."""
-    return (backend.removesuffix(STATIC), True) if backend.endswith(STATIC) else (backend, False)
 
 
 def graphs_base(backend: str) -> str:
-    """``backend`` without a graphs suffix (``+graphs``, ``+graphs-device-rows``, either with
-    ``+static``)."""
-    return split_static(backend)[0].removesuffix(GRAPHS_DEVICE_ROWS).removesuffix(GRAPHS)
+    """``backend`` without the :data:`GRAPHS` suffix."""
+    return backend.removesuffix(GRAPHS)
 
 
 def backend_error(backend: str, field: str) -> str | None:
     """Why ``backend`` is not a bench backend name (``field`` names the option in the
-    message), or None: ``auto`` or a backend, optionally with a graphs suffix, optionally then
-    :data:`STATIC`."""
+    message), or None: ``auto`` or a backend, optionally with :data:`GRAPHS`."""
     from mlaprefill.backends import BACKENDS
 
-    core, static = split_static(backend)
     if graphs_base(backend) not in ("auto", *BACKENDS):
         return (f"{field} {backend!r} is unknown; choose one of {['auto', *BACKENDS]}, "
-                f"optionally with {GRAPHS!r} or {GRAPHS_DEVICE_ROWS!r} (MLAChunkedPrefill's "
-                f"iteration_graphs), then optionally {STATIC!r} (static query and output).")
-    if static and graphs_base(backend) == core:
-        return (f"{field} {backend!r}: {STATIC!r} needs iteration graphs before it, e.g. "
-                f"'hybrid{GRAPHS}{STATIC}'.")
+                f"optionally with {GRAPHS!r} (CUDA-graph replays with their own I/O buffers).")
     return None
-
-
-def graphs_suffix(graphs: IterationGraphs | None) -> str:
-    """The backend-name suffix of a layer's ``iteration_graphs`` (the inverse of
-    :func:`split_graphs_suffix`): ``""`` without graphs."""
-    if not graphs:
-        return ""
-    return GRAPHS_DEVICE_ROWS if graphs.device_rows else GRAPHS
-
-
-def split_graphs_suffix(backend: str) -> tuple[str, IterationGraphs | None]:
-    """``backend`` without its graphs suffix, and a new IterationGraphs it asks for (None
-    without a suffix)."""
-    if backend.endswith(GRAPHS_DEVICE_ROWS):
-        return backend.removesuffix(GRAPHS_DEVICE_ROWS), IterationGraphs(device_rows=True)
-    if backend.endswith(GRAPHS):
-        return backend.removesuffix(GRAPHS), IterationGraphs()
-    return backend, None
 
 
 class _GcClock:
@@ -162,18 +126,18 @@ class Variant:
     @classmethod
     def parse(cls, text: str) -> Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
-        vLLM-shaped per-token tables too; ``"ring+balanced@varlen"`` runs that attention backend;
-        ``"ring+balanced@hybrid+graphs"`` runs it with iteration graphs (one
+        vLLM-shaped per-token tables too; ``"ring+balanced@fa2"`` runs that attention backend;
+        ``"ring+balanced@mlaprefill+graphs"`` runs it with CUDA graphs (one
         :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers)."""
         body, at, backend = text.strip().partition("@")
         parts = body.split("+")
         if len(parts) not in (2, 3) or (at and not backend):
             raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][@BACKEND], "
                              f"e.g. 'ring+packed', 'pageable+equal+vllm' or "
-                             f"'ring+balanced@varlen' (transfer in {MODES}, policy in "
+                             f"'ring+balanced@fa2' (transfer in {MODES}, policy in "
                              f"{POLICIES}; '+vllm' also ships vLLM's per-token token_to_seq; "
                              f"@BACKEND picks the attention backend for this variant, "
-                             f"@BACKEND+graphs also turns on its iteration_graphs).")
+                             f"@BACKEND+graphs also turns on its CUDA graphs).")
         return cls(*parts, backend=backend or None)
 
 
@@ -302,9 +266,9 @@ class PrefillEngine:
     config : EngineConfig
     attention_factory : callable, optional
         ``factory(kv_b_proj_weight, qk_nope_head_dim=, v_head_dim=, backend=,
-        qk_rope_head_dim=[, iteration_graphs=])`` returning an object with the
-        ``MLAChunkedPrefill.forward`` signature (and its ``static_query`` for a ``+static``
-        backend); defaults to :class:`mlaprefill.attention.MLAChunkedPrefill`.
+        qk_rope_head_dim=[, graphs=])`` returning an object with the
+        ``MLAChunkedPrefill.forward`` signature (and its ``io_buffers`` for a ``+graphs``
+        backend); defaults to :class:`mlaprefill.MLAChunkedPrefill`.
     """
 
     def __init__(self, config: EngineConfig, *,
@@ -317,7 +281,7 @@ class PrefillEngine:
         self.model = BenchModel(self.dims, cfg.num_layers, device=self.device, dtype=self.dtype,
                                 seed=cfg.seed)
         if attention_factory is None:
-            from mlaprefill.attention import MLAChunkedPrefill
+            from mlaprefill.prefill import MLAChunkedPrefill
             attention_factory = MLAChunkedPrefill
         self._attention_factory = attention_factory
         # One set of attention layers per backend a variant asks for (weights shared); the
@@ -374,8 +338,8 @@ class PrefillEngine:
         if backend not in self._attention:
             m = self.dims.mla
             # +graphs: one IterationGraphs for the layers, so they share its static buffers
-            base, shared = split_graphs_suffix(split_static(backend)[0])
-            graphs = {} if shared is None else {"iteration_graphs": shared}
+            base = graphs_base(backend)
+            graphs = {} if base == backend else {"graphs": IterationGraphs()}
             self._attention[backend] = [
                 self._attention_factory(w, qk_nope_head_dim=m.qk_nope_head_dim,
                                         v_head_dim=m.v_head_dim, backend=base,
@@ -385,18 +349,15 @@ class PrefillEngine:
 
     def backend_name(self, backend: str | None = None) -> str:
         """The resolved attention backend a variant with ``backend`` runs (``auto`` resolved;
-        ``+graphs`` where its iteration graphs are on)."""
+        ``+graphs`` where its graphs are on)."""
         layers = self.attention_layers(backend)
         name = str(getattr(layers[0], "backend_name", "unknown"))
-        graphs = getattr(layers[0], "iteration_graphs", None)
-        return name + graphs_suffix(graphs) + (STATIC if self.static_io(backend) else "")
+        return name + (GRAPHS if self.uses_graphs(backend) else "")
 
-    def static_io(self, backend: str | None = None) -> bool:
-        """Whether the layers of ``backend`` (default: the config's) run with static I/O: a
-        :data:`STATIC` suffix after iteration graphs."""
-        backend = self.config.backend if backend is None else backend
-        graphs = getattr(self.attention_layers(backend)[0], "iteration_graphs", None)
-        return graphs is not None and split_static(backend)[1]
+    def uses_graphs(self, backend: str | None = None) -> bool:
+        """Whether the layers of ``backend`` (default: the config's) run with graphs (and their
+        I/O buffers)."""
+        return getattr(self.attention_layers(backend)[0], "graphs", None) is not None
 
     def kernel_builds(self, backend: str | None = None) -> int | None:
         """Attention kernel builds so far in this process (graphs or compiles; see
@@ -408,7 +369,7 @@ class PrefillEngine:
         """(CUDA graphs captured, graph replays, host ms spent capturing) so far by the layers
         of ``backend`` (one :class:`~mlaprefill.graphs.IterationGraphs` for all of them), None
         without ``+graphs``."""
-        graphs = getattr(self.attention_layers(backend)[0], "iteration_graphs", None)
+        graphs = getattr(self.attention_layers(backend)[0], "graphs", None)
         return None if graphs is None else (graphs.captures, graphs.replays,
                                             graphs.capture_seconds * 1e3)
 
@@ -456,8 +417,8 @@ class PrefillEngine:
         layers = self.attention_layers(variant.backend)
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
-        iteration_graphs = getattr(layers[0], "iteration_graphs", None)
-        static = self.static_io(variant.backend)
+        iteration_graphs = getattr(layers[0], "graphs", None)
+        static = iteration_graphs is not None
         # Pinned landing slots for sampled tokens: a slot is reused only after its step's event
         # was observed (at most 2 steps are in flight, so 4 slots never collide).
         state = _RunState(scheduler, torch.zeros((4, cfg.max_concurrent), dtype=torch.int32,
@@ -565,15 +526,16 @@ class PrefillEngine:
                 attention: list[Any], static: bool = False) -> tuple[float, float]:
         """Enqueue one step's device work; never synchronizes. Returns the host time (ms) spent
         enqueuing the attention forwards of all layers, and how much of it was Python's garbage
-        collector. ``static``: the model writes q into each layer's static query and takes the
-        forward's output as views of the static buffers (:data:`STATIC`)."""
+        collector. ``static``: the model writes q into each layer's ``io_buffers(T).q`` and the
+        forward writes its output into ``.out`` (with graphs: no copies, :data:`GRAPHS`)."""
         slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
         block_table = dplan["block_table"]
         caches = self.cache.layers
         forward_ms = gc_ms = 0.0
         clock = _GcClock()
-        # only when asked: an attention_factory's objects need not know the keyword
-        static_kw = {"static_output": True} if static else {}
+        # layer -> its I/O buffers of this step (static only: an attention_factory's objects
+        # need not know io_buffers)
+        ios: dict[int, Any] = {}
 
         def attend(i: int, q: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor) -> torch.Tensor:
@@ -583,14 +545,16 @@ class PrefillEngine:
             PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
             gc0 = clock.ms
             t = time.perf_counter()
+            io = ios.pop(i, None)
             out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan,
-                                       **static_kw)
+                                       **({} if io is None else {"out": io.out}))
             forward_ms += (time.perf_counter() - t) * 1e3
             gc_ms += clock.ms - gc0
             return out
 
         def query_buffer(i: int, num_tokens: int) -> torch.Tensor:
-            return attention[i].static_query(num_tokens)
+            io = ios[i] = attention[i].io_buffers(num_tokens)
+            return io.q
 
         with clock:
             tokens = self.model.forward(dplan["token_ids"], dplan["positions"],

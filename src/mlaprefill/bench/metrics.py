@@ -78,7 +78,7 @@ class RunResult:
     wall_ms: float  # host wall time of the whole run loop
     truncated: bool = False  # stopped at a deadline before every request finished
     kernel_builds: int | None = None  # attention graphs built / kernels compiled during the run
-    # iteration_graphs (+graphs variants): CUDA graphs captured / replayed during the run
+    # MLAChunkedPrefill graphs (+graphs variants): CUDA graphs captured / replayed during the run
     graph_captures: int | None = None
     graph_replays: int | None = None
     graph_capture_ms: float | None = None  # host time of those captures (in forwards or idle)

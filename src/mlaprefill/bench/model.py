@@ -204,7 +204,7 @@ class BenchModel:
             Return the float32 logits [S, vocab] instead of the argmax (tests use it).
         query_buffer : callable, optional
             ``query_buffer(layer, T)`` -> ``[T, H, qk_head]``: where to write that layer's roped
-            q (e.g. the attention's static query, so that it is not copied); default: a new
+            q (e.g. the attention's ``io_buffers(T).q``, so that it is not copied); default: a new
             tensor per layer.
 
         Returns

@@ -93,7 +93,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     engine = engine if engine is not None else PrefillEngine(config)
     # One unmeasured warm-up run per (attention backend, planner policy) pair of the variants:
     # a policy gives its own piece shapes, a backend builds its own graphs / compiles (the
-    # hybrid backend's cuDNN graphs per rectangle shape); prefer a ring variant (see above).
+    # mlaprefill backend's cuDNN graphs per rectangle shape); prefer a ring variant (see above).
     warm_runs: dict[tuple[str, str], Variant] = {}
     for v in sorted(variants, key=lambda v: v.transfer != "ring"):
         warm_runs.setdefault((v.backend or config.backend, v.policy), v)
