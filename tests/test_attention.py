@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
 
@@ -259,13 +259,13 @@ def test_backend_choice_is_visible():
 
 
 def test_policy_auto_follows_the_backend(monkeypatch):
-    import mlaprefill.attention as attention_mod
+    import mlaprefill.prefill as attention_mod
     from mlaprefill.backends import get_backend
-    from mlaprefill.backends.varlen import VarlenFlashBackend
+    from mlaprefill.backends.fa2 import FA2Backend
 
     assert get_backend("math", device=torch.device("cpu"), dtype=torch.float32, qk_head_dim=8,
                        v_head_dim=6).preferred_policy == "packed"
-    assert VarlenFlashBackend.preferred_policy == "balanced"
+    assert FA2Backend.preferred_policy == "balanced"
     query_lens, context_lens = [2, 1, 3], [40, 4, 0]
     x = paged_mla_inputs(query_lens, context_lens, page_size=4)
     seen = []

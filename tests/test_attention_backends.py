@@ -85,7 +85,7 @@ def test_selection():
     assert AUTO_ORDER[-1] == "math"
     be = get_backend("auto", device="cpu", dtype=torch.float32, qk_head_dim=192, v_head_dim=128)
     assert be.name == "math"
-    for name in ("cudnn", "flex", "varlen"):
+    for name in ("cudnn", "flex", "fa2"):
         reason = BACKENDS[name]().unsupported_reason(torch.device("cpu"), torch.bfloat16, 192, 128)
         assert reason and "CUDA" in reason
     with pytest.raises(ValueError, match="unknown backend 'x'"):
@@ -99,7 +99,7 @@ def test_selection():
                      min_size=1, max_size=5),
        heads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
-    """The default ``attend_into`` (attend + merge): a running result from key part A merged
+    """The default ``attend_and_merge`` (attend + merge): a running result from key part A merged
     with key part B is attention over A and B together, per sequence, in float64; a sequence
     with no keys in either part keeps ``out = 0, lse = -inf``."""
     g = torch.Generator().manual_seed(seed)
@@ -115,7 +115,7 @@ def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
     seqs_b = VarlenSeqs(_cu(q_lens), _cu(b_lens), max(q_lens), max(b_lens))
     out, lse = be.attend(q, ka, va, seqs_a, causal=False, softmax_scale=0.4)
     out, lse = out.clone(), lse.clone()
-    assert be.attend_into(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4) is None
+    assert be.attend_and_merge(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4) is None
     cq, ca, cb = (_cu(x_).tolist() for x_ in (q_lens, a_lens, b_lens))
     for s in range(len(lens)):
         rows = slice(cq[s], cq[s + 1])
@@ -130,31 +130,31 @@ def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
         assert torch.allclose(out[rows], want_o, atol=1e-10)
         assert torch.allclose(lse[rows], want_l, atol=1e-10)
     with pytest.raises(ValueError, match="needs joined keys"):
-        be.attend_into(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4,
+        be.attend_and_merge(q, kb, vb, seqs_b, out, lse, causal=False, softmax_scale=0.4,
                        k_rope=kb[..., :2])
-    # The default attend_to: attend's result written over stale values (NaN here), in place.
+    # The default attend_and_store: attend's result written over stale values (NaN here), in place.
     causal = q_lens == b_lens  # causal needs equal lengths per sequence
     fresh = be.attend(q, kb, vb, seqs_b, causal=causal, softmax_scale=0.4)
     into = (torch.full_like(fresh[0], float("nan")), torch.full_like(fresh[1], float("nan")))
     ptrs = [t.data_ptr() for t in into]
-    assert be.attend_to(q, kb, vb, seqs_b, *into, causal=causal, softmax_scale=0.4) is None
+    assert be.attend_and_store(q, kb, vb, seqs_b, *into, causal=causal, softmax_scale=0.4) is None
     assert [t.data_ptr() for t in into] == ptrs
     assert torch.equal(into[0], fresh[0]) and torch.equal(into[1], fresh[1])
     with pytest.raises(ValueError, match="needs joined keys"):
-        be.attend_to(q, kb, vb, seqs_b, *into, causal=False, softmax_scale=0.4,
+        be.attend_and_store(q, kb, vb, seqs_b, *into, causal=False, softmax_scale=0.4,
                      k_rope=kb[..., :2])
 
 
 def test_hybrid_thresholds_are_checked():
-    from mlaprefill.backends.hybrid import HybridBackend
+    from mlaprefill.backends.mlaprefill import MLAPrefillBackend
 
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="min_queries_per_key must be an int >= 0"):
-            HybridBackend(min_queries_per_key=bad)
+            MLAPrefillBackend(min_queries_per_key=bad)
         with pytest.raises(ValueError, match="big_work must be an int >= 0"):
-            HybridBackend(big_work=bad)
-    assert HybridBackend(big_work=0, min_queries_per_key=0).min_queries_per_key == 0
-    assert HybridBackend().min_queries_per_key is None  # by heads and causality, per call
+            MLAPrefillBackend(big_work=bad)
+    assert MLAPrefillBackend(big_work=0, min_queries_per_key=0).min_queries_per_key == 0
+    assert MLAPrefillBackend().min_queries_per_key is None  # by heads and causality, per call
 
 
 @settings(max_examples=150, deadline=None)
@@ -164,17 +164,17 @@ def test_hybrid_thresholds_are_checked():
        big_work=st.sampled_from([1, 1 << 20, 1 << 28]), slack=st.integers(0, 64))
 def test_hybrid_rectangle_choice_is_the_rule_with_or_without_the_shortcut(
         q_lens, k_scale, heads, causal, floor, big_work, slack):
-    """HybridBackend._rectangles skips the per-sequence search when max_seqlen_q is below the
+    """MLAPrefillBackend._rectangles skips the per-sequence search when max_seqlen_q is below the
     pairs-per-key floor; the result is still exactly the rule: dense_rectangles, then none
     unless their work reaches floor x heads x keys (computed here without the shortcut)."""
     import numpy as np
 
     from mlaprefill.backends.base import VarlenSeqs
-    from mlaprefill.backends.hybrid import (
+    from mlaprefill.backends.mlaprefill import (
         MANY_HEADS,
         MIN_QUERIES_PER_KEY,
         MIN_QUERIES_PER_KEY_FEW_HEADS,
-        HybridBackend,
+        MLAPrefillBackend,
         dense_rectangles,
     )
 
@@ -184,7 +184,7 @@ def test_hybrid_rectangle_choice_is_the_rule_with_or_without_the_shortcut(
     # max_seqlen_q is an upper bound: exact or with slack
     seqs = VarlenSeqs(None, None, max(q_lens) + slack, max(k_lens), cu_seqlens_q_host=cq,
                       cu_seqlens_k_host=ck)
-    got = HybridBackend(big_work=big_work, min_queries_per_key=floor)._rectangles(
+    got = MLAPrefillBackend(big_work=big_work, min_queries_per_key=floor)._rectangles(
         seqs, heads, causal)
     need = floor if floor is not None else (
         MIN_QUERIES_PER_KEY if heads >= MANY_HEADS or causal else MIN_QUERIES_PER_KEY_FEW_HEADS)

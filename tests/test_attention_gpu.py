@@ -7,9 +7,9 @@ import torch
 
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import BACKENDS, VarlenSeqs, get_backend
 from mlaprefill.batch import PrefillBatch
+from mlaprefill.graphs import IterationGraphs
 from mlaprefill.kernels import (
     gather_context_rows,
     gather_context_rows_torch,
@@ -17,13 +17,14 @@ from mlaprefill.kernels import (
     merge_attention_states_torch,
 )
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
 
 pytestmark = pytest.mark.gpu
 
 RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
-GPU_BACKENDS = ["hybrid", "triton", "cudnn", "flex", "varlen", "math"]
+GPU_BACKENDS = ["mlaprefill", "cudnn", "flex", "fa2", "math"]
 
 
 def _inputs(query_lens, context_lens, heads, seed=0):
@@ -53,7 +54,7 @@ def test_forward_matches_reference(backend, policy, workspace):
     assert lse_err <= 1e-2, f"{backend}: LSE max abs error {lse_err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["hybrid", "triton", "cudnn", "flex", "varlen"])
+@pytest.mark.parametrize("backend", ["mlaprefill", "cudnn", "flex", "fa2"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("host_offsets", [False, True])
 def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets):
@@ -379,7 +380,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, keys):
 def test_hybrid_takes_no_rectangles_where_the_hopper_kernel_runs():
     """With its default floors hybrid leaves cuDNN out where the Hopper kernel runs (it reads
     split keys at cuDNN's speed); an explicit floor still gets rectangles."""
-    from mlaprefill.backends.hybrid import HybridBackend
+    from mlaprefill.backends.mlaprefill import MLAPrefillBackend
     from mlaprefill.kernels import hopper_attention
 
     cq, ck = [0, 1024, 2048, 3072, 4096], [0, 16384, 32768, 49152, 65536]
@@ -387,14 +388,14 @@ def test_hybrid_takes_no_rectangles_where_the_hopper_kernel_runs():
                       torch.tensor(ck, dtype=torch.int32, device="cuda"), 1024, 16384,
                       cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
     hopper = hopper_attention.available(torch.device("cuda"))
-    assert HybridBackend().wants_joined_keys(seqs, 128, False) is not hopper
-    assert HybridBackend(min_queries_per_key=0).wants_joined_keys(seqs, 128, False)
+    assert MLAPrefillBackend().wants_joined_keys(seqs, 128, False) is not hopper
+    assert MLAPrefillBackend(min_queries_per_key=0).wants_joined_keys(seqs, 128, False)
     # host offsets alone (how the iteration graphs ask): the same answer
     host = VarlenSeqs(None, None, 1024, 16384, cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
-    assert HybridBackend().wants_joined_keys(host, 128, False) is not hopper
+    assert MLAPrefillBackend().wants_joined_keys(host, 128, False) is not hopper
 
 
-@pytest.mark.parametrize("backend", ["triton", "cudnn", "varlen"])
+@pytest.mark.parametrize("backend", ["mlaprefill", "cudnn", "fa2"])
 def test_long_context_forward_is_bitwise_repeatable(backend):
     """The whole forward at a long-context shape (128k context, 4 iterations) gives the same
     bits run after run; before the merge-kernel barrier it did not (determinism_h200.json)."""
@@ -408,7 +409,7 @@ def test_long_context_forward_is_bitwise_repeatable(backend):
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
-@pytest.mark.parametrize("backend", ["auto", "hybrid", "triton", "cudnn", "varlen"])
+@pytest.mark.parametrize("backend", ["auto", "mlaprefill", "cudnn", "fa2"])
 def test_plan_upload_forward_never_syncs(backend):
     from mlaprefill.audit.cuda_check import check_step_async
 
@@ -430,8 +431,8 @@ def test_plan_upload_forward_never_syncs(backend):
     assert check.htod >= 3 and check.passed
 
 
-@pytest.mark.parametrize("backend,policy", [("triton", "balanced"), ("hybrid", "equal"),
-                                            ("hybrid", "packed")])
+@pytest.mark.parametrize("backend,policy", [("mlaprefill", "balanced"), ("mlaprefill", "equal"),
+                                            ("mlaprefill", "packed")])
 def test_iteration_graphs_match_eager_and_reference(backend, policy):
     """iteration_graphs: the padded iterations (the hybrid's rectangle ones with joined keys and
     cuDNN calls too) captured once and replayed give the eager forward's result up to the GEMM's
@@ -451,16 +452,16 @@ def test_iteration_graphs_match_eager_and_reference(backend, policy):
     results = {}
     for graphs in (False, True):
         op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
-                               backend=backend, iteration_graphs=graphs)
-        if backend == "hybrid":  # rectangles at this size, so some iterations stay eager
-            from mlaprefill.backends.hybrid import HybridBackend
-            op._backend = HybridBackend(big_work=1 << 20, min_queries_per_key=0)
+                               backend=backend, graphs=IterationGraphs() if graphs else None)
+        if backend == "mlaprefill":  # rectangles at this size, so some iterations stay eager
+            from mlaprefill.backends.mlaprefill import MLAPrefillBackend
+            op._backend = MLAPrefillBackend(big_work=1 << 20, min_queries_per_key=0)
         runs = [op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                            x["block_table"], dp, return_lse=True) for _ in range(3)]
         # a graph was captured exactly when asked, the hybrid's cuDNN rectangle iterations too
-        assert (op.iteration_graphs is not None and op.iteration_graphs.captures > 0) == graphs
+        assert (op.graphs is not None and op.graphs.captures > 0) == graphs
         if graphs:
-            assert op.iteration_graphs.capture_failures == 0, op.iteration_graphs.last_capture_error
+            assert op.graphs.capture_failures == 0, op.graphs.last_capture_error
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), graphs
         out, lse = results[graphs] = runs[0]
@@ -486,7 +487,7 @@ def test_hybrid_rectangles_on_cudnn_match_reference(causal, lens):
     """With a threshold of 1 every sequence of >= 256 queries gets a cuDNN rectangle: the
     composition (Triton skips it, cuDNN computes it, LSE merge) against the float64 math
     backend, a NaN in one rectangle staying in its sequence, and warm-up then no new builds."""
-    from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
+    from mlaprefill.backends.mlaprefill import MLAPrefillBackend, dense_rectangles
 
     if lens == "mixed":  # one rectangle per long sequence (off the grid)
         q_lens, k_lens, num_rects, nan_seq = [300, 5, 520, 1000], [700, 0, 1100, 4100], 3, 2
@@ -505,7 +506,7 @@ def test_hybrid_rectangles_on_cudnn_match_reference(causal, lens):
     v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
     seqs = VarlenSeqs(cu_q.cuda(), cu_k.cuda(), max(q_lens), max(k_lens),
                       cu_seqlens_q_host=cu_q.numpy(), cu_seqlens_k_host=cu_k.numpy())
-    be = HybridBackend(big_work=1, min_queries_per_key=0)
+    be = MLAPrefillBackend(big_work=1, min_queries_per_key=0)
     out, lse = be.attend(q, k, v, seqs, causal=causal, softmax_scale=qk ** -0.5)
     ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), seqs,
                                             causal=causal, softmax_scale=qk ** -0.5)
@@ -536,13 +537,13 @@ def test_hybrid_forward_with_rectangles_matches_reference(policy):
     """The whole chunked forward with the hybrid backend where every piece of >= 256 queries
     takes the cuDNN path (threshold 1): gather + up-projection + rectangles + merges against
     the float64 reference (output and LSE)."""
-    from mlaprefill.backends.hybrid import HybridBackend
+    from mlaprefill.backends.mlaprefill import MLAPrefillBackend
 
     query_lens, context_lens = [256, 300, 256, 1], [1024, 700, 1024, 64]
     x = _inputs(query_lens, context_lens, heads=16)
-    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V, backend="hybrid")
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V, backend="mlaprefill")
     # the default thresholds skip shapes this small
-    op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
+    op._backend = MLAPrefillBackend(big_work=1, min_queries_per_key=0)
     plan = ChunkPlanner(2048, PAGE, policy=policy).plan(
         PrefillBatch(query_lens, context_lens, page_size=PAGE))
     out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
@@ -559,7 +560,7 @@ def test_triton_compiles_once_per_config_not_per_length():
     of each (causal, dtype, head dims) kernel: the point of the triton backend in an engine."""
     from mlaprefill.kernels.attention import num_compiled_kernels
 
-    be = get_backend("triton", device="cuda", dtype=torch.bfloat16, qk_head_dim=NOPE + ROPE,
+    be = get_backend("mlaprefill", device="cuda", dtype=torch.bfloat16, qk_head_dim=NOPE + ROPE,
                      v_head_dim=V)
     g = torch.Generator(device="cuda").manual_seed(5)
 
@@ -625,7 +626,7 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
     from then on, in later steps too; a third round only replays. Every
     forward matches the eager forward and the float64 reference; the steady state never syncs."""
     from mlaprefill.audit.cuda_check import check_step_async
-    from mlaprefill.graphs import IterationGraphs, pow2_at_least, row_bucket
+    from mlaprefill.graphs import pow2_at_least, row_bucket
 
     steps = [([17, 1, 300], [3000, 1280, 129]), ([64, 200, 5, 90], [2000, 64, 2500, 700]),
              ([100, 33, 260], [1500, 3000, 10]), ([7, 250], [4000, 999])]
@@ -635,9 +636,9 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
     for layer in range(2):
         x = _inputs([1], [0], heads=heads, seed=100 + layer)
         layers.append((MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
-                                         backend="triton", iteration_graphs=shared),
+                                         backend="mlaprefill", graphs=shared),
                        MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
-                                         backend="triton")))
+                                         backend="mlaprefill")))
         # one cache per layer at a fixed address, as an engine has: each step's pages copied in
         caches.append(torch.empty(128, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda"))
     planner = ChunkPlanner(workspace, PAGE, policy="equal")
@@ -715,15 +716,14 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
     assert shared.captures == captures  # a known shape: replays only
 
 
-@pytest.mark.parametrize("backend", ["hybrid", "triton"])
+@pytest.mark.parametrize("backend", ["mlaprefill"])
 def test_iteration_graphs_static_io(backend):
-    """static_query / static_output with captured graphs: two layers sharing one
-    IterationGraphs over steps of changing shapes, three rounds (the last replays only); each
-    forward with q written into the static query and out / lse returned as the arena's views is
-    bitwise the copying forward through the same graphs, and the float64 reference's within
-    bf16; the views are the arena's own; a static step never syncs."""
+    """io_buffers with captured graphs: two layers sharing one IterationGraphs over steps of
+    changing shapes, three rounds (the last replays only); each forward with q written into
+    io.q and out= / lse= the io buffers is bitwise the copying forward through the same graphs,
+    and the float64 reference's within bf16; the buffers are the arena's own; such a step never
+    syncs."""
     from mlaprefill.audit.cuda_check import check_step_async
-    from mlaprefill.graphs import IterationGraphs
 
     steps = [([17, 1, 300], [3000, 1280, 129]), ([64, 200, 5, 90], [2000, 64, 2500, 700])]
     heads = 16
@@ -732,7 +732,7 @@ def test_iteration_graphs_static_io(backend):
     for layer in range(2):
         w = _inputs([1], [0], heads=heads, seed=200 + layer)["weight"]
         ops.append(MLAChunkedPrefill(w, qk_nope_head_dim=NOPE, v_head_dim=V, backend=backend,
-                                     iteration_graphs=shared))
+                                     graphs=shared))
         # one cache per layer at a fixed address (graphs record it): each step's pages copied in
         caches.append(torch.empty(128, PAGE, RANK + ROPE, dtype=torch.bfloat16, device="cuda"))
     planner = ChunkPlanner(768, PAGE, policy="equal")
@@ -746,13 +746,14 @@ def test_iteration_graphs_static_io(backend):
                 caches[li][:x["kv_cache"].shape[0]].copy_(x["kv_cache"])
                 rest = (x["kv_c_new"], x["k_pe_new"], caches[li], x["block_table"], dp)
                 copied = op.forward(x["q"], *rest, return_lse=True)
-                sq = op.static_query(plan.num_query_tokens)
-                sq.copy_(x["q"])
+                io = op.io_buffers(plan.num_query_tokens)
+                io.q.copy_(x["q"])
                 replays = shared.replays
-                out, lse = op.forward(sq, *rest, return_lse=True, static_output=True)
+                out, lse = op.forward(io.q, *rest, out=io.out, lse=io.lse)
                 assert rnd < 2 or shared.replays > replays
                 (arena,) = shared._arenas.values()
-                assert sq.data_ptr() == arena.q.data_ptr()
+                assert out is io.out and lse is io.lse
+                assert io.q.data_ptr() == arena.q.data_ptr()
                 assert out.data_ptr() == arena.out.data_ptr()
                 assert lse.data_ptr() == arena.lse.data_ptr()
                 assert torch.equal(out, copied[0]) and torch.equal(lse, copied[1]), (rnd, s, li)
@@ -771,10 +772,10 @@ def test_iteration_graphs_static_io(backend):
     def step():
         dp = ring.upload(plan)
         for op, cache in zip(ops, caches, strict=True):
-            q = op.static_query(plan.num_query_tokens)
-            q.copy_(x["q"])
-            out = op.forward(q, x["kv_c_new"], x["k_pe_new"], cache, x["block_table"], dp,
-                             static_output=True)
+            io = op.io_buffers(plan.num_query_tokens)
+            io.q.copy_(x["q"])
+            out = op.forward(io.q, x["kv_c_new"], x["k_pe_new"], cache, x["block_table"], dp,
+                             out=io.out)
             out.sum()  # a consumer of the view, in stream order
 
     check = check_step_async(step, steps=3)

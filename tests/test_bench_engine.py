@@ -83,17 +83,20 @@ def test_variant_parse_and_errors():
         Variant.parse("ring")
     with pytest.raises(ValueError, match="transfer"):
         Variant.parse("dma+packed")
-    assert Variant.parse("ring+balanced@varlen") == Variant("ring", "balanced", backend="varlen")
+    assert Variant.parse("ring+balanced@fa2") == Variant("ring", "balanced", backend="fa2")
     assert Variant.parse("pin+equal+vllm@math").name == "pin+equal+vllm@math"
     with pytest.raises(ValueError, match="backend"):
         Variant.parse("ring+equal@fastest")
     with pytest.raises(ValueError, match="BACKEND"):
         Variant.parse("ring+equal@")
-    graphs = Variant.parse("ring+balanced@hybrid+graphs")
-    assert graphs == Variant("ring", "balanced", backend="hybrid+graphs")
-    assert graphs.name == "ring+balanced@hybrid+graphs"
-    with pytest.raises(ValueError, match="iteration_graphs"):
+    graphs = Variant.parse("ring+balanced@mlaprefill+graphs")
+    assert graphs == Variant("ring", "balanced", backend="mlaprefill+graphs")
+    assert graphs.name == "ring+balanced@mlaprefill+graphs"
+    with pytest.raises(ValueError, match="CUDA-graph replays"):
         Variant.parse("ring+equal@fastest+graphs")
+    for old in ("mlaprefill+graphs+static", "hybrid", "varlen", "mlaprefill+graphs-device-rows"):
+        with pytest.raises(ValueError, match="unknown"):
+            Variant.parse(f"ring+equal@{old}")
     with pytest.raises(ValueError, match="prompt_len"):
         EngineConfig(prompt_len=0)
     with pytest.raises(ValueError, match="request_rate"):
@@ -142,13 +145,19 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     assert math_run.first_tokens == default.first_tokens
     assert math_run.kernel_builds == 0  # plain torch ops build nothing
     assert all(s.host_forward_ms_per_layer > 0 for s in math_run.steps)
-    # @BACKEND+graphs: the same backend with iteration_graphs on (math: never used, same result)
+    # @BACKEND+graphs: the same backend with graphs on (math: never used, same result), the
+    # model writing q into each layer's io_buffers (the arena's queries still)
+    layers = engine.attention_layers("math+graphs")
+    asked = []  # the model asks every layer for its io_buffers once a step
+    for layer in layers:
+        real = layer.io_buffers
+        layer.io_buffers = lambda t, real=real: asked.append(t) or real(t)
     graphs_run = engine.run(Variant.parse("ring+packed@math+graphs"))
     assert engine.backend_name("math+graphs") == "math+graphs"
-    layers = engine.attention_layers("math+graphs")
-    assert all(layer.iteration_graphs for layer in layers)
-    assert len({id(layer.iteration_graphs) for layer in layers}) == 1  # one shared arena
-    assert not any(layer.iteration_graphs for layer in engine.attention_layers("math"))
+    assert len(asked) == len(layers) * len(graphs_run.steps) and all(asked)
+    assert all(layer.graphs for layer in layers)
+    assert len({id(layer.graphs) for layer in layers}) == 1  # one shared arena
+    assert not any(layer.graphs for layer in engine.attention_layers("math"))
     assert graphs_run.first_tokens == default.first_tokens
     # graph counters: this run's share, 0 here (math takes no graphs); None without +graphs
     assert (graphs_run.graph_captures, graphs_run.graph_replays,
@@ -158,25 +167,8 @@ def test_variant_backend_runs_its_own_layers_and_counts_builds():
     # per step: launches run eagerly at a key's first sight (none: math never uses the graphs)
     assert [s.graph_first_sights for s in graphs_run.steps] == [0] * len(graphs_run.steps)
     assert all(s.graph_first_sights is None for s in math_run.steps)
-    # +graphs-device-rows: IterationGraphs(device_rows=True)
-    assert engine.backend_name("math+graphs-device-rows") == "math+graphs-device-rows"
-    assert engine.attention_layers("math+graphs-device-rows")[0].iteration_graphs.device_rows
-    assert not layers[0].iteration_graphs.device_rows
-    with pytest.raises(ValueError, match="graphs-device-rows"):
+    with pytest.raises(ValueError, match="graphs"):
         Variant.parse("ring+packed@math+graphs-rows")
-    # +static: q written into each layer's static query, the output taken as views (math runs
-    # eagerly, so its forward returns its own tensors; the query buffer is the arena's still)
-    static_run = engine.run(Variant.parse("ring+packed@math+graphs+static"))
-    assert engine.backend_name("math+graphs+static") == "math+graphs+static"
-    static_layers = engine.attention_layers("math+graphs+static")
-    assert static_layers[0].iteration_graphs is not layers[0].iteration_graphs
-    assert static_run.first_tokens == default.first_tokens
-    (arena,) = static_layers[0].iteration_graphs._arenas.values()  # the model wrote q there
-    assert arena.q.abs().sum() > 0
-    for bad, match in (("math+static", "needs iteration graphs"),
-                       ("fastest+graphs+static", "unknown")):
-        with pytest.raises(ValueError, match=match):
-            Variant.parse(f"ring+packed@{bad}")
 
 
 @pytest.mark.gpu

@@ -26,10 +26,10 @@ def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
 
 @pytest.mark.parametrize("item, message", [
     ("BIG_WORK=1", "is not MODULE.NAME=VALUE"),
-    ("mlaprefill.backends.hybrid.BIG_WORK", "is not MODULE.NAME=VALUE"),
+    ("mlaprefill.backends.mlaprefill.BIG_WORK", "is not MODULE.NAME=VALUE"),
     ("mlaprefill.nowhere.BIG_WORK=1", "no module 'mlaprefill.nowhere'"),
-    ("mlaprefill.backends.hybrid.NO_SUCH=1", "mlaprefill.backends.hybrid has no NO_SUCH"),
-    ("mlaprefill.backends.hybrid.BIG_WORK=big", "VALUE must be an int or one of the presets"),
+    ("mlaprefill.backends.mlaprefill.NO_SUCH=1", "mlaprefill.backends.mlaprefill has no NO_SUCH"),
+    ("mlaprefill.backends.mlaprefill.BIG_WORK=big", "VALUE must be an int or one of the presets"),
     ("mlaprefill.kernels.hopper_attention.ENABLED=0", "is a bool, VALUE must be true or false"),
 ])
 def test_override_bad_item_is_a_clear_usage_error(item, message, tmp_path) -> None:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import paged_cache, paged_mla_inputs
+from mlaprefill.api import mla_chunked_prefill_dcp
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
     DCPChunkPlanner,
@@ -17,7 +18,6 @@ from mlaprefill.dcp import (
     dcp_local_context_lens,
     dcp_token_location,
     dcp_unshard_context,
-    mla_chunked_prefill_dcp,
     shard_paged_cache,
 )
 from mlaprefill.dcp.forward import reorder_rows_index

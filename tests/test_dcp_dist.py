@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import paged_mla_inputs
+from mlaprefill.api import mla_chunked_prefill_dcp
 from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
     DCPChunkPlanner,
     DCPContextSource,
-    mla_chunked_prefill_dcp,
     shard_paged_cache,
 )
 from mlaprefill.kernels import gather_context_rows
@@ -109,7 +109,7 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     out, lse = mla_chunked_prefill_dcp(
         q, kv_c_new, k_pe_new, local_cache, local_table, query_lens, context_lens, weight,
         process_group=dist.group.WORLD, dcp_interleave=interleave, workspace_tokens=workspace,
-        policy=policy, backend=backend, return_lse=True, debug=True)
+        policy=policy, backend=backend, return_lse=True, validate=True)
     torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
     # 3. The one-call helper delegates to DCP when the group has more than one rank, and the
@@ -156,7 +156,7 @@ def _run_errors(rank, world, device):
     try:
         mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1],
                                 context_lens, weight, process_group=group, dcp_interleave=16,
-                                workspace_tokens=64, debug=True)
+                                workspace_tokens=64, validate=True)
         raise AssertionError("inconsistent context_lens did not raise")
     except ValueError as exc:
         assert "disagree on context_lens" in str(exc), exc
@@ -167,28 +167,24 @@ def _run_errors(rank, world, device):
     try:
         mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, bad_table, [2, 1], [40, 9],
                                 weight, process_group=group, dcp_interleave=16,
-                                workspace_tokens=64, debug=True)
+                                workspace_tokens=64, validate=True)
         raise AssertionError("a too-narrow block table on rank 1 did not raise")
     except ValueError as exc:
         expect = "local block_table covers" if rank == 1 else "another DCP rank failed"
         assert expect in str(exc), exc
-    # The environment switch reaches the one-call helper's delegation too.
+    # validate=True reaches the one-call helper's delegation too.
     from mlaprefill.api import mla_chunked_prefill
-    from mlaprefill.dcp.forward import DEBUG_ENV
 
-    os.environ[DEBUG_ENV] = "1"
     try:
         mla_chunked_prefill(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1],
                             context_lens, weight, process_group=group, dcp_interleave=16,
-                            workspace_tokens=64)
-        raise AssertionError("inconsistent context_lens did not raise with the env switch")
+                            workspace_tokens=64, validate=True)
+        raise AssertionError("inconsistent context_lens did not raise with validate=True")
     except ValueError as exc:
         assert "disagree on context_lens" in str(exc), exc
-    finally:
-        del os.environ[DEBUG_ENV]
     # policy="auto" resolves per rank from its backend; ranks that resolve differently would
     # all-gather different sizes, so the debug digest compares the resolved policy.
-    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.prefill import MLAChunkedPrefill
 
     saved = MLAChunkedPrefill.preferred_policy
     if rank == 1:
@@ -196,7 +192,7 @@ def _run_errors(rank, world, device):
     try:
         mla_chunked_prefill_dcp(q, kv_c_new, k_pe_new, local_cache, local_table, [2, 1], [40, 9],
                                 weight, process_group=group, dcp_interleave=16,
-                                workspace_tokens=64, policy="auto", debug=True)
+                                workspace_tokens=64, policy="auto", validate=True)
         raise AssertionError("ranks resolving policy='auto' differently did not raise")
     except ValueError as exc:
         assert "disagree on config" in str(exc), exc

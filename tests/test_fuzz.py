@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import INT32_MAX, PrefillBatch
 from mlaprefill.cli import main
 from mlaprefill.graphs import IterationGraphs
 from mlaprefill.kernels import gather_context_rows_torch, merge_attention_states_torch
 from mlaprefill.plan import POLICIES, ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import DevicePlan, StagingRing
 
@@ -434,13 +434,13 @@ def _assert_small_reference(x, ql, cl, out, lse):
 
 @settings(max_examples=30 * SCALE, **SETTINGS)
 @given(limit=st.one_of(INT_ATOMS, st.sampled_from([1.5, True, None, "4"])),
-       graphs=st.sampled_from(["shared", "shared", True, False, 1, 0, None, "yes", [True]]),
+       graphs=st.sampled_from(["shared", "shared", None, None, True, False, 1, "yes", [True]]),
        ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3))
 def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
-    """IterationGraphs' cap and MLAChunkedPrefill's iteration_graphs: a clear error naming the
-    field, or an object whose forward matches the reference (on the CPU the backend takes
-    joined keys, so the graphs never run: they must not change the result)."""
+    """IterationGraphs' cap and MLAChunkedPrefill's graphs: a clear error naming the field, or
+    an object whose forward matches the reference (on the CPU the backend takes joined keys, so
+    the graphs never run: they must not change the result)."""
     try:
         IterationGraphs(max_graphs_per_layer=limit)
     except Exception as exc:
@@ -453,19 +453,36 @@ def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
     cl = ctx[:len(ql)]
     x = paged_mla_inputs(ql, cl, heads=2, rank=8, nope=4, rope=4, v=4, page_size=4)
     try:
-        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
-                               iteration_graphs=arg)
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4, graphs=arg)
     except Exception as exc:
-        clear_error("MLAChunkedPrefill.iteration_graphs", exc, "iteration_graphs")
-        assert not isinstance(arg, bool | IterationGraphs), arg
+        clear_error("MLAChunkedPrefill.graphs", exc, "graphs")
+        assert arg is not None and not isinstance(arg, IterationGraphs), arg
         return
-    assert isinstance(arg, bool | IterationGraphs), arg
-    assert (op.iteration_graphs is None) == (arg is False)
+    assert arg is None or isinstance(arg, IterationGraphs), arg
+    assert op.graphs is arg
     plan = ChunkPlanner(16, 4).plan(PrefillBatch(ql, cl, page_size=4))
     out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
                           StagingRing("cpu").upload(plan), return_lse=True)
     _assert_small_reference(x, ql, cl, out, lse)
-    correct("MLAChunkedPrefill.iteration_graphs")
+    correct("MLAChunkedPrefill.graphs")
+
+
+def _out_candidate(kind, io, t):
+    """A value for forward's ``out`` (``lse`` for ``kind`` ending in "lse") of ``t`` tokens."""
+    like = io.lse if kind.endswith("lse") else io.out
+    if kind.startswith("io"):
+        return like
+    if kind.startswith("new"):
+        return torch.full_like(like, 7.0)  # stale values: must be overwritten
+    if kind.startswith("short"):
+        return like.new_zeros((t + 1, *like.shape[1:]))
+    if kind.startswith("dtype"):
+        return like.to(torch.float16)
+    if kind.startswith("strided"):
+        return like.new_zeros((*like.shape[:-1], 2 * like.shape[-1]))[..., ::2]
+    if kind.startswith("list"):
+        return like.tolist()
+    return None
 
 
 @settings(max_examples=30 * SCALE, **SETTINGS)
@@ -474,51 +491,62 @@ def test_fuzz_iteration_graphs(limit, graphs, ql, ctx):
                                            "float32"]),
        rope=st.sampled_from([4] * 8 + [None, 0, -1, True, 4.0]),
        device=st.sampled_from([None] * 6 + ["cpu", torch.device("cpu"), "gpu", 3.5]),
-       graphs=st.booleans(), static=st.sampled_from([True, False, 1, "yes", None]),
+       graphs=st.booleans(),
+       out_kind=st.sampled_from(["io", "io", "new", "none", "short", "dtype", "strided", "list"]),
+       lse_kind=st.sampled_from(["io_lse", "io_lse", "new_lse", "none", "short_lse", "dtype_lse",
+                                 "list_lse"]),
        ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        ctx=st.lists(st.integers(0, 40), min_size=3, max_size=3))
-def test_fuzz_static_io(tokens, dtype, rope, device, graphs, static, ql, ctx):
-    """MLAChunkedPrefill.static_query and forward(static_output=): a clear error naming the
-    field, or a query buffer of the asked shape and dtype that a forward (run where q was
-    written into it) reads to the reference's result."""
+def test_fuzz_io_buffers(tokens, dtype, rope, device, graphs, out_kind, lse_kind, ql, ctx):
+    """MLAChunkedPrefill.io_buffers and forward(out=, lse=): a clear error naming the field
+    (and no state changed), or buffers of the asked shapes and dtypes that a forward (run where
+    q was written into them) fills with the reference's result, returning the given tensors."""
     cl = ctx[:len(ql)]
     x = paged_mla_inputs(ql, cl, heads=2, rank=8, nope=4, rope=4, v=4, page_size=4)
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
-                           iteration_graphs=graphs)
+                           graphs=IterationGraphs() if graphs else None)
     tokens = sum(ql) if tokens == "T" else tokens
     valid = (type(tokens) is int and 0 <= tokens <= INT32_MAX
              and dtype in (None, torch.float32, torch.float64)
              and (rope is None or (type(rope) is int and rope >= 0))
              and device in (None, "cpu", torch.device("cpu")))
-    arenas = dict(op.iteration_graphs._arenas) if graphs else None
+    arenas = dict(op.graphs._arenas) if graphs else None
     try:
-        buf = op.static_query(tokens, dtype=dtype, qk_rope_head_dim=rope, device=device)
+        io = op.io_buffers(tokens, dtype=dtype, qk_rope_head_dim=rope, device=device)
     except Exception as exc:
-        clear_error("static_query", exc, "num_tokens", "dtype", "qk_rope_head_dim", "device")
+        clear_error("io_buffers", exc, "num_tokens", "dtype", "qk_rope_head_dim", "device")
         assert not valid, (tokens, dtype, rope, device)
-        assert not graphs or op.iteration_graphs._arenas == arenas  # no state changed
+        assert not graphs or op.graphs._arenas == arenas  # no state changed
         return
     assert valid, (tokens, dtype, rope, device)
-    assert buf.device.type == "cpu"
+    assert io.q.device.type == "cpu"
     want_rope = 64 if rope is None else rope
-    assert tuple(buf.shape) == (tokens, 2, 4 + want_rope), buf.shape
-    assert buf.dtype == (dtype or torch.float32)
-    correct("static_query")
-    if buf.shape != x["q"].shape or buf.dtype != x["q"].dtype:
+    want = dtype or torch.float32
+    assert tuple(io.q.shape) == (tokens, 2, 4 + want_rope) and io.q.dtype == want
+    assert tuple(io.out.shape) == (tokens, 2, 4) and io.out.dtype == want
+    assert tuple(io.lse.shape) == (tokens, 2)
+    assert io.lse.dtype == (torch.float64 if want == torch.float64 else torch.float32)
+    correct("io_buffers")
+    if io.q.shape != x["q"].shape or io.q.dtype != x["q"].dtype:
         return
-    buf.copy_(x["q"])
+    io.q.copy_(x["q"])
+    out, lse = _out_candidate(out_kind, io, tokens), _out_candidate(lse_kind, io, tokens)
+    good = {"io", "new", "none", "io_lse", "new_lse"}
     plan = ChunkPlanner(16, 4).plan(PrefillBatch(ql, cl, page_size=4))
     try:
-        out, lse = op.forward(buf, x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                              x["block_table"], StagingRing("cpu").upload(plan),
-                              return_lse=True, static_output=static)
+        got = op.forward(io.q, x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                         StagingRing("cpu").upload(plan), return_lse=True, out=out, lse=lse)
     except Exception as exc:
-        clear_error("forward(static_output)", exc, "static_output")
-        assert not isinstance(static, bool), static
+        clear_error("forward(out=, lse=)", exc, "out", "lse")
+        assert not (out_kind in good and lse_kind in good), (out_kind, lse_kind)
         return
-    assert isinstance(static, bool), static
-    _assert_small_reference(x, ql, cl, out, lse)
-    correct("forward(static_output)")
+    assert out_kind in good and lse_kind in good, (out_kind, lse_kind)
+    if out is not None:
+        assert got[0] is out
+    if lse is not None:
+        assert got[1] is lse
+    _assert_small_reference(x, ql, cl, *got)
+    correct("forward(out=, lse=)")
 
 
 @settings(max_examples=150 * SCALE, **SETTINGS)
@@ -632,7 +660,7 @@ def test_fuzz_broadcast_rope(n, heads, nope, rope, extra, defect):
        causal=st.booleans(), heads=st.sampled_from([1, 16, 128]),
        big_work=st.sampled_from([1, 2**20, 2**28, 2**34]))
 def test_fuzz_dense_rectangles(q_lens, k_lens, causal, heads, big_work):
-    from mlaprefill.backends.hybrid import (
+    from mlaprefill.backends.mlaprefill import (
         K_ALIGN,
         K_PER_OCTAVE,
         Q_ALIGN,

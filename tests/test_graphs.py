@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 
-from mlaprefill.attention import MLAChunkedPrefill, _ArenaReplay
 from mlaprefill.graphs import (
     MIN_ROW_BUCKET,
     IterationGraphs,
@@ -17,6 +16,8 @@ from mlaprefill.graphs import (
     pow2_at_least,
     row_bucket,
 )
+from mlaprefill.prefill import MLAChunkedPrefill
+from mlaprefill.replay import _ArenaReplay
 
 CPU = torch.device("cpu")
 DIMS = dict(device=CPU, dtype=torch.float16, kv_dtype=torch.float16, heads=2, qk=24, v=16,
@@ -54,18 +55,17 @@ def test_max_graphs_per_layer_must_be_a_positive_int(bad):
 def test_iteration_graphs_argument():
     w = torch.zeros(2 * 32, 16)
     shared = IterationGraphs()
-    a = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=shared)
-    b = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=shared)
-    own = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=True)
+    a = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, graphs=shared)
+    b = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, graphs=shared)
+    own = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, graphs=IterationGraphs())
     off = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16)
-    assert a.iteration_graphs is shared and b.iteration_graphs is shared
-    assert isinstance(own.iteration_graphs, IterationGraphs) and own.iteration_graphs is not shared
-    assert off.iteration_graphs is None and off._graphs is None
-    assert a._graphs is not b._graphs  # graphs record each layer's weights: never shared
-    for bad in (1, "yes", None, [shared]):
-        with pytest.raises(TypeError, match="iteration_graphs must be a bool or an "
-                                            "IterationGraphs"):
-            MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=bad)
+    assert a.graphs is shared and b.graphs is shared
+    assert isinstance(own.graphs, IterationGraphs) and own.graphs is not shared
+    assert off.graphs is None and off.layer_graphs is None
+    assert a.layer_graphs is not b.layer_graphs  # graphs record each layer's weights: never shared
+    for bad in (1, "yes", True, [shared]):
+        with pytest.raises(TypeError, match="graphs must be an IterationGraphs or None"):
+            MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, graphs=bad)
 
 
 def test_arena_reused_while_it_fits_and_grown_to_new_buffers():
@@ -99,23 +99,27 @@ def test_arena_reused_while_it_fits_and_grown_to_new_buffers():
     assert shared.memory_bytes() == 0
 
 
-def test_static_query_without_graphs_and_bad_arguments():
+def test_io_buffers_without_graphs_and_bad_arguments():
     w = torch.zeros(2 * 32, 16)
     off = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, qk_rope_head_dim=8)
-    q = off.static_query(5)
-    assert q.shape == (5, 2, 24) and q.dtype == w.dtype  # a new tensor: nothing to share
-    assert off.static_query(5).data_ptr() != q.data_ptr()
-    on = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, iteration_graphs=True)
-    a, b = on.static_query(5, dtype=torch.float16), on.static_query(7, dtype=torch.float16)
-    assert a.shape == (5, 2, 80) and b.shape == (7, 2, 80)  # rope 64 by default
-    assert a.data_ptr() == b.data_ptr()  # one buffer
-    assert on.static_query(3, dtype=torch.float32).data_ptr() != a.data_ptr()  # per dtype
+    io = off.io_buffers(5)
+    assert io.q.shape == (5, 2, 24) and io.q.dtype == w.dtype  # new tensors: nothing to share
+    assert io.out.shape == (5, 2, 16) and io.lse.shape == (5, 2) and io.lse.dtype == torch.float32
+    assert off.io_buffers(5).q.data_ptr() != io.q.data_ptr()
+    on = MLAChunkedPrefill(w, qk_nope_head_dim=16, v_head_dim=16, graphs=IterationGraphs())
+    a, b = on.io_buffers(5, dtype=torch.float16), on.io_buffers(7, dtype=torch.float16)
+    assert a.q.shape == (5, 2, 80) and b.q.shape == (7, 2, 80)  # rope 64 by default
+    assert a.q.data_ptr() == b.q.data_ptr()  # one buffer
+    assert a.out.data_ptr() == b.out.data_ptr() and a.lse.data_ptr() == b.lse.data_ptr()
+    assert on.io_buffers(3, dtype=torch.float32).q.data_ptr() != a.q.data_ptr()  # per dtype
+    wide = on.io_buffers(4, dtype=torch.float64)  # float64 LSE: never the arena's float32 one
+    assert wide.lse.dtype == torch.float64
     for bad, match in (({"num_tokens": -1}, "num_tokens"), ({"num_tokens": 2**31}, "num_tokens"),
                        ({"num_tokens": 4.0}, "num_tokens"), ({"num_tokens": True}, "num_tokens"),
                        ({"num_tokens": 4, "dtype": torch.int8}, "dtype"),
                        ({"num_tokens": 4, "qk_rope_head_dim": -2}, "qk_rope_head_dim")):
         with pytest.raises(ValueError, match=match):
-            on.static_query(**bad)
+            on.io_buffers(**bad)
 
 
 def test_layer_graphs_lru_and_stale_generation():
@@ -138,7 +142,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     """A run of consecutive iterations advances the device counter itself (one launch of
     ``count`` iterations adds ``count``); after a skipped iteration (no rows, or joined keys run
     eagerly) the host sets it."""
-    import mlaprefill.attention as attention_module
+    import mlaprefill.replay as attention_module
 
     shared = IterationGraphs()
     arena = shared.arena(("k",), _need(), **DIMS)
@@ -162,7 +166,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     monkeypatch.setattr(attention_module, "_PaddedIteration", Padded)
     replay = _ArenaReplay.__new__(_ArenaReplay)
     replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, False
-    replay.op = types.SimpleNamespace(_graphs=LayerGraphs(shared))
+    replay.op = types.SimpleNamespace(layer_graphs=LayerGraphs(shared))
     replay.key, replay.kv_cache, replay.launch = ("key",), None, (4, 64, 8, 1.0)
     real_fill = arena.counter.fill_
     arena.counter.fill_ = lambda i: (fills.append(i), real_fill(i))
@@ -236,7 +240,7 @@ def test_first_sight_replays_a_graph_of_bigger_buckets_when_the_layer_has_one():
 
     replay = _ArenaReplay.__new__(_ArenaReplay)
     replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, True
-    replay.op = types.SimpleNamespace(_graphs=layer)
+    replay.op = types.SimpleNamespace(layer_graphs=layer)
     Padded.arena = arena
     for key, stand_in in (((4, 64, "c", 1100, 1), True), ((4, 64, "c", 400, 1), True),
                           ((4, 64, "c", 1000, 1, "joined", ()), False)):
@@ -246,8 +250,6 @@ def test_first_sight_replays_a_graph_of_bigger_buckets_when_the_layer_has_one():
     assert g["4x64 2048"].replays == 1 and shared.stand_ins == 1 and shared.replays == 1
     assert eager == [(4, 64, "c", 400, 1), (4, 64, "c", 1000, 1, "joined", ())]
     assert shared.warm_runs == 2
-    with pytest.raises(TypeError, match="device_rows"):
-        IterationGraphs(device_rows=1)
 
 
 def test_capture_pending_captures_first_sights_only_while_they_are_current(monkeypatch):
@@ -302,7 +304,7 @@ def test_arena_load_pads_sequences_over_stale_values():
         x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=8, nope=4, rope=4, v=4,
                              page_size=4)
         op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4,
-                               iteration_graphs=shared)
+                               graphs=shared)
         plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
         dp = StagingRing("cpu").upload(plan)
         t, n, iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
@@ -335,7 +337,7 @@ def test_arena_keeps_offsets_of_the_same_device_plan_and_copies_others():
     query_lens, context_lens = [3, 1, 4], [40, 9, 70]
     x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=8, nope=4, rope=4, v=4,
                          page_size=4)
-    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4, iteration_graphs=shared)
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=4, v_head_dim=4, graphs=shared)
     plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
 
     class WithTable:  # a StagedPlan that ships the block table too, like the bench's steps

@@ -134,7 +134,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(GRAPH.get(m, ())):
             if seen.get(t) == 1:
-                cycle = stack[stack.index(t):] + [t]
+                cycle = [*stack[stack.index(t):], t]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if t not in seen:
                 walk(t)

@@ -17,11 +17,11 @@ import torch
 
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import VarlenSeqs, get_backend, isolate_nonfinite_values
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels import merge_attention_states, merge_attention_states_torch
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.reference import mla_prefill_reference
 from mlaprefill.staging import StagingRing
 
@@ -252,7 +252,7 @@ def test_one_call_nan_stays_in_request():
 
 # -- GPU: every backend and the Triton merge -------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["hybrid", "triton", "cudnn", "flex", "varlen", "math"])
+@pytest.mark.parametrize("name", ["mlaprefill", "cudnn", "flex", "fa2", "math"])
 def test_gpu_backend_keeps_nan_inside_its_sequence(name):
     dtype = torch.float32 if name == "math" else torch.bfloat16
     _backend_isolation(name, "cuda", dtype)
@@ -267,7 +267,7 @@ def test_gpu_triton_merge_nan_rules():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hybrid", "triton", "cudnn", "flex", "varlen", "math"])
+@pytest.mark.parametrize("backend", ["mlaprefill", "cudnn", "flex", "fa2", "math"])
 @pytest.mark.parametrize("where", ["cache_kv_c", "q"])
 def test_gpu_forward_nan_stays_in_request(backend, where):
     """Triton gather + merge + each backend: B unchanged, A NaN (bf16; math in fp32)."""

@@ -169,7 +169,7 @@ def test_iteration_bound_holds(context_lens, page_size, extra, policy):
 def test_policy_auto_works_like_the_api(capsys):
     import torch
 
-    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill.prefill import MLAChunkedPrefill
 
     api = MLAChunkedPrefill(torch.zeros(2 * 16, 8), qk_nope_head_dim=8, v_head_dim=8,
                             qk_rope_head_dim=8).resolve_policy("auto")
@@ -178,7 +178,7 @@ def test_policy_auto_works_like_the_api(capsys):
     assert rc == 0 and err == ""
     assert out.splitlines()[0].startswith(f"policy={api} ") and "(auto: backend" in out
     rc, out, _ = run_cli(capsys, "--context-lens", "80000,1000", "--query-lens", "4,1",
-                         "--policy", "auto", "--backend", "varlen", "--json")
+                         "--policy", "auto", "--backend", "fa2", "--json")
     assert rc == 0 and json.loads(out)["policy"] == "balanced"  # FA2 varlen's preference
     rc, _, err = run_cli(capsys, "--context-lens", "8", "--query-lens", "1", "--backend", "math")
     assert rc == 2 and "--backend only matters with --policy auto" in err

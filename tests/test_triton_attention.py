@@ -794,8 +794,9 @@ def test_broadcast_rope_torch_path_and_errors():
 def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     """MIN_QUERIES_PER_KEY: rectangles only when they hold enough query-key pairs per key row;
     otherwise the call is the Triton kernel's alone, on split keys."""
-    from mlaprefill.backends.base import VarlenSeqs
     from mlaprefill.backends.hybrid import MIN_QUERIES_PER_KEY, HybridBackend
+
+    from mlaprefill.backends.base import VarlenSeqs
 
     def seqs(q_lens, k_lens):
         cq = [0, *torch.tensor(q_lens).cumsum(0).tolist()]

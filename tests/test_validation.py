@@ -12,9 +12,9 @@ import torch
 
 from conftest import paged_mla_inputs
 from mlaprefill.api import mla_chunked_prefill
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.staging import StagingRing
 from test_attention import check, run_forward
 
@@ -138,15 +138,10 @@ def test_one_call_argument_checks(x, monkeypatch):
         _one_call(x, backend=["math"])
     with pytest.raises(TypeError, match=r"backend must be a str \('auto', .*\), got list"):
         _op(x, backend=["math"])
-    with pytest.raises(TypeError,
-                       match=r"iteration_graphs must be a bool or an IterationGraphs, got int"):
-        _op(x, iteration_graphs=1)
-    import torch.distributed as dist
-
-    group = object()
-    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
-    with pytest.raises(ValueError, match=r"validate=True checks the single-rank path only"):
-        _one_call(x, validate=True, process_group=group)
+    with pytest.raises(TypeError, match=r"graphs must be an IterationGraphs or None, got int"):
+        _op(x, graphs=1)
+    with pytest.raises(TypeError, match=r"validate must be a bool, got str"):
+        _one_call(x, validate="yes")
 
 
 def test_staging_ring_rejects_devices_it_cannot_ship_to():
