@@ -27,11 +27,10 @@ _SCRIPT = textwrap.dedent("""
     INF = float("inf")
     g = torch.Generator().manual_seed(0)
 
-    def padded_launches(plan, joined=(), device_rows=False):
-        # What iteration_graphs launches for a plan (eager on CPU, each a warm run): the new
-        # tokens' stage, then per run of consecutive split-key iterations with rows (of one row
-        # bucket unless device_rows) a launch per set bit of the run's length (8 + 2 for 10), a
-        # joined one alone.
+    def padded_launches(plan, joined=()):
+        # What graphs launch for a plan (eager on CPU, each a warm run): the new tokens' stage,
+        # then per run of consecutive split-key iterations with rows of one row bucket a launch
+        # per set bit of the run's length (8 + 2 for 10), a joined one alone.
         from mlaprefill.graphs import row_bucket
 
         runs, last = [], None
@@ -42,7 +41,7 @@ _SCRIPT = textwrap.dedent("""
                 runs.append(1)
                 last = None
                 continue
-            here = (i, None if device_rows else row_bucket(rows))
+            here = (i, row_bucket(rows))
             if last is not None and here == (last[0] + 1, last[1]):
                 runs[-1] += 1
             else:
@@ -190,9 +189,9 @@ _SCRIPT = textwrap.dedent("""
         # The hybrid backend's composition: the kernel skips each rectangle (dense=), the
         # rectangle is computed apart (torch on CPU, cuDNN on CUDA) and merged by LSE.
         from mlaprefill.backends.base import VarlenSeqs
-        from mlaprefill.backends.hybrid import HybridBackend, dense_rectangles
+        from mlaprefill.backends.mlaprefill import MLAPrefillBackend, dense_rectangles
 
-        be = HybridBackend(big_work=1, min_queries_per_key=0)
+        be = MLAPrefillBackend(big_work=1, min_queries_per_key=0)
         cases = [
             # off-grid lengths: one rectangle per sequence (520 -> 512 queries, 1100 -> 1024
             # keys; 300 -> 256, 700 -> 640; 5 -> none), each with a tail of 256 queries (the
@@ -227,11 +226,12 @@ _SCRIPT = textwrap.dedent("""
             assert torch.isnan(lse1[:q_lens[0], 1][3 if causal else 0:]).all()
             rest = slice(q_lens[0], None)
             assert torch.equal(out1[rest], out[rest]) and torch.equal(lse1[rest], lse[rest])
-            # attend_to: the same result stored into given tensors (over stale values), the
+            # attend_and_store: the same result stored into given tensors (over stale values), the
             # rectangles merged into them
             o2 = torch.full_like(out, 5.0)
             l2 = torch.full_like(lse, -3.0)
-            assert be.attend_to(q, k, v, seqs, o2, l2, causal=causal, softmax_scale=0.3) is None
+            assert be.attend_and_store(q, k, v, seqs, o2, l2, causal=causal,
+                                       softmax_scale=0.3) is None
             assert torch.equal(o2, out) and torch.equal(l2, lse), (q_lens, k_lens)
 
     def group_forward():
@@ -239,9 +239,10 @@ _SCRIPT = textwrap.dedent("""
         # and merge all in the interpreter; the hybrid's rectangles in torch on CPU) against the
         # float64 reference: zero context, one token, page boundaries, a rectangle-sized request.
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.prefill import MLAChunkedPrefill
         from mlaprefill.backends.base import VarlenSeqs
-        from mlaprefill.backends.hybrid import HybridBackend
+        from mlaprefill.backends.mlaprefill import MLAPrefillBackend
+        from mlaprefill.backends.triton import TritonBackend
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner
@@ -255,7 +256,7 @@ _SCRIPT = textwrap.dedent("""
             x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
             context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
         runs = [("triton", "balanced", 512, False), ("hybrid", "equal", 512, False),
-                # padded iterations (what iteration_graphs captures; eager on CPU): many
+                # padded iterations (what graphs capture; eager on CPU): many
                 # iterations, the last ones short; hybrid's iterations with a cuDNN-sized
                 # rectangle through the static buffers too; equal's part-filled iterations
                 # padded to their own row buckets
@@ -264,19 +265,19 @@ _SCRIPT = textwrap.dedent("""
         for name, policy, workspace, graphs in runs:
             shared = IterationGraphs()  # on CPU it counts every padded iteration as a warm run
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                   backend=name, iteration_graphs=shared if graphs else False)
-            if name == "hybrid":
-                # rectangles even at this size
-                op._backend = HybridBackend(big_work=1, min_queries_per_key=0)
+                                   backend="mlaprefill", graphs=shared if graphs else None)
+            # "triton": our kernel alone; "hybrid": with rectangles even at this size
+            op._backend = (TritonBackend() if name == "triton"
+                           else MLAPrefillBackend(big_work=1, min_queries_per_key=0))
             plan = ChunkPlanner(workspace, 16, policy=policy).plan(
                 PrefillBatch(query_lens, context_lens, page_size=16))
             assert not graphs or plan.num_iterations >= 4
             out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                   x["block_table"], StagingRing("cpu").upload(plan),
                                   return_lse=True)
-            assert op.backend_name == name
+            assert op.backend_name == {"triton": "mlaprefill-kernel", "hybrid": "mlaprefill"}[name]
             if name == "triton":  # split keys only: one [k_nope | v] GEMM, no zero-row W_K
-                assert {key[-1] for key in op._weights} == {"kv"}
+                assert {key[-1] for key in op.upproj._cache} == {"kv"}
             err_o = (out.double() - ref_out).abs().max().item()
             err_l = (lse.double() - ref_lse).abs().max().item()
             assert err_o < 1e-4 and err_l < 1e-4, (name, workspace, graphs, err_o, err_l)
@@ -293,7 +294,7 @@ _SCRIPT = textwrap.dedent("""
                 assert name == "triton" or 0 < len(split) < plan.num_iterations, split
                 assert shared.captures == shared.replays == 0  # no CUDA graphs on CPU
             else:
-                assert op.iteration_graphs is None
+                assert op.graphs is None
 
     def group_split_and_state():
         # k_rope: the key's last dims as one row per key shared by every head (MLA's rope key,
@@ -447,7 +448,7 @@ _SCRIPT = textwrap.dedent("""
                 raise AssertionError("misaligned k / v accepted with tma=True")
 
     def group_graphs_random():
-        # iteration_graphs' padded iterations (eager here) on random awkward batches: zero
+        # the graphs' padded iterations (eager here) on random awkward batches: zero
         # context, one token, contexts at and one past page boundaries, many short iterations;
         # against the float64 reference and the unpadded forward. One IterationGraphs
         # serves every case and two layers: its static buffers keep the previous case's
@@ -455,7 +456,7 @@ _SCRIPT = textwrap.dedent("""
         import random
 
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import MLAChunkedPrefill
+        from mlaprefill.prefill import MLAChunkedPrefill
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner
@@ -464,8 +465,6 @@ _SCRIPT = textwrap.dedent("""
 
         rnd = random.Random(11)
         shared = IterationGraphs()
-        # row counts read on the device (the Triton GEMM in the interpreter)
-        by_device_rows = IterationGraphs(device_rows=True)
         generations = set()
         for case in range(7):
             n = rnd.randint(2, 4) if case else 1  # the first case small: later ones grow it
@@ -485,10 +484,10 @@ _SCRIPT = textwrap.dedent("""
             assert plan.num_iterations >= 4, what
             got = []
             ops = [MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                     backend="triton", iteration_graphs=g)
-                   for g in (False, shared, shared, by_device_rows)]
+                                     backend="mlaprefill", graphs=g)
+                   for g in (None, shared, shared)]
             for op in ops:
-                counts = op.iteration_graphs or shared
+                counts = op.graphs or shared
                 runs_before = counts.warm_runs
                 got.append(op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                       x["block_table"], StagingRing("cpu").upload(plan),
@@ -497,8 +496,8 @@ _SCRIPT = textwrap.dedent("""
                 assert (out.double() - ref_out).abs().max() < 1e-4, what
                 assert (lse.double() - ref_lse).abs().max() < 1e-4, what
                 padded = counts.warm_runs - runs_before
-                assert padded == (0 if op.iteration_graphs is None else padded_launches(
-                    plan, device_rows=counts.device_rows)), (what, padded)
+                assert padded == (0 if op.graphs is None else padded_launches(plan)), (
+                    what, padded)
             generations.update(a.generation for a in shared._arenas.values())
             for eager_or_graph in got[1:]:
                 assert (got[0][0] - eager_or_graph[0]).abs().max() < 1e-5, what
@@ -509,8 +508,8 @@ _SCRIPT = textwrap.dedent("""
         # rows, new tokens) over a step's static buffers give that step's result (the float64
         # reference): the extra sequences are empty, the extra query blocks and rows unused.
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import MLAChunkedPrefill, _ArenaReplay, _NewTokens
-        from mlaprefill.attention import _PaddedIteration
+        from mlaprefill.prefill import MLAChunkedPrefill
+        from mlaprefill.replay import _ArenaReplay, _NewTokens, _PaddedIteration
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.graphs import IterationGraphs, pow2_at_least, row_bucket
         from mlaprefill.plan import ChunkPlanner
@@ -524,7 +523,7 @@ _SCRIPT = textwrap.dedent("""
             x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=16, nope=16, rope=8,
                                  v=16, page_size=16, seed=len(query_lens))
             op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                   backend="triton", iteration_graphs=shared)
+                                   backend="mlaprefill", graphs=shared)
             plan = ChunkPlanner(128, 16, policy="equal").plan(
                 PrefillBatch(query_lens, context_lens, page_size=16))
             dp = StagingRing("cpu").upload(plan)
@@ -548,7 +547,7 @@ _SCRIPT = textwrap.dedent("""
                     arena.counter.fill_(i)
                     _PaddedIteration(op, arena, x["kv_cache"], seqs, max_q, 2 * r, 1, 8, scale,
                                      None)()
-            out, lse = replay.result(torch.float32, True)
+            out, lse = replay.result(torch.float32, True, None, None)
             ref_out, ref_lse = mla_prefill_reference(
                 x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
                 query_lens, context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
@@ -556,19 +555,19 @@ _SCRIPT = textwrap.dedent("""
             assert (lse.double() - ref_lse).abs().max() < 1e-4
 
     def group_static_io():
-        # MLAChunkedPrefill.static_query and forward(static_output=True) through the static
-        # buffers (padded launches, eager on CPU), two layers sharing one IterationGraphs: a q
-        # written into the static query is not copied, out / lse are the arena's own (the next
+        # MLAChunkedPrefill.io_buffers and forward(out=, lse=) through the static buffers
+        # (padded launches, eager on CPU), two layers sharing one IterationGraphs: a q written
+        # into io.q is not copied, out= / lse= the io buffers are written in place (the next
         # forward overwrites them), the results are the copying forward's and the float64
-        # reference's; a static query survives the arena growing for more rows; a stale one
-        # (the token capacity grew since) is copied like any q.
+        # reference's; io buffers survive the arena growing for more rows; stale ones (the
+        # token capacity grew since) are copied like any q / out.
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from conftest import paged_mla_inputs
-        from mlaprefill.attention import MLAChunkedPrefill
         from mlaprefill.batch import PrefillBatch
         from mlaprefill.graphs import IterationGraphs
         from mlaprefill.plan import ChunkPlanner
+        from mlaprefill.prefill import MLAChunkedPrefill
         from mlaprefill.reference import mla_prefill_reference
         from mlaprefill.staging import StagingRing
 
@@ -599,22 +598,24 @@ _SCRIPT = textwrap.dedent("""
 
         def layers(shared):
             return [MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                                      backend="triton", iteration_graphs=shared)
+                                      backend="mlaprefill", graphs=shared)
                     for _ in range(2)]
 
-        # the static query made first: the forward then grows the arena for rows, seqs, ...
+        # the io buffers made first: the forward then grows the arena for rows, seqs, ...
         shared = IterationGraphs()
         op1, op2 = layers(shared)
-        sq = op1.static_query(T, **kw)
-        assert sq.shape == x["q"].shape and sq.dtype == torch.float32
-        assert op2.static_query(T, **kw).data_ptr() == sq.data_ptr()  # one per IterationGraphs
-        sq.copy_(x["q"])
+        io = op1.io_buffers(T, **kw)
+        assert io.q.shape == x["q"].shape and io.q.dtype == torch.float32
+        assert op2.io_buffers(T, **kw).q.data_ptr() == io.q.data_ptr()  # one per IterationGraphs
+        io.q.copy_(x["q"])
         with CopiesInto() as copies:
-            out, lse = op1.forward(sq, *rest, return_lse=True, static_output=True)
+            out, lse = op1.forward(io.q, *rest, out=io.out, lse=io.lse)
         (arena,) = shared._arenas.values()
-        assert arena.generation > 1 and arena.q.data_ptr() == sq.data_ptr()  # grew, q kept
-        q_copy = (sq.untyped_storage().data_ptr(), tuple(sq.shape))
-        assert q_copy not in copies.into  # q not copied in
+        assert arena.generation > 1 and arena.q.data_ptr() == io.q.data_ptr()  # grew, q kept
+        q_copy = (io.q.untyped_storage().data_ptr(), tuple(io.q.shape))
+        out_copy = (io.out.untyped_storage().data_ptr(), tuple(io.out.shape))
+        assert q_copy not in copies.into and out_copy not in copies.into  # no copy in or out
+        assert out is io.out and lse is io.lse
         assert out.data_ptr() == arena.out.data_ptr() and lse.data_ptr() == arena.lse.data_ptr()
         assert (out.double() - ref_out).abs().max() < 1e-4
         assert (lse.double() - ref_lse).abs().max() < 1e-4
@@ -622,22 +623,26 @@ _SCRIPT = textwrap.dedent("""
             plain = op1.forward(x["q"], *rest, return_lse=True)  # copies in and out
         assert q_copy in copies.into and plain[0].data_ptr() != arena.out.data_ptr()
         assert torch.equal(plain[0], out) and torch.equal(plain[1], lse)
-        # the next forward through the arena overwrites the views: layer 2, other queries
+        # the caller's own out= / lse=: written (one copy), the same values
+        mine = torch.full_like(out, 9.0), torch.full_like(lse, 9.0)
+        got = op1.forward(x["q"], *rest, out=mine[0], lse=mine[1])
+        assert got[0] is mine[0] and torch.equal(mine[0], out) and torch.equal(mine[1], lse)
+        # the next forward through the arena overwrites the buffers: layer 2, other queries
         first = out.clone()
         q2 = x["q"] * 0.5
-        sq.copy_(q2)
-        out2, lse2 = op2.forward(sq, *rest, return_lse=True, static_output=True)
+        io.q.copy_(q2)
+        out2, lse2 = op2.forward(io.q, *rest, out=io.out, lse=io.lse)
         assert out2.data_ptr() == out.data_ptr() and torch.equal(out, out2)
         assert not torch.equal(out2, first)
         want = op1.forward(q2, *rest, return_lse=True)
         assert torch.equal(want[0], out2) and torch.equal(want[1], lse2)
-        # a stale static query: the token capacity grew after it was handed out
-        stale = op1.static_query(T, **kw)
-        grown = op1.static_query(8 * arena.q.shape[0], **kw)
-        assert grown.data_ptr() != stale.data_ptr()
-        stale.copy_(x["q"])
-        out3 = op1.forward(stale, *rest, static_output=True)
-        assert (out3.double() - ref_out).abs().max() < 1e-4
+        # stale io buffers: the token capacity grew after they were handed out
+        stale = op1.io_buffers(T, **kw)
+        grown = op1.io_buffers(8 * arena.q.shape[0], **kw)
+        assert grown.q.data_ptr() != stale.q.data_ptr()
+        stale.q.copy_(x["q"])
+        out3 = op1.forward(stale.q, *rest, out=stale.out)
+        assert out3 is stale.out and (out3.double() - ref_out).abs().max() < 1e-4
 
     {"small_dims": group_small_dims, "tma": group_tma, "graphs_random": group_graphs_random,
      "split_and_state": group_split_and_state, "deepseek_dims": group_deepseek_dims,
@@ -647,6 +652,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the Triton interpreter: ~3 min on 2 cores
 @pytest.mark.parametrize("group", ["small_dims", "tma", "graphs_random", "split_and_state",
                                    "deepseek_dims", "nonfinite", "hybrid", "forward",
                                    "stand_ins", "static_io"])
@@ -677,11 +683,11 @@ def test_backend_unsupported_reason(monkeypatch):
     assert "bfloat16" in be.unsupported_reason(cpu, torch.bfloat16, 192, 128)
     assert "head dims" in be.unsupported_reason(cpu, torch.float32, 320, 128)
     assert "head dims" in be.unsupported_reason(cpu, torch.float32, 8, 8)
-    assert be.preferred_policy == "balanced" and be.name == "triton"
+    assert be.preferred_policy == "balanced" and be.name == "mlaprefill-kernel"
 
 
 def test_bucket_floor_grid():
-    from mlaprefill.backends.hybrid import bucket_floor
+    from mlaprefill.backends.mlaprefill import bucket_floor
 
     assert bucket_floor(127, per_octave=16, align=128) == 0
     assert bucket_floor(128, per_octave=16, align=128) == 128
@@ -794,9 +800,8 @@ def test_broadcast_rope_torch_path_and_errors():
 def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     """MIN_QUERIES_PER_KEY: rectangles only when they hold enough query-key pairs per key row;
     otherwise the call is the Triton kernel's alone, on split keys."""
-    from mlaprefill.backends.hybrid import MIN_QUERIES_PER_KEY, HybridBackend
-
     from mlaprefill.backends.base import VarlenSeqs
+    from mlaprefill.backends.mlaprefill import MIN_QUERIES_PER_KEY, MLAPrefillBackend
 
     def seqs(q_lens, k_lens):
         cq = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
@@ -805,17 +810,17 @@ def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
         return VarlenSeqs(t, torch.tensor(ck, dtype=torch.int32), max(q_lens), max(k_lens),
                           cu_seqlens_q_host=cq, cu_seqlens_k_host=ck)
 
-    be = HybridBackend()
+    be = MLAPrefillBackend()
     few = seqs([256] * 16, [4096] * 16)      # 256 queries per key row: Triton, split keys
     many = seqs([1024] * 4, [16384] * 4)     # 1024 per key row: one batched cuDNN call
     assert MIN_QUERIES_PER_KEY > 256
     assert not be.wants_joined_keys(few, 128, False) and be._rectangles(few, 128, False) == []
     assert be.wants_joined_keys(many, 128, False)
     assert [r.batch for r in be._rectangles(many, 128, False)] == [4]
-    assert HybridBackend(min_queries_per_key=0).wants_joined_keys(few, 128, False)
+    assert MLAPrefillBackend(min_queries_per_key=0).wants_joined_keys(few, 128, False)
     # Fewer than MANY_HEADS heads: context calls need MIN_QUERIES_PER_KEY_FEW_HEADS; causal
     # calls (the new tokens) keep MIN_QUERIES_PER_KEY; an explicit value applies to both.
-    from mlaprefill.backends.hybrid import MANY_HEADS, MIN_QUERIES_PER_KEY_FEW_HEADS
+    from mlaprefill.backends.mlaprefill import MANY_HEADS, MIN_QUERIES_PER_KEY_FEW_HEADS
 
     assert MIN_QUERIES_PER_KEY < 512 < MIN_QUERIES_PER_KEY_FEW_HEADS <= 1024 and MANY_HEADS > 16
     deep = seqs([4096], [65536])             # 4096 per key row
@@ -823,16 +828,17 @@ def test_hybrid_takes_cudnn_only_where_it_pays_for_joined_keys():
     half = seqs([512] * 4, [4096] * 4)       # 512 per key row
     assert be.wants_joined_keys(many, 16, False)            # 1024 per key row: at the floor
     assert be.wants_joined_keys(deep, 16, False)
-    small = HybridBackend(big_work=1)        # any rectangle is big enough: the floor decides
+    small = MLAPrefillBackend(big_work=1)        # any rectangle is big enough: the floor decides
     assert small.wants_joined_keys(square, 16, True)        # causal: 512 >= 384
     assert not small.wants_joined_keys(half, 16, False)     # context: 512 < the few-heads floor
     assert small.wants_joined_keys(half, 128, False)
-    assert HybridBackend(big_work=1, min_queries_per_key=384).wants_joined_keys(half, 16, False)
+    assert MLAPrefillBackend(big_work=1, min_queries_per_key=384).wants_joined_keys(half, 16, False)
 
 
 def test_hopper_kernel_declines_what_it_cannot_run(monkeypatch):
     """The Gluon kernel's gate: a clear reason for every call it cannot run (host metadata
-    only), so varlen_attention runs the Triton kernel there; ENABLED=False turns it off."""
+    only), so varlen_attention runs the Triton kernel there; the debug override
+    MLAPREFILL_DISABLE_HOPPER_KERNEL=1 turns it off."""
     from mlaprefill.kernels import hopper_attention as ha
 
     q = torch.zeros(4, 2, 192, dtype=torch.bfloat16)
@@ -842,10 +848,10 @@ def test_hopper_kernel_declines_what_it_cannot_run(monkeypatch):
     why = ha.unsupported_reason(q, k, v, rope)
     assert why is not None
     assert ("CUDA device" in why) if ha.HAS_GLUON else ("Gluon" in why)
-    monkeypatch.setattr(ha, "ENABLED", False)
-    assert "disabled" in ha.unsupported_reason(q, k, v, rope)
+    monkeypatch.setenv(ha.DISABLE_ENV, "1")
+    assert f"disabled ({ha.DISABLE_ENV}=1)" in ha.unsupported_reason(q, k, v, rope)
     assert ha.BLOCK_M % 128 == 0 and ha.BLOCK_N % 64 == 0  # hybrid's rectangles divide them
-    from mlaprefill.backends.hybrid import K_ALIGN, Q_ALIGN
+    from mlaprefill.backends.mlaprefill import K_ALIGN, Q_ALIGN
     assert Q_ALIGN % ha.BLOCK_M == 0 and K_ALIGN % ha.BLOCK_N == 0
 
 

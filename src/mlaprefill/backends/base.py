@@ -151,7 +151,7 @@ class AttentionBackend(abc.ABC):
     #: computes it once per step. Kernels that read ``cu_seqlens`` on the device do not need it.
     needs_seq_ids: bool = True
     #: Some calls run on split keys (``k_rope``; :meth:`wants_joined_keys` False), through our
-    #: own kernels, which a CUDA graph captures: ``MLAChunkedPrefill(iteration_graphs=True)``
+    #: own kernels, which a CUDA graph captures: ``MLAChunkedPrefill(graphs=IterationGraphs())``
     #: replays context iterations for such backends only (``mlaprefill``, its joined-key
     #: iterations too, keyed by :meth:`launch_key`).
     takes_split_keys: bool = False

@@ -13,7 +13,7 @@ Per layer (DeepSeek-V2/V3 layout, Hugging Face weight shapes)::
 
 and at the end ``argmax(lm_head(rms_norm(x[sample_index])))``: the first sampled token of each
 request whose last prompt token is in the step. The attention is a callback so that the engine
-(paged cache + :class:`mlaprefill.attention.MLAChunkedPrefill`) and a plain full-attention
+(paged cache + :class:`mlaprefill.MLAChunkedPrefill`) and a plain full-attention
 reference run the very same weights.
 """
 

@@ -150,7 +150,7 @@ WIDE_ATTENTION_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=16, n
 #: warp_specialize flag it carried then compiles to the same binary, see the field): 0.88-0.99x
 #: on every non-causal shape of 16 and 128 heads but one (16 x 256 over 8k: 0.88x, then 1.03x),
 #: 0.97x on 4k causal calls and 1.15-1.22x on 16 x 256 causal ones, so causal calls keep the
-#: default. With TMA loads it is no faster. Whole forwards on the triton backend against the old
+#: default. With TMA loads it is no faster. Whole forwards on our kernel against the old
 #: default in one run: 0.95-1.00x on 12 of 14 vs-ideal shapes, 1.004x and 1.10x on two (16 x 250
 #: over 8000: a noisy shape) (attention_vs_ideal_h200_bmm_ws{,_ab}.json).
 CONTEXT_ATTENTION_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
