@@ -330,6 +330,7 @@ def write_png(doc: dict[str, Any], path: Path) -> str | None:
                         textcoords="offset points", ha="center", va="bottom", fontsize=8,
                         color="red")
     ax.set_xticks(x, names, rotation=20)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("TTFT (s)")
     ax.set_title("time to first token")
     ax.legend()
@@ -337,7 +338,8 @@ def write_png(doc: dict[str, Any], path: Path) -> str | None:
     for i, v in enumerate(rows):
         series = v.get("step_series", {}).get("host_blocked_ms", [])
         ax.plot(range(len(series)), series, color=colors[i], lw=0.9,
-                ls="--" if cut[i] else "-", label=v["name"] + (" (truncated)" if cut[i] else ""))
+                ls="--" if cut[i] else "-", marker="o" if len(series) < 2 else None,
+                label=v["name"] + (" (truncated)" if cut[i] else ""))
     ax.set_yscale("log")
     ax.set_xlabel("step (first repeat)")
     ax.set_ylabel("upload wall time = host blocked (ms)")
