@@ -123,7 +123,8 @@ def _doc(ran_on="cpu", repeats=3, spread=(900.0, 1100.0)):
                  repeats=repeats, ttft_ms_mean=1000.0, metadata_bytes_max=2**20,
                  kernel_builds_per_run=[0] * repeats, graph_captures_per_run=[None] * repeats,
                  graph_replays_per_run=[None] * repeats,
-                 graph_capture_ms_per_run=[None] * repeats)
+                 graph_capture_ms_per_run=[None] * repeats, num_steps_per_run=32.0,
+                 num_requests_per_run=8.0, truncated_runs=0)
         return m
     return {"ran_on": ran_on, "scenario": "cpu-tiny",
             "machine": {"device_name": "AMD EPYC" if ran_on == "cpu" else "NVIDIA H200"},
@@ -140,11 +141,11 @@ def test_table_headers_are_unique_and_gpu_busy_only_on_gpu(ran_on):
 
     from mlaprefill.bench.report import format_table
 
-    lines = format_table(_doc(ran_on)).splitlines()
+    lines = format_table(_doc(ran_on), wide=True).splitlines()
     headers = re.split(r"\s{2,}", lines[0].strip())
     assert len(headers) == len(set(headers)), headers
     row = re.split(r"\s{2,}", lines[3].strip())
-    assert len(row) == len(headers)  # every value under its own header
+    assert len(row) == len(headers) - 1  # every value under its own header; no flags here
     assert ("GPU busy" in headers) == (ran_on == "cuda")
     assert "tok/s vs 1st" in headers and "TTFT p99" in headers and "blocked p99" in headers
 
@@ -232,3 +233,129 @@ def test_bad_sizes_are_one_line_before_any_work(capsys, monkeypatch, argv, match
     assert re.search(match, err[-1]), err
     assert err[-1].startswith("mlaprefill bench: error: ")
     assert time.perf_counter() - t0 < 10
+
+
+# -- bench output within 100 columns; a truncated run is never presented as a result ---------
+def _lines_fit(text: str, width: int = 100) -> None:
+    too_long = [line for line in text.splitlines() if len(line) > width]
+    assert not too_long, too_long
+
+
+def test_default_output_fits_100_columns_and_wide_has_every_column(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path), *SMALL, "--repeats", "1"]) == 0
+    out = capsys.readouterr()
+    _lines_fit(out.out)
+    _lines_fit(out.err)
+    assert "flags" in out.out and "vs 1st" in out.out
+    from mlaprefill.bench.report import format_table
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    wide = format_table(doc, wide=True)
+    assert "plan+up p99" in wide and "TTFT p99" in wide and max(map(len, wide.splitlines())) > 100
+
+
+@pytest.mark.parametrize("name", ["vllm-default", "stall", "uneven"])
+def test_dry_run_fits_100_columns(name, capsys):
+    assert main(["bench", "--scenario", name, "--dry-run", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    _lines_fit(out)
+    assert "packed" in out or "equal" in out
+    assert main(["bench", "--scenario", name, "--dry-run", "--device", "cpu", "--wide"]) == 0
+    assert "+ vLLM token_to_seq max" in capsys.readouterr().out
+
+
+def _truncated_doc():
+    doc = _doc(repeats=1)
+    for v in doc["variants"]:
+        v["metrics"].update(num_steps_per_run=32.0, num_requests_per_run=8.0, truncated_runs=0)
+    # ring+equal finished no request (one step, NaN TTFT); ring+packed measured one step
+    doc["variants"][1]["metrics"].update(num_steps_per_run=1.0, num_requests_per_run=0.0,
+                                         ttft_ms_mean=float("nan"), truncated_runs=1)
+    doc["variants"][2]["metrics"].update(num_steps_per_run=1.0, num_requests_per_run=1.0,
+                                         truncated_runs=1)
+    return doc
+
+
+def test_truncated_variants_are_marked_and_get_no_percentage(tmp_path):
+    from mlaprefill.bench.report import MIN_MEASURED_STEPS, annotate, format_table
+
+    assert MIN_MEASURED_STEPS > 1
+    doc = _truncated_doc()
+    for wide in (False, True):
+        table = format_table(doc, wide=wide)
+        rows = {line.split()[0]: line for line in table.splitlines()[3:6]}
+        assert "truncated" not in rows["pageable+equal"]
+        for name in ("ring+equal", "ring+packed"):
+            assert rows[name].rstrip().endswith("truncated"), rows[name]
+            assert "%" not in rows[name]  # was: ring+packed +100.0% from one step
+        assert "nan" not in table.lower()
+        assert "+0.0%" in rows["pageable+equal"]
+        assert "truncated (no result, no percentage): ring+equal finished no request" in table
+        assert f"fewer than {MIN_MEASURED_STEPS}" in table
+    _lines_fit(format_table(doc))
+    annotate(doc)
+    by_name = {v["name"]: v for v in doc["variants"]}
+    assert doc["min_measured_steps"] == MIN_MEASURED_STEPS
+    assert by_name["pageable+equal"]["truncated"] is False
+    assert by_name["pageable+equal"]["truncated_reason"] is None
+    assert by_name["pageable+equal"]["throughput_vs_baseline_pct"] == 0.0
+    for name, why in (("ring+equal", "finished no request"), ("ring+packed", "measured 1 steps")):
+        v = by_name[name]
+        assert v["truncated"] is True and why in v["truncated_reason"]
+        assert v["throughput_vs_baseline_pct"] is None and v["ttft_vs_baseline_pct"] is None
+    path = tmp_path / "doc.json"
+    from mlaprefill.bench.report import write_json
+    write_json(doc, path)
+    assert json.loads(path.read_text())["variants"][2]["throughput_vs_baseline_pct"] is None
+
+
+def test_truncated_baseline_gives_no_variant_a_percentage():
+    from mlaprefill.bench.report import format_table
+
+    doc = _truncated_doc()
+    doc["variants"][0]["metrics"].update(num_requests_per_run=0.0)
+    table = format_table(doc)
+    assert "%" not in "\n".join(table.splitlines()[3:6])
+    assert "The baseline pageable+equal has none" in table
+
+
+def test_truncated_variants_are_marked_in_the_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mlaprefill.bench.report import plot_title, write_png
+
+    doc = _truncated_doc()
+    assert "TRUNCATED: ring+equal, ring+packed" in plot_title(doc)
+    assert write_png(doc, tmp_path / "t.png") is None and (tmp_path / "t.png").stat().st_size
+
+
+def test_warmup_counts_against_max_seconds(tmp_path, capsys):
+    """Was: every warm-up run capped at half of --max-seconds on its own, so several of them
+    could leave the measured runs a deadline in the past (one step each)."""
+    from mlaprefill.bench.engine import PrefillEngine
+    from mlaprefill.bench.runner import run_suite
+
+    calls = []
+
+    class Recording(PrefillEngine):
+        def run(self, variant, **kw):
+            calls.append((variant.name, kw.get("max_steps"), kw.get("deadline")))
+            return super().run(variant, **kw)
+
+    cfg = EngineConfig(preset="tiny", tp=1, num_layers=1, vocab_size=64, prompt_len=48,
+                       num_requests=3, max_concurrent=2, token_budget=16, workspace_tokens=32,
+                       page_size=8, device="cpu")
+    from mlaprefill.bench.cli import _parse_variants
+    engine = Recording(cfg)
+    t0 = __import__("time").perf_counter()
+    doc = run_suite(cfg, _parse_variants("ring+equal,ring+packed"), repeats=1, warmup_steps=0,
+                    progress=False, max_seconds=60.0, engine=engine)
+    warm = calls[:2]  # one warm-up run per policy, then the measured runs
+    assert [c[0] for c in warm] == ["ring+equal", "ring+packed"]
+    t1 = __import__("time").perf_counter()
+    assert warm[0][2] == warm[1][2]  # one shared cap ...
+    assert t0 + 30.0 <= warm[0][2] <= t1 + 30.0 - doc["total_seconds"]  # at run start + 60 / 2
+    assert 0 <= doc["warmup_seconds"] <= doc["total_seconds"]
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse's wrap
+    assert "of the whole run, the warm-up included" in text
+    assert "MIN_MEASURED_STEPS" in text and "--wide" in text

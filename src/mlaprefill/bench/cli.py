@@ -163,6 +163,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--share", choices=("fcfs", "fair"),
                    help="how running prefills share the step budget")
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
+    from mlaprefill.bench.report import MIN_MEASURED_STEPS, TABLE_WIDTH
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
                    help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs]]: "
@@ -188,9 +189,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
     p.add_argument("--max-seconds", type=float,
-                   help="wall-clock cap in seconds: no new round of repeats that would end past "
-                        "it, a too-slow first round is truncated evenly (default: 165 on GPU "
-                        "scenarios, 45 on cpu-tiny; 0 = no cap)")
+                   help="wall-clock cap in seconds of the whole run, the warm-up included "
+                        "(the warm-up runs together stop at half of it): no new round of "
+                        "repeats that would end past it, a too-slow first round is truncated "
+                        "evenly (default: 165 on GPU scenarios, 45 on cpu-tiny; 0 = no cap). A "
+                        "variant that finished no request or measured fewer than "
+                        f"{MIN_MEASURED_STEPS} steps per run (MIN_MEASURED_STEPS) is flagged "
+                        "'truncated' and gets no percentage")
     p.add_argument("--dry-run", action="store_true",
                    help="no model, no device: print the metadata bytes per step the scenario's "
                         "steps would upload (per planner policy) and exit")
@@ -198,6 +203,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="directory for bench.json and bench.png (default: ./bench-out); "
                         "created and checked writable before the run starts")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--wide", action="store_true",
+                   help=f"print every column of the table (default: the main ones, within "
+                        f"{TABLE_WIDTH} columns; bench.json holds every metric either way)")
     return p
 
 
@@ -404,32 +412,21 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     return name, scenario, config
 
 
-def _dry_run(name: str, config: Any, variants: list) -> int:
-    from mlaprefill.bench.dryrun import STALL_THRESHOLD_BYTES, metadata_profile
-    print(f"scenario {name} (dry run: scheduler + planner only): {config.num_requests} x "
-          f"{config.prompt_len} tokens, budget {config.token_budget}, workspace "
-          f"{config.workspace_tokens}, share {config.share}, page_size {config.page_size}")
-    mib = 2.0**20
-    print(f"{'policy':<9} {'steps':>6} {'iters max':>9} {'iters sum':>9} {'plan max':>9} "
-          f"{'step p50':>9} {'step max':>9} {'+ vLLM token_to_seq max':>24} "
-          f"{'steps with a copy >= 3 MiB':>27}")
-    for policy in sorted({v.policy for v in variants}):
-        p = metadata_profile(config, policy)
-        print(f"{policy:<9} {p['steps']:>6} {int(p['iterations'].max(initial=0)):>9} "
-              f"{int(p['iterations'].sum()):>9} {p['plan_bytes_max']:>8}B "
-              f"{p['metadata_bytes_p50'] / mib:>8.3f}M {p['metadata_bytes_max'] / mib:>8.3f}M "
-              f"{p['token_to_seq_bytes_max'] / mib:>23.3f}M "
-              f"{p['compact_steps_over_threshold_fraction'] * 100:>8.0f}% compact, "
-              f"{p['steps_over_threshold_fraction'] * 100:>3.0f}% vLLM")
-    print(f"plan = the chunk plan's arrays (O(iterations x requests)); step = plan + the "
-          f"engine's arrays (token ids, positions, slots, block table); a pageable copy of "
-          f">= {STALL_THRESHOLD_BYTES >> 20} MiB blocked the host on the H200.")
+def _dry_run(name: str, config: Any, variants: list, *, wide: bool = False) -> int:
+    from mlaprefill.bench.dryrun import format_profiles, metadata_profile
+    from mlaprefill.bench.report import wrap
+    print(wrap(f"scenario {name} (dry run: scheduler + planner only): {config.num_requests} x "
+               f"{config.prompt_len} tokens, budget {config.token_budget}, workspace "
+               f"{config.workspace_tokens}, share {config.share}, page_size {config.page_size}",
+               width=10**6 if wide else 100))
+    profiles = {p: metadata_profile(config, p) for p in sorted({v.policy for v in variants})}
+    print(format_profiles(profiles, wide=wide))
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table; write ``--out``/bench.json and bench.png."""
-    from mlaprefill.bench.report import format_table, write_json, write_png
+    from mlaprefill.bench.report import format_table, wrap, write_json, write_png
     from mlaprefill.bench.runner import run_suite
     # Growing contexts ask for ever larger workspaces; expandable segments let the caching
     # allocator grow in place instead of cudaMalloc + (at the memory limit) a syncing cudaFree.
@@ -454,12 +451,13 @@ def run(args: argparse.Namespace) -> int:
         on_cpu = config.resolve_device().type == "cpu"
         if on_cpu and not args.dry_run:
             why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
-            print(f"mlaprefill bench: running on the CPU ({why}): scenario {name}, preset "
-                  f"{config.preset}, {config.num_layers} layers, {config.num_requests} x "
-                  f"{config.prompt_len}-token prompts. Transfer modes are plain CPU copies here; "
-                  f"the pageable stall needs a GPU.", file=sys.stderr)
+            print(wrap(f"mlaprefill bench: running on the CPU ({why}): scenario {name}, "
+                       f"preset {config.preset}, {config.num_layers} layers, "
+                       f"{config.num_requests} x {config.prompt_len}-token prompts. Transfer "
+                       f"modes are plain CPU copies here; the pageable stall needs a GPU."),
+                  file=sys.stderr)
         if args.dry_run:
-            return _dry_run(name, config, variants)
+            return _dry_run(name, config, variants, wide=args.wide)
         doc = run_suite(config, variants, repeats=repeats, warmup_steps=warmup, scenario=name,
                         scenario_note=scenario.note, progress=not args.no_progress,
                         max_seconds=max_seconds or None,  # 0 = no cap
@@ -475,15 +473,18 @@ def run(args: argparse.Namespace) -> int:
     ran = doc.get("repeats", repeats)
     ran_text = f"{ran} repeats" if ran == repeats else \
         f"{ran} of {repeats} repeats (--max-seconds)"
-    print(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
-          f"{doc['dtype']}, attention backend {doc['attention_backend']}): "
-          f"{config.num_requests} x {config.prompt_len} tokens, {config.num_layers} layers, "
-          f"budget {config.token_budget}, workspace {config.workspace_tokens}, share "
-          f"{config.share}, {ran_text}, {doc['total_seconds']:.1f} s")
-    print(format_table(doc))
+    width = 10**6 if args.wide else 100
+    print(wrap(f"scenario {name} on {doc['machine'].get('device_name')} ({doc['ran_on']}, "
+               f"{doc['dtype']}, attention backend {doc['attention_backend']}): "
+               f"{config.num_requests} x {config.prompt_len} tokens, {config.num_layers} "
+               f"layers, budget {config.token_budget}, workspace {config.workspace_tokens}, "
+               f"share {config.share}, {ran_text}, {doc['total_seconds']:.1f} s (warm-up "
+               f"{doc['warmup_seconds']:.1f} s)", width=width))
+    print(format_table(doc, wide=args.wide))
     if doc["ran_on"] == "cpu":
-        print("ran on the CPU: every transfer mode is a plain CPU copy here, so this shows the "
-              "engine working, not the pageable stall (that needs a GPU).")
+        print(wrap("ran on the CPU: every transfer mode is a plain CPU copy here, so this shows "
+                   "the engine working, not the pageable stall (that needs a GPU).",
+                   width=width))
     if args.out is not None:
         out = Path(args.out)
         try:
@@ -491,5 +492,6 @@ def run(args: argparse.Namespace) -> int:
             msg = write_png(doc, out / "bench.png")
         except OSError as exc:  # checked before the run; the directory changed since
             return _fail(f"--out {out}: cannot write the results ({exc.strerror or exc}).")
-        print(f"wrote {out / 'bench.json'}" + (f"; {msg}" if msg else f" and {out / 'bench.png'}"))
+        print(wrap(f"wrote {out / 'bench.json'}"
+                   + (f"; {msg}" if msg else f" and {out / 'bench.png'}"), width=width))
     return 0

@@ -101,3 +101,46 @@ def scenario_steps(config: EngineConfig) -> Iterator[tuple[PrefillBatch, dict[st
         yield PrefillBatch(step.query_lens, step.context_lens, page_size=cfg.page_size), arrays
         for rid in step.req_ids[step.finishing].tolist():
             sched.finish(rid)
+
+
+def format_profiles(profiles: dict[str, dict[str, Any]], *, wide: bool = False) -> str:
+    """The dry run's table, one row per planner policy (``metadata_profile`` results), and its
+    footnote; within 100 columns unless ``wide`` (the long headers of before)."""
+    mib = 2.0**20
+    if wide:
+        lines = [f"{'policy':<9} {'steps':>6} {'iters max':>9} {'iters sum':>9} "
+                 f"{'plan max':>9} {'step p50':>9} {'step max':>9} "
+                 f"{'+ vLLM token_to_seq max':>24} {'steps with a copy >= 3 MiB':>27}"]
+        for policy, p in profiles.items():
+            lines.append(
+                f"{policy:<9} {p['steps']:>6} {int(p['iterations'].max(initial=0)):>9} "
+                f"{int(p['iterations'].sum()):>9} {p['plan_bytes_max']:>8}B "
+                f"{p['metadata_bytes_p50'] / mib:>8.3f}M {p['metadata_bytes_max'] / mib:>8.3f}M "
+                f"{p['token_to_seq_bytes_max'] / mib:>23.3f}M "
+                f"{p['compact_steps_over_threshold_fraction'] * 100:>8.0f}% compact, "
+                f"{p['steps_over_threshold_fraction'] * 100:>3.0f}% vLLM")
+    else:
+        lines = [f"{'policy':<9}{'steps':>6}{'iters':>7}{'iters':>7}{'plan':>7}{'step':>9}"
+                 f"{'step':>9}{'+vLLM t2s':>10}{'>=3 MiB':>9}{'>=3 MiB':>9}",
+                 f"{'':<9}{'':>6}{'max':>7}{'sum':>7}{'max B':>7}{'p50 MiB':>9}"
+                 f"{'max MiB':>9}{'max MiB':>10}{'compact':>9}{'vLLM':>9}"]
+        lines.append("-" * len(lines[0]))
+        for policy, p in profiles.items():
+            lines.append(
+                f"{policy:<9}{p['steps']:>6}{int(p['iterations'].max(initial=0)):>7}"
+                f"{int(p['iterations'].sum()):>7}{p['plan_bytes_max']:>7}"
+                f"{p['metadata_bytes_p50'] / mib:>9.3f}{p['metadata_bytes_max'] / mib:>9.3f}"
+                f"{p['token_to_seq_bytes_max'] / mib:>10.3f}"
+                f"{p['compact_steps_over_threshold_fraction'] * 100:>8.0f}%"
+                f"{p['steps_over_threshold_fraction'] * 100:>8.0f}%")
+    note = ("plan = the chunk plan's arrays (O(iterations x requests)); step = plan + the "
+            "engine's arrays (token ids, positions, slots, block table); "
+            + ("" if wide else "+vLLM t2s = vLLM's per-token token_to_seq on top; >=3 MiB = ")
+            + f"steps with a copy >= 3 MiB (compact plans, vLLM's tables): a pageable copy of "
+              f">= {STALL_THRESHOLD_BYTES >> 20} MiB blocked the host on the H200.")
+    if wide:
+        lines.append(note)
+    else:
+        import textwrap
+        lines.append(textwrap.fill(note, 100, subsequent_indent="  ", break_on_hyphens=False))
+    return "\n".join(lines)

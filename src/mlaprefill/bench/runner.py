@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.bench.engine import EngineConfig, PrefillEngine, ProgressFn, Variant
 from mlaprefill.bench.metrics import METRIC_KEYS, RunResult, step_series, summarize
+from mlaprefill.bench.report import annotate
 
 __all__ = ["DEFAULT_VARIANTS", "ProgressLine", "run_suite"]
 
@@ -71,13 +72,15 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     With ``warmup_run``, variants first run the whole workload unmeasured, so every step shape
     has been seen once (attention backends that build a graph or compile per shape would
     otherwise charge that host time to whichever variant meets the shape first): one run per
-    (attention backend, planner policy) pair, since each pair meets its own shapes, each
-    capped at half of ``max_seconds``. It is the first ``ring`` variant of the pair when there
-    is one: the engine keeps one staging ring per transfer mode, so that run also grows the
-    ring's arenas to the largest plan, and no arena is re-allocated in a measured run. Then
-    each variant runs ``warmup_steps`` unmeasured steps.
+    (attention backend, planner policy) pair, since each pair meets its own shapes, all
+    together capped at half of ``max_seconds``. It is the first ``ring`` variant of the pair
+    when there is one: the engine keeps one staging ring per transfer mode, so that run also
+    grows the ring's arenas to the largest plan, and no arena is re-allocated in a measured
+    run. Then each variant runs ``warmup_steps`` unmeasured steps.
 
-    With ``max_seconds``, no new round of repeats starts when it would likely end past that
+    ``max_seconds`` covers the warm-up too: the warm-up runs together stop scheduling steps at
+    half of it, and the measured runs share what the warm-up left. With ``max_seconds``, no new
+    round of repeats starts when it would likely end past that
     budget (every variant keeps the same number of repeats), and the first round gives each
     variant an equal share of the time left: a run that reaches its share stops early and is
     marked ``truncated`` (a fallback for a slower machine).
@@ -103,11 +106,13 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     warmup_builds: dict[str, int | None] = {}
     warmup_captures: dict[str, int | None] = {}
     if warmup_run:
+        # All of them together capped at half the budget (was: each, so several warm-up runs
+        # could spend all of it and leave the measured runs a deadline in the past: one step
+        # each), so that a slow machine still gets measured runs.
+        cap = None if max_seconds is None else t_start + max_seconds / 2
         for warm in warm_runs.values():
             if progress:
                 line.start_run(f"warm-up run {warm.name} (all step shapes)")
-            # Each capped at half the budget: a slow machine still gets measured runs.
-            cap = None if max_seconds is None else time.perf_counter() + max_seconds / 2
             res = engine.run(warm, deadline=cap, progress=cb)
             warmup_builds[warm.name] = res.kernel_builds
             warmup_captures[warm.name] = res.graph_captures
@@ -120,6 +125,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
             res = engine.run(v, max_steps=warmup_steps, progress=cb)
             if progress:
                 line.end_run(res)
+    warmup_seconds = time.perf_counter() - t_start
     results: dict[str, list[RunResult]] = {n: [] for n in names}
     stopped_early = False
     t_first_round = t_start
@@ -164,7 +170,7 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
     cfg = asdict(config)
     cfg["request_rate"] = None if cfg["request_rate"] == float("inf") else cfg["request_rate"]
     dims = engine.dims
-    return {
+    return annotate({
         "schema": "mlaprefill.bench/1",
         "scenario": scenario,
         "scenario_note": scenario_note,
@@ -194,5 +200,6 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         "baseline": names[0],
         "variants": out_variants,
         "first_tokens": {str(k): v for k, v in sorted(reference.items())},
+        "warmup_seconds": warmup_seconds,  # of total_seconds and of max_seconds
         "total_seconds": time.perf_counter() - t_start,
-    }
+    })
