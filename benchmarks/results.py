@@ -91,7 +91,7 @@ def meta(d: dict) -> dict[str, str]:
     m = re.search(r"lent (nvidia-h200(?:-x\d)?)", rc)
     gpu = mach.get("device_name") or mach.get("gpu") or ""
     machine = (m.group(1) + (f" ({gpu})" if gpu else "")) if m else gpu
-    date = str(d.get("date_utc") or d.get("date") or "")[:16].replace("T", " ")
+    date = _date(d.get("date_utc") or d.get("date") or "")
     return {"command": cmd, "machine": machine, "date": date, "commit": commit}
 
 
@@ -187,6 +187,12 @@ def ex_dcp(d: dict) -> tuple[str, str]:
     return "DCP forward vs single GPU", res
 
 
+def _date(text: str) -> str:
+    """'YYYY-MM-DD HH:MM' (UTC) from the date strings the files use ('~' and ranges dropped)."""
+    m = re.search(r"(\d{4}-\d{2}-\d{2})[ T]~?(\d{2}:\d{2})", str(text))
+    return f"{m.group(1)} {m.group(2)}" if m else str(text)
+
+
 def _hash(text: str) -> str:
     m = re.match(r"\s*([0-9a-f]{7,40})\b", text)
     return m.group(1) if m else text
@@ -236,15 +242,41 @@ def row(name: str, d: dict) -> dict[str, str]:
     return {"file": name, "what": what, "result": result, **m}
 
 
+def gpu_test_rows(name: str, d: dict) -> list[dict[str, str]]:
+    """One row per recorded pytest -m gpu run of gpu_tests_h200.json."""
+    out = []
+    for i, run in enumerate(d["runs"], 1):
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(run["counts"].items()) if v)
+        out.append(
+            {
+                "file": name,
+                "what": f"pytest -m gpu, run {i} of {len(d['runs'])}",
+                "result": counts,
+                "command": run["command"],
+                "machine": run["machine"],
+                "date": _date(run["when"]),
+                "commit": _hash(run["commit"]),
+            }
+        )
+    return out
+
+
+def rows_of(name: str, d: dict) -> list[dict[str, str]]:
+    """The document's rows for one result file (one, except for the GPU test log)."""
+    if topic_of(name)[0] == "gpu_tests":
+        return gpu_test_rows(name, d)
+    return [row(name, d)]
+
+
 def _by_date(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (r["date"], r["file"]), reverse=True)
+    return sorted(rows, key=lambda r: (r["date"], r["file"], r["what"]), reverse=True)
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
     data = load(results_dir)
     groups: dict[str, list[dict]] = {}
     for name, d in data.items():
-        groups.setdefault(topic_of(name)[1], []).append(row(name, d))
+        groups.setdefault(topic_of(name)[1], []).extend(rows_of(name, d))
     hardware = sorted({r["machine"] for rs in groups.values() for r in rs if r["machine"]})
     out = [
         "# mlaprefill — measured results",
