@@ -211,6 +211,74 @@ def ex_generic(d: dict) -> tuple[str, str]:
     return what[:120], "keys: " + ", ".join(keys)
 
 
+def _range(xs: list[float], fmt: str = ".2f") -> str:
+    return f"{min(xs):{fmt}}-{max(xs):{fmt}}"
+
+
+def ex_kernel_configs(d: dict) -> tuple[str, str]:
+    per: dict[str, list[float]] = {}
+    for r in d["rows"]:
+        for name, c in sorted((r.get("triton") or r.get("configs") or {}).items()):
+            if isinstance(c, dict) and "tflops" in c:
+                per.setdefault(name, []).append(c["tflops"])
+    if not per:
+        return ex_generic(d)
+    best = max(per, key=lambda n: sum(per[n]) / len(per[n]))
+    res = (
+        f"{len(per)} configs over {len(d['rows'])} shapes; best mean {best}: "
+        f"{_range(per[best], '.0f')} TFLOP/s"
+    )
+    return f"{d.get('benchmark')} configs, TFLOP/s per shape", res
+
+
+def ex_upproj(d: dict) -> tuple[str, str]:
+    rows = d["rows"]
+    res = (
+        f"device-rows GEMM {_range([r['ratio_vs_exact'] for r in rows])}x torch.mm; "
+        f"torch._grouped_mm {_range([r['grouped_mm_ratio_vs_exact'] for r in rows])}x "
+        f"({len(rows)} shapes)"
+    )
+    return "up-projection with the row count on the device vs torch.mm", res
+
+
+def ex_joined_keys(d: dict) -> tuple[str, str]:
+    g, a = d["gemm"], d["attention"]
+    res = (
+        f"joined-key GEMM (bmm) {_range([r['joined_bmm_over_split'] for r in g])}x the split GEMM "
+        f"(layout before: {_range([r['joined_before_over_split'] for r in g])}x); "
+        f"Triton attention {_range([r['triton_over_cudnn'] for r in a])}x cuDNN's time"
+    )
+    return "joined vs split keys: GEMM and attention", res
+
+
+def ex_determinism(d: dict) -> tuple[str, str]:
+    rows = d["rows"]
+    res = f"{sum(r['bitwise'] for r in rows)}/{len(rows)} stages bitwise repeatable"
+    before = d.get("before_fix", {}).get("rows")
+    if before:
+        res += f" (before the merge fix: {sum(r['bitwise'] for r in before)}/{len(before)})"
+    return f"run-to-run repeatability, {d['shape']['runs']} runs", res
+
+
+def ex_audit_gpu(d: dict) -> tuple[str, str]:
+    checks = d["checks"]
+    over = ", ".join(f"{o['device']} {o['overhead_us_per_op']:.1f} us/op" for o in d["overhead"])
+    return "host-sync audit on real copies", (
+        f"{sum(c['ok'] for c in checks)}/{len(checks)} checks as expected; overhead {over}"
+    )
+
+
+def ex_cudnn_padding(d: dict) -> tuple[str, str]:
+    ratios: dict[str, list[float]] = {}
+    for r in d["rows"]:
+        exact = r["variants"]["exact"]["kernel_ms"]
+        for name, v in sorted(r["variants"].items()):
+            if name != "exact" and "kernel_ms" in v:
+                ratios.setdefault(name, []).append(v["kernel_ms"] / exact)
+    res = "; ".join(f"{n}: {_range(x)}x exact" for n, x in sorted(ratios.items()))
+    return "cuDNN kernel time, padded/masked variants vs exact shapes", res
+
+
 EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "stallmap": ex_stallmap,
     "plan_upload": ex_plan_upload,
@@ -220,7 +288,20 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "bench_vllm-default": ex_bench,
     "dcp": ex_dcp,
     "gpu_tests": ex_gpu_tests,
+    "triton_attention": ex_kernel_configs,
+    "gluon_attention": ex_kernel_configs,
+    "upproj": ex_upproj,
+    "joined_keys": ex_joined_keys,
+    "determinism": ex_determinism,
+    "audit_gpu": ex_audit_gpu,
+    "cudnn_padding": ex_cudnn_padding,
 }
+
+
+def extractor(name: str) -> Callable[[dict], tuple[str, str]]:
+    """The extractor of the longest EXTRACTORS prefix of a file name (ex_generic if none)."""
+    hits = [k for k in EXTRACTORS if name.startswith(k)]
+    return EXTRACTORS[max(hits, key=len)] if hits else ex_generic
 
 
 def load(results_dir: Path = RESULTS_DIR) -> dict[str, dict]:
@@ -229,7 +310,7 @@ def load(results_dir: Path = RESULTS_DIR) -> dict[str, dict]:
 
 def row(name: str, d: dict) -> dict[str, str]:
     prefix, _ = topic_of(name)
-    what, result = EXTRACTORS.get(prefix, ex_generic)(d)
+    what, result = extractor(name)(d)
     m = meta(d)
     if prefix == "gpu_tests":
         last = d["runs"][-1]
