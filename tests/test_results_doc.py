@@ -1,0 +1,87 @@
+"""docs/RESULTS.md is what benchmarks/results.py generates from benchmarks/results/*.json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "results.py"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("results_doc", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def test_committed_results_doc_is_current():
+    proc = _run("--check")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_modified_doc_fails_the_check(tmp_path):
+    doc = tmp_path / "RESULTS.md"
+    shutil.copy(ROOT / "docs" / "RESULTS.md", doc)
+    assert _run("--check", "--doc", str(doc), "--readme", str(tmp_path / "none.md")).returncode == 0
+    doc.write_text(doc.read_text().replace("| 2120 KiB", "| 2000 KiB").replace("2120", "2000", 1))
+    proc = _run("--check", "--doc", str(doc), "--readme", str(tmp_path / "none.md"))
+    assert proc.returncode == 1
+    assert "stale" in proc.stderr
+
+
+def test_readme_block_is_rewritten_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\nend\n")
+    doc = tmp_path / "RESULTS.md"
+    assert _run("--doc", str(doc), "--readme", str(readme)).returncode == 0
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n")
+    assert "docs/RESULTS.md#" in text
+    assert _run("--check", "--doc", str(doc), "--readme", str(readme)).returncode == 0
+    readme.write_text(text.replace("KiB", "MiB"))
+    assert _run("--check", "--doc", str(doc), "--readme", str(readme)).returncode == 1
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_every_result_file_gives_a_row(path):
+    mod = _module()
+    row = mod.row(path.name, json.loads(path.read_text()))
+    assert row["result"] and row["date"]
+    assert all(len(mod._cell(row[k])) <= mod.MAX_CELL for k in ("what", "result", "command"))
+
+
+def test_stall_threshold_matches_the_stallmap():
+    mod = _module()
+    data = json.loads((RESULTS / "stallmap_h200.json").read_text())
+    assert mod.stall_threshold_kib() * 1024 == data["threshold_bytes"]
+
+
+def test_summary_rows_are_few_and_link_into_the_doc():
+    mod = _module()
+    rows = mod.summary_rows()
+    assert 1 <= len(rows) <= 8
+    doc = (ROOT / "docs" / "RESULTS.md").read_text()
+    for _, result, link in rows:
+        assert result
+        assert "## " in doc and link.startswith("docs/RESULTS.md#")
+        heading = [
+            line
+            for line in doc.split("\n")
+            if line.startswith("## ") and mod.anchor(line[3:]) == link.split("#")[1]
+        ]
+        assert heading, link
