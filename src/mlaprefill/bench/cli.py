@@ -8,23 +8,23 @@ Scenarios (``--scenario``; every option below overrides the scenario's value):
     context workspace (vLLM's default), ``page_size`` 64, a DeepSeek-V3 tensor-parallel-8 shard
     (16 heads, hidden 7168), 4 layers. A step holds one or two requests, so the largest table,
     ``token_to_seq``, is at most ``[2, 65536]`` int32 = 512 KiB (256 KiB per chunk) and the whole
-    step ships <= ~0.6 MiB: below the ~3 MiB where a pageable copy was measured to block on the
-    H200 (DESIGN.md section 1). Reported as measured, stall or not.
+    step ships <= ~0.6 MiB: below the 2120 KiB from which a pageable copy was measured to block
+    on the H200 (docs/RESULTS.md). Reported as measured, stall or not.
 ``stall``
     Same model (2 layers) and prompts, but the budget is split fairly over the 16 running prefills
     (256 tokens each per step) and the workspace holds 1 Mi tokens. Every step then carries the
     contexts of all 16 requests: ``token_to_seq`` is ``~4 bytes x sum(context_lens)`` rounded up to
-    the iteration layout, reaching 3 MiB once each request has ~48 Ki tokens cached and 8 MiB
-    (``[2, 1048576]`` int32) past 64 Ki tokens, i.e. in the last ~40 % of the steps. Those copies
-    are past the measured threshold, so ``pageable`` should block the host for about one step of
-    GPU time per step there.
+    the iteration layout, passing 2120 KiB once each request has ~33 Ki tokens cached and 8 MiB
+    (``[2, 1048576]`` int32) past 64 Ki tokens: 58 % of the steps pass the threshold (dry run),
+    so ``pageable`` should block the host for about one step of GPU time per step there.
 ``uneven`` (the planner's case)
     16 prompts of 8-156 Ki tokens (``--prompt-len-spread 0.9``), 8 concurrent, the budget shared
     fairly, vLLM's 65,536-token workspace, 2 layers: requests are admitted as others finish, so
     a step mixes long and short contexts. ``equal`` gives every request ``W / n`` per chunk and
     needs ``ceil(max context / chunk)`` iterations; ``packed`` and ``balanced`` need about
-    ``sum / W``. Dry run: 2375 vs 1843 (packed) and 1846 (balanced) iterations over the run, and
-    ``equal``'s largest table crosses 3 MiB on 19 % of the steps while the others never do.
+    ``sum / W``. Dry run: 2375 vs 1843 (packed) and 1846 (balanced) iterations over the run;
+    with vLLM's tables a step's largest copy passes 2120 KiB on 45 % of the steps with ``equal``,
+    27-30 % with the others, and never with the compact plans.
     Variants: pageable+equal, and ring x equal, packed, balanced (measured on the H200: packed
     is slower than equal with this backend despite fewer iterations, balanced level with equal;
     see DESIGN.md section 4).
@@ -90,7 +90,7 @@ _V3_TP8: Mapping[str, Any] = MappingProxyType({
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
     "vllm-default": Scenario(
         note="vLLM defaults: FCFS 4096-token steps, 65,536-token workspace; metadata <= ~0.6 MiB "
-             "per step (below the ~3 MiB pageable-stall threshold measured on the H200)",
+             "per step (below the 2120 KiB pageable-stall threshold measured on the H200)",
         # with graphs and their I/O buffers: 219.1k tok/s against 218.3k eager in one run on
         # the H200 (bench_vllm-default_h200_static.json, 2 repeats), forward host p99 per layer
         # 0.39 against 1.43 ms

@@ -1,7 +1,7 @@
 """Scheduler + planner only (no model, no device): the metadata each step of a workload ships.
 
 Used by ``mlaprefill bench --dry-run`` to show, on any machine, how many bytes a scenario's steps
-upload and how many of them pass the pageable-stall threshold (~3 MiB on the H200).
+upload and how many of them pass the pageable-stall threshold (2120 KiB on the H200).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from mlaprefill.plan import ChunkPlanner
 
 __all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile", "scenario_steps"]
 
-#: Pageable copies this large blocked the host on the H200 (DESIGN.md section 1: 0.2-0.4 ms up
-#: to 2 MiB, 68-71 ms from 3 MiB with ~55 ms of kernels queued).
-STALL_THRESHOLD_BYTES = 3 * 2**20
+#: Pageable copies from this size up blocked the host for the whole queue on the H200 (50 ms of
+#: kernels queued; benchmarks/results/stallmap_h200.json, ``threshold_bytes``: a test checks).
+STALL_THRESHOLD_BYTES = 2120 * 2**10
 
 
 def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def format_profiles(profiles: dict[str, dict[str, Any]], *, wide: bool = False) 
     if wide:
         lines = [f"{'policy':<9} {'steps':>6} {'iters max':>9} {'iters sum':>9} "
                  f"{'plan max':>9} {'step p50':>9} {'step max':>9} "
-                 f"{'+ vLLM token_to_seq max':>24} {'steps with a copy >= 3 MiB':>27}"]
+                 f"{'+ vLLM token_to_seq max':>24} {'steps with a copy >= 2120 KiB':>30}"]
         for policy, p in profiles.items():
             lines.append(
                 f"{policy:<9} {p['steps']:>6} {int(p['iterations'].max(initial=0)):>9} "
@@ -121,7 +121,7 @@ def format_profiles(profiles: dict[str, dict[str, Any]], *, wide: bool = False) 
                 f"{p['steps_over_threshold_fraction'] * 100:>3.0f}% vLLM")
     else:
         lines = [f"{'policy':<9}{'steps':>6}{'iters':>7}{'iters':>7}{'plan':>7}{'step':>9}"
-                 f"{'step':>9}{'+vLLM t2s':>10}{'>=3 MiB':>9}{'>=3 MiB':>9}",
+                 f"{'step':>9}{'+vLLM t2s':>10}{'>=2120K':>9}{'>=2120K':>9}",
                  f"{'':<9}{'':>6}{'max':>7}{'sum':>7}{'max B':>7}{'p50 MiB':>9}"
                  f"{'max MiB':>9}{'max MiB':>10}{'compact':>9}{'vLLM':>9}"]
         lines.append("-" * len(lines[0]))
@@ -135,9 +135,9 @@ def format_profiles(profiles: dict[str, dict[str, Any]], *, wide: bool = False) 
                 f"{p['steps_over_threshold_fraction'] * 100:>8.0f}%")
     note = ("plan = the chunk plan's arrays (O(iterations x requests)); step = plan + the "
             "engine's arrays (token ids, positions, slots, block table); "
-            + ("" if wide else "+vLLM t2s = vLLM's per-token token_to_seq on top; >=3 MiB = ")
-            + f"steps with a copy >= 3 MiB (compact plans, vLLM's tables): a pageable copy of "
-              f">= {STALL_THRESHOLD_BYTES >> 20} MiB blocked the host on the H200.")
+            + ("" if wide else "+vLLM t2s = vLLM's per-token token_to_seq on top; >=2120K = ")
+            + f"steps with a copy >= {STALL_THRESHOLD_BYTES >> 10} KiB (compact plans, vLLM's "
+              f"tables): from that size a pageable copy blocked the host on the H200.")
     if wide:
         lines.append(note)
     else:
