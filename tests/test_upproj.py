@@ -4,57 +4,20 @@ interpreter on CPU, in a subprocess; the torch fallback in process)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from conftest import run_interpreter_tests
 from mlaprefill.kernels.upproj import matmul_device_rows
 
-_SCRIPT = textwrap.dedent("""
-    import torch
-    from mlaprefill.kernels.upproj import matmul_device_rows
 
-    g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
-        for cap, k, n, m in ((40, 32, 48, 0), (40, 32, 48, 1), (40, 32, 48, 17),
-                             (40, 32, 48, 40), (40, 32, 48, 99), (33, 16, 20, 32)):
-            # a: the kv_c part of latent rows (row stride wider than K), w: [N, K]
-            latent = torch.randn(cap, k + 8, generator=g).to(dtype)
-            a = latent[:, :k]
-            w = torch.randn(n, k, generator=g).to(dtype)
-            c = torch.full((cap, n), 7.0, dtype=dtype)
-            got = matmul_device_rows(a, w, c, torch.tensor([m], dtype=torch.int32))
-            assert got is c
-            rows = min(m, cap)
-            ref = a[:rows].double() @ w.double().t()
-            err = (c[:rows].double() - ref).abs().max().item() if rows else 0.0
-            scale = max(1.0, ref.abs().max().item()) if rows else 1.0
-            assert err <= tol * scale, (dtype, cap, k, n, m, err)
-            assert bool((c[rows:] == 7.0).all()), (dtype, cap, m)  # rows >= m untouched
-    # non-finite values stay in their rows
-    a = torch.randn(24, 16, generator=g)
-    a[3, 5] = float("nan")
-    c = torch.zeros(24, 16)
-    matmul_device_rows(a, torch.randn(16, 16, generator=g), c,
-                       torch.tensor([24], dtype=torch.int32))
-    assert torch.isnan(c[3]).all() and not torch.isnan(c[torch.arange(24) != 3]).any()
-    print("UPPROJ_OK")
-""")
-
-
+@pytest.mark.slow
 def test_matmul_device_rows_in_interpreter():
     """Against a float64 reference: m = 0, 1, a partial tile, the capacity, past it (clamped);
-    rows >= m keep their values; K of 16 and 32; a NaN stays in its row."""
-    pytest.importorskip("triton")
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([src, *sys.path]))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "UPPROJ_OK" in proc.stdout
+    rows >= m keep their values; K of 16 and 32; a NaN stays in its row
+    (tests/interpreter/test_interp_upproj.py, in its own process under Triton's interpreter)."""
+    run_interpreter_tests("test_interp_upproj.py", passed=1)
 
 
 def test_matmul_device_rows_torch_fallback_and_errors():
