@@ -92,8 +92,8 @@ def run_interpreter_tests(module, *, passed, timeout=1200):
 
     The variable must be set before triton is imported, so the Triton kernels on CPU tensors run
     in a process of their own; without it the module's tests skip. Asserts the run passed with
-    exactly ``passed`` tests (none failed or skipped; warnings allowed); on failure the message is the inner run's
-    report, which names the failing tests.
+    exactly ``passed`` tests (none failed or skipped; warnings allowed); on failure the message is
+    the inner run's report, which names the failing tests.
     """
     pytest.importorskip("triton")
     tests = os.path.dirname(os.path.abspath(__file__))
