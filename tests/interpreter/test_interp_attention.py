@@ -1,10 +1,11 @@
 """The Triton varlen attention kernel and its backends in Triton's interpreter, on CPU tensors.
 
 Run only with ``TRITON_INTERPRET=1`` set before triton is imported: tests/test_triton_attention.py
-runs this module so, in a subprocess (``pytest tests/interpreter -q``); without the variable
-every test here is skipped. Each test checks against a float64 einsum reference written here, per
-sequence, independently of the kernel and of the ``math`` backend. Small tiles (16/32) make the
-awkward lengths (0, 1, 17, 63, 64, 65, 130) hit partial, full, diagonal and empty key blocks.
+runs this module so, in a pytest subprocess (conftest.run_interpreter_tests); without the
+variable every test here is skipped. Each test checks against a float64 einsum reference
+written here, per sequence, independently of the kernel and of the ``math`` backend. Small tiles
+(16/32) make the awkward lengths (0, 1, 17, 63, 64, 65, 130) hit partial, full, diagonal and
+empty key blocks.
 
 bfloat16 is not covered: the interpreter's ``tl.dot`` multiplies bfloat16's raw bits (Triton
 3.9), so float16 stands in for the half-precision path (``p`` cast before the PV dot).
