@@ -1,10 +1,15 @@
-"""Shared test setup: the ``gpu`` skip, and random paged MLA inputs.
+"""Shared test setup: the ``gpu`` skip, random paged MLA inputs, and the interpreter runner.
 
 Test modules import the builders with ``from conftest import paged_mla_inputs``: ``tests/`` has no
 ``__init__.py``, so pytest puts it on ``sys.path`` and registers this file as ``conftest``.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +85,28 @@ def paged_mla_inputs(query_lens, context_lens, *, heads=3, rank=16, nope=8, rope
         weight=(randn(heads * (nope + v), rank) * rank ** -0.5).to(dtype),
         heads=heads, rank=rank, nope=nope, rope=rope, v=v, page_size=page_size,
     )
+
+
+def run_interpreter_tests(module, *, passed, timeout=1200):
+    """Run ``tests/interpreter/<module>`` in a fresh pytest process with ``TRITON_INTERPRET=1``.
+
+    The variable must be set before triton is imported, so the Triton kernels on CPU tensors run
+    in a process of their own; without it the module's tests skip. Asserts the run passed with
+    exactly ``passed`` tests (none failed or skipped; warnings allowed); on failure the message is
+    the inner run's report, which names the failing tests.
+    """
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), tests, *sys.path]))
+    cmd = [sys.executable, "-m", "pytest", os.path.join(tests, "interpreter", module), "-q",
+           "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    report = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    summary = proc.stdout.splitlines()[-1]  # "10 passed in 95.2s"
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary)}
+    assert counts.get("passed") == passed, report
+    assert set(counts) <= {"passed", "warning", "warnings"}, report  # none failed or skipped

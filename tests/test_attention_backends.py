@@ -98,7 +98,7 @@ def test_selection():
 @given(lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
                      min_size=1, max_size=5),
        heads=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_attend_into_equals_attention_over_both_key_parts(lens, heads, seed):
+def test_attend_and_merge_equals_attention_over_both_key_parts(lens, heads, seed):
     """The default ``attend_and_merge`` (attend + merge): a running result from key part A merged
     with key part B is attention over A and B together, per sequence, in float64; a sequence
     with no keys in either part keeps ``out = 0, lse = -inf``."""

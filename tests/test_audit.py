@@ -356,6 +356,7 @@ def test_cli_keeps_the_scripts_own_failure_status(tmp_path) -> None:
     assert main(["audit", str(script)]) == 1
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~9 s on a busy machine
 def test_console_script_exit_code(tmp_path) -> None:
     script = tmp_path / "step.py"
     script.write_text(SYNCING)

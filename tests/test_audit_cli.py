@@ -240,6 +240,7 @@ def test_cli_fuzz_outcome_classes(fuzz_scripts: dict[str, str], data: st.DataObj
         assert "host syncs:" in out or '"num_findings"' in out, (argv, out)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~10 s on a busy machine
 def test_console_script_module_entry_point(tmp_path: pathlib.Path) -> None:
     import subprocess
 

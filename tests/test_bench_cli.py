@@ -18,6 +18,7 @@ SMALL = ["--prompt-len", "48", "--num-requests", "3", "--concurrency", "2", "--t
          "--warmup-steps", "1", "--no-progress", "--device", "cpu"]
 
 
+@pytest.mark.slow  # a whole benchmark run and a matplotlib figure: ~6 s
 def test_cli_writes_json_with_every_metric_and_png(tmp_path, capsys):
     rc = main(["bench", "--out", str(tmp_path), *SMALL])
     assert rc == 0

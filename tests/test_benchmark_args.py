@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a fresh interpreter per case: ~3.5 s each
 @pytest.mark.parametrize("shapes", ["128:4x1024", "16:1x4096:4k", "a:1x2:3", "16:4:1024:8"])
 def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
     proc = subprocess.run(
@@ -24,6 +25,7 @@ def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter per case: ~3.5 s each
 @pytest.mark.parametrize("item, message", [
     ("BIG_WORK=1", "is not MODULE.NAME=VALUE"),
     ("mlaprefill.backends.mlaprefill.BIG_WORK", "is not MODULE.NAME=VALUE"),

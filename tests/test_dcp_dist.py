@@ -233,6 +233,7 @@ def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind:
     os._exit(0)
 
 
+@pytest.mark.slow  # spawns `world` CPU ranks (gloo) per case: ~10-17 s each
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_dcp_matches_single_rank(world: int, tmp_path) -> None:
     spawn_dcp(world, tmp_path, "cpu")

@@ -7,15 +7,10 @@ keys at all. CPU paths here; the GPU backends and the Triton merge in the ``gpu`
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
-from conftest import paged_mla_inputs
+from conftest import paged_mla_inputs, run_interpreter_tests
 from mlaprefill.api import mla_chunked_prefill
 from mlaprefill.backends import VarlenSeqs, get_backend, isolate_nonfinite_values
 from mlaprefill.batch import PrefillBatch
@@ -75,31 +70,11 @@ def test_merge_propagates_nan_and_keeps_empty_rule(dtype):
     _check_merge_rules(out, lse, o1, l1)
 
 
-_INTERPRET_NAN = textwrap.dedent("""
-    import torch, test_nan
-    from mlaprefill.kernels import merge_attention_states, merge_attention_states_torch
-    o1, l1, o2, l2 = test_nan._merge_case()
-    a_o, a_l = o1.clone(), l1.clone()
-    merge_attention_states(a_o, a_l, o2, l2, use_kernel=True)
-    test_nan._check_merge_rules(a_o, a_l, o1, l1)
-    b_o, b_l = o1.clone(), l1.clone()
-    merge_attention_states_torch(b_o, b_l, o2, l2)
-    assert torch.allclose(a_o, b_o, atol=1e-6, equal_nan=True)
-    assert torch.allclose(a_l, b_l, atol=1e-6, equal_nan=True)
-    print("INTERPRET_OK")
-""")
-
-
+@pytest.mark.slow
 def test_triton_merge_nan_rules_in_interpreter():
-    """The Triton merge kernel follows the same NaN / -inf rules (Triton's interpreter)."""
-    pytest.importorskip("triton")
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, *sys.path]))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRET_NAN], env=env, cwd=here,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "INTERPRET_OK" in proc.stdout
+    """The Triton merge kernel follows the same NaN / -inf rules (Triton's interpreter):
+    tests/interpreter/test_interp_nan.py, in its own process."""
+    run_interpreter_tests("test_interp_nan.py", passed=1)
 
 
 # -- backends --------------------------------------------------------------------------------
