@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 
 from mlaprefill._env import machine_info, utc_now
-from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.config import MLAConfig
 from mlaprefill.dcp.forward import (

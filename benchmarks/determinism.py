@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from mlaprefill._env import machine_info, utc_now
 from mlaprefill.attention import MLAChunkedPrefill
+
+from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import VarlenSeqs, get_backend
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels.gather import gather_context_rows

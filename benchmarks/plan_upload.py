@@ -293,6 +293,7 @@ def _time(fn: Any, graph: bool = False, rep: int = 60) -> float:
 
 def section_c() -> dict:
     from mlaprefill.attention import MLAChunkedPrefill
+
     from mlaprefill.kernels import gather_context_rows
 
     old = _old_gather()
