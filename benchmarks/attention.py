@@ -497,7 +497,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
         for _ in range(repeats):
             ideals.append(_ideal_ms(heads, nr, q, c, device))
             empty_cache()
-            for name, st in list(setups.items()):
+            for st in setups.values():
                 st["rounds"].append(_bench(st["fwd"], rep=100))
         for st in setups.values():
             done = st["rounds"]
@@ -700,7 +700,8 @@ def main() -> int:
                                                                  smoke.get("attention")),
                  dump)
     if "forward" not in skip:
-        _section(results, "forward", lambda: bench_forward(device, backends, smoke.get("forward")), dump)
+        _section(results, "forward", lambda: bench_forward(device, backends,
+                                                             smoke.get("forward")), dump)
     if "vs_ideal" not in skip:
         _section(results, "vs_ideal", lambda: bench_vs_ideal(
             device, backends, args.repeats, smoke.get("ideal", ideal_shapes)),
