@@ -19,6 +19,7 @@ BENCH = REPO / "benchmarks"
 SMOKE = {
     "attention.py": ("attention", "forward", "vs_ideal", "policies"),
     "determinism.py": ("rows", "shape"),
+    "dcp.py": ("cases", "all_match", "world"),
 }
 COMMON_KEYS = ("argv", "date_utc", "machine")
 
