@@ -20,6 +20,7 @@ SMOKE = {
     "attention.py": ("attention", "forward", "vs_ideal", "policies"),
     "determinism.py": ("rows", "shape"),
     "dcp.py": ("cases", "all_match", "world"),
+    "forward_profile.py": ("rows", "host_profile"),
 }
 COMMON_KEYS = ("argv", "date_utc", "machine")
 
