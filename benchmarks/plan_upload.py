@@ -425,7 +425,8 @@ def main() -> int:
     device = "cuda" if cuda else "cpu"
     result: dict[str, Any] = {
         "benchmark": "plan_upload",
-        "ran_on": "cuda" if cuda else "cpu (no CUDA or --cpu-smoke: sections A and a tiny D, upload is a CPU copy)",
+        "ran_on": "cuda" if cuda else ("cpu (no CUDA or --cpu-smoke: sections A and a tiny D, "
+                                       "upload is a CPU copy)"),
         "machine": machine_info(torch.device(device)), "command": " ".join(sys.argv),
         "argv": sys.argv,
         "date_utc": utc_now(offset=True), "workspace_tokens": WORKSPACE, "page_size": PAGE}

@@ -21,6 +21,7 @@ SMOKE = {
     "determinism.py": ("rows", "shape"),
     "dcp.py": ("cases", "all_match", "world"),
     "forward_profile.py": ("rows", "host_profile"),
+    "triton_attention.py": ("rows", "flops_formula"),
     "plan_upload.py": ("section_a_plan_upload_gpu_idle", "section_d_dcp_reorder"),
 }
 COMMON_KEYS = ("argv", "date_utc", "machine")
