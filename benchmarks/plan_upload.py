@@ -437,7 +437,8 @@ def main() -> int:
             json.dump(result, fh, indent=1)
 
     sections = {"A": ("section_a_plan_upload_gpu_idle",
-                      lambda: section_a(device, reps=480 if cuda else 48)),
+                      lambda: section_a(
+                          device, reps=480 if cuda else 24 if args.cpu_smoke else 48)),
                 "D-smoke": ("section_d_dcp_reorder", lambda: section_d(
                     device, ((2, 1, [300]), (2, 16, [100, 60])))),
                 "B": ("section_b_blocked_behind_queue", lambda: section_b(args.queue_ms, 30)),

@@ -51,7 +51,12 @@ def _error_rows(doc: object, where: str = "") -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE))
+# > 10 s on a loaded 2-core runner (3-12 s alone)
+SLOW = frozenset({"plan_upload.py", "forward_profile.py", "dcp.py"})
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
+                                    for s in sorted(SMOKE)])
 def test_cpu_smoke_runs_and_writes_its_json(script: str, tmp_path: Path) -> None:
     out = tmp_path / "x.json"
     proc = subprocess.run(
