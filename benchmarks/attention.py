@@ -5,7 +5,13 @@ Usage::
 
     PYTHONPATH=src python benchmarks/attention.py --out benchmarks/results/attention_h200.json
 
-Sections (each recorded in the JSON; a failing section records its error and the rest runs):
+    PYTHONPATH=src python benchmarks/attention.py --cpu-smoke --out /tmp/attention.json
+
+Sections (each recorded in the JSON). A section that raises stops the run with its traceback
+and a non-zero exit, after writing the sections done so far and ``"incomplete"`` to ``--out``:
+an API error is never recorded as a row of a successful run. ``--cpu-smoke``: the attention,
+forward, vs_ideal and policies sections on tiny CPU shapes with the math backend (gather and
+merge sweep Triton configs: GPU only); times are host wall clock there.
 
 Correctness (every backend against the float64 math reference, the forward against
 :func:`mlaprefill.reference.mla_prefill_reference`, the Triton kernels against their torch
@@ -410,7 +416,7 @@ IDEAL_SHAPES = [
     (128, 4, 1024, 32768), (128, 16, 256, 8192),
     (16, 1, 4096, 4096), (16, 1, 4096, 131072), (16, 4, 1024, 32768),
     (16, 16, 256, 8192), (16, 16, 256, 131072),
-    # lengths off the hybrid backend's grid (no batched cuDNN call): the Triton fallback
+    # lengths off the mlaprefill backend's grid (no batched cuDNN call): the Triton fallback
     (128, 4, 1000, 30000), (16, 16, 250, 8000),
 ]
 IDEAL_WORKSPACE = 65536  # vLLM's default chunked-context workspace
@@ -465,7 +471,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
     ``repeats`` rounds per shape, each timing the ideal and then every backend's forward, so
     drift between the start and the end of a run hits all of them alike; the row gives the
     median ratio over rounds and its min / max (one round: the ratio of that round). A backend
-    named ``NAME+graphs`` is ``NAME`` with ``iteration_graphs=True``.
+    named ``NAME+graphs`` is ``NAME`` with ``graphs=IterationGraphs()`` and its ``io_buffers``.
     """
     rows = []
     for heads, nr, q, c in shapes or IDEAL_SHAPES:
