@@ -95,10 +95,15 @@ micro() {
         python3 benchmarks/forward_profile.py --backends mlaprefill,fa2 \
             --host-profile --out "$out/forward_profile_h200.json" 2>&1 | grep -v Warn | tail -n 50
         echo "== forward_profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
+        # the Hopper kernel's A/B: the same profile with our Triton kernel in its place
+        MLAPREFILL_DISABLE_HOPPER_KERNEL=1 python3 benchmarks/forward_profile.py \
+            --backends mlaprefill --out "$out/forward_profile_no_hopper_h200.json" 2>&1 \
+            | grep -v Warn | tail -n 20
+        echo "== forward_profile, Hopper kernel off rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
     if has hostprof; then
         python3 benchmarks/forward_profile.py --host-only \
-            --backends mlaprefill,mlaprefill+graphs,fa2,fa2+graphs \
+            --backends mlaprefill,mlaprefill+graphs,fa2 \
             --out "$out/forward_host_profile_h200.json" 2>&1 | grep -v Warn | tail -n 80
         echo "== host profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
