@@ -18,6 +18,20 @@ def kernel_ms(fn: Callable[[], Any], *, warmup: int = 10, rep: int = 60,
     call) median and 20th / 80th percentiles, in ms. ``graph``: replay of ``fn`` captured in a
     CUDA graph (no host launch cost: small memory-bound kernels would otherwise time the host),
     falling back to eager timing when capture fails (``"graph"`` says which ran)."""
+    import torch
+
+    if not torch.cuda.is_available():  # --cpu-smoke: a few host-timed calls
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        result = {"median_ms": times[1], "p20_ms": times[0], "p80_ms": times[2],
+                  "timing": "host perf_counter (CPU smoke)"}
+        if graph:
+            result["graph"] = False
+        return result
     import triton.testing
 
     quantiles = [0.5, 0.2, 0.8]
@@ -42,12 +56,14 @@ def host_enqueue_ms(fn: Callable[[], Any], calls: int = 20) -> list[float]:
     import torch
 
     times = []
+    if not torch.cuda.is_available():
+        calls = min(calls, 3)
     for _ in range(calls):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
+    sync()
     return sorted(times)
 
 
@@ -61,9 +77,10 @@ def write_json(path: str | None, doc: dict[str, Any]) -> None:
 
 def apply_overrides(items: list[str]) -> dict[str, Any]:
     """Set module constants for an A/B run in one process: each ``MODULE.NAME=VALUE`` (e.g.
-    ``mlaprefill.backends.hybrid.MIN_QUERIES_PER_KEY_FEW_HEADS=2048``). VALUE is ``true`` or
-    ``false`` for a bool constant (``mlaprefill.kernels.hopper_attention.ENABLED=false``: the
-    Triton kernel instead of the Hopper one), else an int, or the name of a
+    ``mlaprefill.backends.mlaprefill.MIN_QUERIES_PER_KEY_FEW_HEADS=2048``; a public name of a
+    public module: ``_`` names are refused; the Hopper kernel's A/B is the environment variable
+    ``MLAPREFILL_DISABLE_HOPPER_KERNEL=1``). VALUE is ``true`` or ``false`` for a bool
+    constant, else an int, or the name of a
     :func:`~mlaprefill.kernels.attention.attention_configs` preset (for a config constant such as
     ``mlaprefill.kernels.attention.CONTEXT_ATTENTION_CONFIG``). Only constants the code reads at
     call time take effect. Returns what was set, for the JSON."""
@@ -77,6 +94,9 @@ def apply_overrides(items: list[str]) -> dict[str, Any]:
         module_name, _, name = target.rpartition(".")
         if not sep or not module_name or not name:
             raise ValueError(f"--override {item!r} is not MODULE.NAME=VALUE")
+        if any(part.startswith("_") for part in target.split(".")):
+            raise ValueError(f"--override {item!r}: {target} is private; override a public "
+                             f"constant of a public module")
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -99,3 +119,27 @@ def apply_overrides(items: list[str]) -> dict[str, Any]:
         setattr(module, name, value)
         done[target] = text
     return done
+
+
+def add_cpu_smoke(parser: Any) -> None:
+    """The flag every script takes: ``--cpu-smoke``, a tiny case on CPU tensors through the same
+    library calls as the GPU run (what CI runs, ``tests/test_benchmarks_cpu.py``)."""
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny case on CPU tensors (math backend) through the same code "
+                             "path; times are host wall clock and mean nothing")
+
+
+def sync() -> None:
+    """``torch.cuda.synchronize()`` where there is CUDA (a no-op in ``--cpu-smoke``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    """``torch.cuda.empty_cache()`` where there is CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -5,7 +5,13 @@ Usage::
 
     PYTHONPATH=src python benchmarks/attention.py --out benchmarks/results/attention_h200.json
 
-Sections (each recorded in the JSON; a failing section records its error and the rest runs):
+    PYTHONPATH=src python benchmarks/attention.py --cpu-smoke --out /tmp/attention.json
+
+Sections (each recorded in the JSON). A section that raises stops the run with its traceback
+and a non-zero exit, after writing the sections done so far and ``"incomplete"`` to ``--out``:
+an API error is never recorded as a row of a successful run. ``--cpu-smoke``: the attention,
+forward, vs_ideal and policies sections on tiny CPU shapes with the math backend (gather and
+merge sweep Triton configs: GPU only); times are host wall clock there.
 
 Correctness (every backend against the float64 math reference, the forward against
 :func:`mlaprefill.reference.mla_prefill_reference`, the Triton kernels against their torch
@@ -34,14 +40,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
 
-from _common import apply_overrides, host_enqueue_ms, kernel_ms, write_json
+from _common import (
+    add_cpu_smoke,
+    apply_overrides,
+    empty_cache,
+    host_enqueue_ms,
+    kernel_ms,
+    sync,
+    write_json,
+)
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import VarlenSeqs
+
+GRAPHS = "+graphs"  # backend suffix: the forward as CUDA-graph replays (IterationGraphs)
+DTYPE = torch.bfloat16
 
 H = 128
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
@@ -63,15 +79,18 @@ def _bench_graph(fn: Any, rep: int = 40) -> dict[str, float]:
 
 
 def _section(results: dict, name: str, fn: Any, dump: Any = None) -> None:
+    """Run one section; an error raises (after writing the sections done so far, marked
+    ``"incomplete"``), so a broken API call is never a row of a successful run."""
     t0 = time.time()
     try:
         results[name] = fn()
-    except Exception as exc:  # record and continue: one broken backend must not hide the rest
-        results[name] = {"error": f"{type(exc).__name__}: {exc}",
-                         "traceback": traceback.format_exc()[-3000:]}
-    print(f"[{name}] {time.time() - t0:.1f} s", flush=True)
-    if dump is not None:
-        dump()  # write partial results: a run stopped at its time limit keeps what it measured
+    except BaseException:
+        results["incomplete"] = f"section {name!r} raised; see the traceback on stderr"
+        raise
+    finally:
+        print(f"[{name}] {time.time() - t0:.1f} s", flush=True)
+        if dump is not None:
+            dump()  # partial results: a run stopped at its time limit keeps what it measured
 
 
 def _varlen_inputs(q_lens: list[int], k_lens: list[int], heads: int, dtype: torch.dtype,
@@ -125,42 +144,37 @@ def _forward_inputs(query_lens: list[int], context_lens: list[int], heads: int,
 def _auto_forward(x: dict[str, Any], backend: str, workspace: int, device: str
                   ) -> tuple[Any, Any, Any]:
     """``(op, plan, fwd)``: the forward of ``x``'s requests on ``backend`` (``NAME+graphs``:
-    with ``iteration_graphs=True``; ``NAME+graphs+static``: q in the static query, written
-    there once as an engine's q projection would, and ``static_output=True``) planned with the
-    backend's auto policy, ``fwd()`` running it once (plan uploaded once)."""
-    from mlaprefill.attention import MLAChunkedPrefill
+    with ``graphs=IterationGraphs()``, q written once into ``io_buffers(T).q`` as an engine's
+    q projection would, and the output taken as ``out=io.out``) planned with the backend's
+    auto policy, ``fwd()`` running it once (plan uploaded once)."""
+    from mlaprefill import IterationGraphs, MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
-    from mlaprefill.bench.engine import split_graphs_suffix, split_static
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
-    core, static = split_static(backend)
-    base, graphs = split_graphs_suffix(core)
+    base = backend.removesuffix(GRAPHS)
+    graphs = IterationGraphs() if backend.endswith(GRAPHS) else None
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                           backend=base, iteration_graphs=graphs or False)
+                           backend=base, qk_rope_head_dim=ROPE, graphs=graphs)
     plan = ChunkPlanner(workspace, PAGE, policy=op.resolve_policy("auto")).plan(
         PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE))
     dplan = StagingRing(device).upload(plan)
-    q = x["q"]
-    if static:
-        q = op.static_query(q.shape[0], dtype=q.dtype, device=q.device,
-                            qk_rope_head_dim=q.shape[2] - NOPE)
+    q, out, lse = x["q"], None, None
+    if graphs is not None:
+        q, out, lse = op.io_buffers(x["q"].shape[0])
         q.copy_(x["q"])
 
     def fwd() -> Any:
         return op.forward(q, x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
-                          dplan, return_lse=True, static_output=static)
+                          dplan, return_lse=True, out=out, lse=lse)
 
     return op, plan, fwd
 
 
 def _label(op: Any, backend: str) -> str:
     """The backend an :func:`_auto_forward` op of ``backend`` runs, as results name it
-    (``NAME+graphs``, ``NAME+graphs+static``: ``auto`` resolved)."""
-    from mlaprefill.bench.engine import STATIC, graphs_suffix, split_static
-
-    static = STATIC if split_static(backend)[1] and op.iteration_graphs else ""
-    return op.backend_name + graphs_suffix(op.iteration_graphs) + static
+    (``NAME+graphs``: ``auto`` resolved)."""
+    return op.backend_name + (GRAPHS if op.graphs is not None else "")
 
 
 ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
@@ -169,42 +183,39 @@ ATTN_SHAPES = [  # (num_reqs, total queries, total keys)
 ]
 
 
-def bench_attention(device: str, backends: list[str], quick: bool) -> dict:
+def bench_attention(device: str, backends: list[str], quick: bool,
+                    shapes: list[tuple[int, int, int]] | None = None) -> dict:
     from mlaprefill.backends import get_backend
 
     rows = []
-    for nr, tq, tk in ATTN_SHAPES[:3] if quick else ATTN_SHAPES:
+    for nr, tq, tk in shapes or (ATTN_SHAPES[:3] if quick else ATTN_SHAPES):
         ql, kl = [tq // nr] * nr, [tk // nr] * nr
         flops = 2 * sum(a * b for a, b in zip(ql, kl, strict=True)) * H * (QK + VDIM)
         for name in backends:
             if name == "flex" and (nr, tq, tk) not in ((1, 4096, 16384), (16, 4096, 65536)):
                 continue  # each new shape recompiles flex; two shapes keep the run short
-            try:
-                be = get_backend(name, device=device, dtype=torch.bfloat16, qk_head_dim=QK,
-                                 v_head_dim=VDIM)
-                x = _varlen_inputs(ql, kl, H, torch.bfloat16, device,
-                                   v_dim=QK if be.needs_v_padded else VDIM)
+            be = get_backend(name, device=device, dtype=torch.bfloat16, qk_head_dim=QK,
+                             v_head_dim=VDIM)
+            x = _varlen_inputs(ql, kl, H, torch.bfloat16, device,
+                               v_dim=QK if be.needs_v_padded else VDIM)
 
-                def run(be: Any = be, x: dict = x) -> Any:
-                    seqs = VarlenSeqs(x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
-                                      cu_seqlens_q_host=x["cu_q_host"],
-                                      cu_seqlens_k_host=x["cu_k_host"])
-                    return be.attend(x["q"], x["k"], x["v"], seqs, causal=False,
-                                     softmax_scale=QK ** -0.5)
+            def run(be: Any = be, x: dict = x) -> Any:
+                seqs = VarlenSeqs(x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
+                                  cu_seqlens_q_host=x["cu_q_host"],
+                                  cu_seqlens_k_host=x["cu_k_host"])
+                return be.attend(x["q"], x["k"], x["v"], seqs, causal=False,
+                                 softmax_scale=QK ** -0.5)
 
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()  # first call of this shape: includes compile / cuDNN graph build
-                torch.cuda.synchronize()
-                first_ms = (time.perf_counter() - t0) * 1e3
-                t = _bench(run)
-                rows.append({"backend": name, "num_reqs": nr, "tq": tq, "tk": tk, **t,
-                             "first_call_ms": first_ms,
-                             "tflops": flops / (t["median_ms"] * 1e-3) / 1e12})
-            except Exception as exc:
-                rows.append({"backend": name, "num_reqs": nr, "tq": tq, "tk": tk,
-                             "error": f"{type(exc).__name__}: {exc}"[:400]})
-            torch.cuda.empty_cache()
+            sync()
+            t0 = time.perf_counter()
+            run()  # first call of this shape: includes compile / cuDNN graph build
+            sync()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            t = _bench(run)
+            rows.append({"backend": name, "num_reqs": nr, "tq": tq, "tk": tk, **t,
+                         "first_call_ms": first_ms,
+                         "tflops": flops / (t["median_ms"] * 1e-3) / 1e12})
+            empty_cache()
     return {"flops_formula": "2 * sum_r(q_r*k_r) * H * (192 + 128), H=128", "rows": rows}
 
 
@@ -254,7 +265,7 @@ def bench_gather(device: str) -> dict:
             "d2d_copy_gbps": 2 * n * (RANK + ROPE) * 2 / (copy_t["median_ms"] * 1e-3) / 1e9,
             "sweep_gbps": sweep,
         })
-        torch.cuda.empty_cache()
+        empty_cache()
     big = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     big2 = torch.empty_like(big)
     t = _bench_graph(lambda: big2.copy_(big))
@@ -298,107 +309,102 @@ FORWARD_SHAPES = [  # (query_lens, context_lens, workspace_tokens)
 ]
 
 
-def bench_forward(device: str, backends: list[str]) -> dict:
-    from mlaprefill.attention import MLAChunkedPrefill
+def bench_forward(device: str, backends: list[str],
+                  shapes: list[tuple[list[int], list[int], int]] | None = None) -> dict:
+    from mlaprefill import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.kernels import gather_context_rows, merge_attention_states
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
     rows = []
-    for ql, cl, ws in FORWARD_SHAPES:
+    for ql, cl, ws in shapes or FORWARD_SHAPES:
         x = _forward_inputs(ql, cl, H, torch.bfloat16, device)
         plan = ChunkPlanner(ws, PAGE).plan(PrefillBatch(ql, cl, page_size=PAGE))
         dplan = StagingRing(device).upload(plan)
         for name in backends:
             if name == "flex":
                 continue
-            try:
-                op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
-                                       backend=name)
+            op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+                                   backend=name)
 
-                def fwd(op: Any = op) -> Any:
-                    return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                                      x["block_table"], dplan, return_lse=True)
+            def fwd(op: Any = op) -> Any:
+                return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], dplan, return_lse=True)
 
-                fwd()
-                host_ms = []
-                for _ in range(5):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    fwd()  # host time to enqueue the whole forward (no sync inside)
-                    host_ms.append((time.perf_counter() - t0) * 1e3)
-                torch.cuda.synchronize()
-                t_fwd = _bench(fwd, rep=100)
-                # Parts, each alone on the same shapes.
-                be = op.backend
-                t = sum(ql)
-                w_k, w_v = op._up_weights(ROPE, torch.bfloat16, torch.device(device))
-                w_hf = x["weight"]  # [H*(nope+v), rank]: the ideal up-projection (no zero rows)
-                k_new = torch.empty(t, H, QK, device=device, dtype=torch.bfloat16)
-                v_new = torch.empty(t, H, w_v.shape[0] // H, device=device,
-                                    dtype=torch.bfloat16)
-                op._up_project(x["kv_c_new"], x["k_pe_new"], k_new, v_new, w_k, w_v)
-                cu_q = dplan.tensors["cu_query_lens"]
-                parts = {"up_new": _bench(lambda: x["kv_c_new"] @ w_hf.t())["median_ms"]}
-                hq = plan.cu_query_lens
-                new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
-                                      cu_seqlens_q_host=hq, cu_seqlens_k_host=hq)
-                parts["attn_new"] = _bench(lambda: be.attend(
-                    x["q"], k_new, v_new, new_seqs, causal=True,
-                    softmax_scale=QK ** -0.5))["median_ms"]
-                wsp = torch.empty(plan.max_iteration_tokens, RANK + ROPE, device=device,
-                                  dtype=torch.bfloat16)
-                out = torch.zeros(t, H, VDIM, device=device, dtype=torch.bfloat16)
-                lse = torch.zeros(t, H, device=device)
-                for key in ("gather", "up_ctx", "attn_ctx", "merge"):
-                    parts[key] = 0.0
-                for i in range(plan.num_iterations):
-                    n = plan.iteration_tokens[i]
-                    cu = dplan.tensors["cu_seq_lens"][i]
-                    cs = dplan.tensors["chunk_starts"][i]
-                    parts["gather"] += _bench(lambda n=n, cu=cu, cs=cs: (
-                        gather_context_rows(x["kv_cache"], x["block_table"], cu, cs, wsp,
-                                            n)))["median_ms"]
-                    kv_c = wsp[:n, :RANK]
-                    parts["up_ctx"] += _bench(lambda kv_c=kv_c: kv_c @ w_hf.t())["median_ms"]
-                    k_i = torch.empty(n, H, QK, device=device, dtype=torch.bfloat16)
-                    v_i = torch.empty(n, H, w_v.shape[0] // H, device=device,
-                                      dtype=torch.bfloat16)
-                    op._up_project(wsp[:n, :RANK], wsp[:n, RANK:], k_i, v_i, w_k, w_v)
-                    hk = plan.cu_seq_lens[i]
-                    parts["attn_ctx"] += _bench(lambda k_i=k_i, v_i=v_i, cu=cu, i=i, hk=hk: (
-                        be.attend(x["q"], k_i, v_i, VarlenSeqs(
-                            cu_q, cu, plan.max_query_len, plan.max_chunk_lens[i],
-                            cu_seqlens_q_host=hq, cu_seqlens_k_host=hk), causal=False,
-                            softmax_scale=QK ** -0.5)))["median_ms"]
-                    o_i, l_i = be.attend(x["q"], k_i, v_i, VarlenSeqs(
+            fwd()
+            host_ms = []
+            for _ in range(5):
+                sync()
+                t0 = time.perf_counter()
+                fwd()  # host time to enqueue the whole forward (no sync inside)
+                host_ms.append((time.perf_counter() - t0) * 1e3)
+            sync()
+            t_fwd = _bench(fwd, rep=100)
+            # Parts, each alone on the same shapes.
+            be = op.backend
+            t = sum(ql)
+            up, vpad = op.upproj, be.needs_v_padded
+            w_hf = x["weight"]  # [H*(nope+v), rank]: the ideal up-projection (no zero rows)
+            # joined keys [k_nope | k_pe] per head, as attend() takes them (k_rope=None)
+            buf_new = torch.empty(up.kv_numel(t, QK, vpad), device=device, dtype=DTYPE)
+            k_new, v_new = up.project(x["kv_c_new"], x["k_pe_new"], buf_new, ROPE,
+                                      joined=True, v_padded=vpad)
+            cu_q = dplan.tensors["cu_query_lens"]
+            parts = {"up_new": _bench(lambda: x["kv_c_new"] @ w_hf.t())["median_ms"]}
+            hq = plan.cu_query_lens
+            new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
+                                  cu_seqlens_q_host=hq, cu_seqlens_k_host=hq)
+            parts["attn_new"] = _bench(lambda: be.attend(
+                x["q"], k_new, v_new, new_seqs, causal=True,
+                softmax_scale=QK ** -0.5))["median_ms"]
+            wsp = torch.empty(plan.max_iteration_tokens, RANK + ROPE, device=device,
+                              dtype=torch.bfloat16)
+            out = torch.zeros(t, H, VDIM, device=device, dtype=torch.bfloat16)
+            lse = torch.zeros(t, H, device=device)
+            for key in ("gather", "up_ctx", "attn_ctx", "merge"):
+                parts[key] = 0.0
+            for i in range(plan.num_iterations):
+                n = plan.iteration_tokens[i]
+                cu = dplan.tensors["cu_seq_lens"][i]
+                cs = dplan.tensors["chunk_starts"][i]
+                parts["gather"] += _bench(lambda n=n, cu=cu, cs=cs: (
+                    gather_context_rows(x["kv_cache"], x["block_table"], cu, cs, wsp,
+                                        n)))["median_ms"]
+                kv_c = wsp[:n, :RANK]
+                parts["up_ctx"] += _bench(lambda kv_c=kv_c: kv_c @ w_hf.t())["median_ms"]
+                buf_i = torch.empty(up.kv_numel(n, QK, vpad), device=device, dtype=DTYPE)
+                k_i, v_i = up.project(wsp[:n, :RANK], wsp[:n, RANK:], buf_i, ROPE,
+                                      joined=True, v_padded=vpad)
+                hk = plan.cu_seq_lens[i]
+                parts["attn_ctx"] += _bench(lambda k_i=k_i, v_i=v_i, cu=cu, i=i, hk=hk: (
+                    be.attend(x["q"], k_i, v_i, VarlenSeqs(
                         cu_q, cu, plan.max_query_len, plan.max_chunk_lens[i],
                         cu_seqlens_q_host=hq, cu_seqlens_k_host=hk), causal=False,
-                        softmax_scale=QK ** -0.5)
-                    parts["merge"] += _bench(lambda o_i=o_i, l_i=l_i: merge_attention_states(
-                        out, lse, o_i[..., :VDIM], l_i))["median_ms"]
-                    del k_i, v_i, o_i, l_i
-                ideal = sum(parts.values())
-                flops_attn = 2 * H * (QK + VDIM) * sum(
-                    q * (c + (q + 1) / 2) for q, c in zip(ql, cl, strict=True))
-                rows.append({
-                    "backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
-                    "context_lens": f"{len(cl)}x{cl[0]}", "workspace_tokens": ws,
-                    "iterations": plan.num_iterations, "forward_ms": t_fwd["median_ms"],
-                    "forward_p20_ms": t_fwd["p20_ms"], "forward_p80_ms": t_fwd["p80_ms"],
-                    "host_enqueue_ms_median": sorted(host_ms)[2],
-                    "parts_ms": parts, "ideal_sum_ms": ideal,
-                    "ratio_forward_over_ideal": t_fwd["median_ms"] / ideal,
-                    "attention_tflops_effective": flops_attn / (t_fwd["median_ms"] * 1e-3) / 1e12,
-                })
-                del op
-            except Exception as exc:
-                rows.append({"backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
-                             "error": f"{type(exc).__name__}: {exc}"[:600],
-                             "traceback": traceback.format_exc()[-1500:]})
-            torch.cuda.empty_cache()
-        torch.cuda.empty_cache()
+                        softmax_scale=QK ** -0.5)))["median_ms"]
+                o_i, l_i = be.attend(x["q"], k_i, v_i, VarlenSeqs(
+                    cu_q, cu, plan.max_query_len, plan.max_chunk_lens[i],
+                    cu_seqlens_q_host=hq, cu_seqlens_k_host=hk), causal=False,
+                    softmax_scale=QK ** -0.5)
+                parts["merge"] += _bench(lambda o_i=o_i, l_i=l_i: merge_attention_states(
+                    out, lse, o_i[..., :VDIM], l_i))["median_ms"]
+                del k_i, v_i, o_i, l_i, buf_i
+            ideal = sum(parts.values())
+            flops_attn = 2 * H * (QK + VDIM) * sum(
+                q * (c + (q + 1) / 2) for q, c in zip(ql, cl, strict=True))
+            rows.append({
+                "backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
+                "context_lens": f"{len(cl)}x{cl[0]}", "workspace_tokens": ws,
+                "iterations": plan.num_iterations, "forward_ms": t_fwd["median_ms"],
+                "forward_p20_ms": t_fwd["p20_ms"], "forward_p80_ms": t_fwd["p80_ms"],
+                "host_enqueue_ms_median": sorted(host_ms)[2],
+                "parts_ms": parts, "ideal_sum_ms": ideal,
+                "ratio_forward_over_ideal": t_fwd["median_ms"] / ideal,
+                "attention_tflops_effective": flops_attn / (t_fwd["median_ms"] * 1e-3) / 1e12,
+            })
+            del op
+            empty_cache()
+        empty_cache()
     return {"ideal": "sum of parts each timed alone: new-token up-projection (HF weight, no "
                      "zero rows) + causal attention, and per iteration gather + up-projection "
                      "+ attention + merge", "rows": rows}
@@ -410,7 +416,7 @@ IDEAL_SHAPES = [
     (128, 4, 1024, 32768), (128, 16, 256, 8192),
     (16, 1, 4096, 4096), (16, 1, 4096, 131072), (16, 4, 1024, 32768),
     (16, 16, 256, 8192), (16, 16, 256, 131072),
-    # lengths off the hybrid backend's grid (no batched cuDNN call): the Triton fallback
+    # lengths off the mlaprefill backend's grid (no batched cuDNN call): the Triton fallback
     (128, 4, 1000, 30000), (16, 16, 250, 8000),
 ]
 IDEAL_WORKSPACE = 65536  # vLLM's default chunked-context workspace
@@ -422,7 +428,12 @@ def _ideal_ms(heads: int, nr: int, q: int, c: int, device: str) -> dict[str, flo
     batched causal cuDNN SDPA over the new tokens (kernel times, each alone)."""
     dt = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(1)
-    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    if device == "cpu":  # --cpu-smoke: torch's SDPA stands in for cuDNN's
+        def op(q, k, v, _bias, _lse, _p, causal, _dbg, *, scale):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    scale=scale)
+    else:
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention
     w = torch.randn(heads * (NOPE + VDIM), RANK, device=device, dtype=dt, generator=g)
     lat = torch.randn(nr * (c + q), RANK, device=device, dtype=dt, generator=g)
     gemm = _bench(lambda: lat @ w.t())["median_ms"]
@@ -460,7 +471,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
     ``repeats`` rounds per shape, each timing the ideal and then every backend's forward, so
     drift between the start and the end of a run hits all of them alike; the row gives the
     median ratio over rounds and its min / max (one round: the ratio of that round). A backend
-    named ``NAME+graphs`` is ``NAME`` with ``iteration_graphs=True``.
+    named ``NAME+graphs`` is ``NAME`` with ``graphs=IterationGraphs()`` and its ``io_buffers``.
     """
     rows = []
     for heads, nr, q, c in shapes or IDEAL_SHAPES:
@@ -469,46 +480,31 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
         x = _forward_inputs([q] * nr, [c] * nr, heads, torch.bfloat16, device)
         setups: dict[str, dict[str, Any]] = {}
         for name in backends:  # build, first call, host enqueue: once per backend
-            try:
-                op, plan, fwd = _auto_forward(x, name, IDEAL_WORKSPACE, device)
-                b0 = op.backend.builds()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fwd()
-                first_host_ms = (time.perf_counter() - t0) * 1e3
-                torch.cuda.synchronize()
-                b1 = op.backend.builds()
-                host = host_enqueue_ms(fwd)
-                setups[name] = {"op": op, "fwd": fwd, "b0": b0, "b1": b1, "rounds": [],
-                                "row": {**shape, "backend": _label(op, name), "policy": plan.policy,
-                                        "iterations": plan.num_iterations,
-                                        "first_call_host_ms": first_host_ms,
-                                        "host_enqueue_ms_p50": host[10],
-                                        "host_enqueue_ms_max": host[-1]}}
-            except Exception as exc:
-                rows.append({**shape, "backend": name,
-                             "error": f"{type(exc).__name__}: {exc}"[:600],
-                             "traceback": traceback.format_exc()[-1500:]})
-                print(f"  {shape} {name}: {rows[-1]['error']}", flush=True)
+            op, plan, fwd = _auto_forward(x, name, IDEAL_WORKSPACE, device)
+            b0 = op.backend.builds()
+            sync()
+            t0 = time.perf_counter()
+            fwd()
+            first_host_ms = (time.perf_counter() - t0) * 1e3
+            sync()
+            b1 = op.backend.builds()
+            host = host_enqueue_ms(fwd)
+            setups[name] = {"op": op, "fwd": fwd, "b0": b0, "b1": b1, "rounds": [],
+                            "row": {**shape, "backend": _label(op, name), "policy": plan.policy,
+                                    "iterations": plan.num_iterations,
+                                    "first_call_host_ms": first_host_ms,
+                                    "host_enqueue_ms_p50": host[len(host) // 2],
+                                    "host_enqueue_ms_max": host[-1]}}
         # builds() counts process-wide: what the rounds build, after every backend's first call
         # (a backend's own "after its first call" would count the later backends' first calls)
         for st in setups.values():
             st["b_rounds"] = st["op"].backend.builds()
         ideals = []
         for _ in range(repeats):
-            try:
-                ideals.append(_ideal_ms(heads, nr, q, c, device))
-            except Exception as exc:
-                rows.append({**shape, "error": f"ideal: {type(exc).__name__}: {exc}"[:400]})
-                break
-            torch.cuda.empty_cache()
-            for name, st in list(setups.items()):
-                try:
-                    st["rounds"].append(_bench(st["fwd"], rep=100))
-                except Exception as exc:
-                    rows.append({**st["row"], "error": f"{type(exc).__name__}: {exc}"[:600],
-                                 "traceback": traceback.format_exc()[-1500:]})
-                    del setups[name]
+            ideals.append(_ideal_ms(heads, nr, q, c, device))
+            empty_cache()
+            for st in setups.values():
+                st["rounds"].append(_bench(st["fwd"], rep=100))
         for st in setups.values():
             done = st["rounds"]
             if not done:
@@ -536,7 +532,7 @@ def bench_vs_ideal(device: str, backends: list[str], repeats: int = 1,
                   f"{r['host_enqueue_ms_p50']:.3f} ms", flush=True)
         setups.clear()
         x = None
-        torch.cuda.empty_cache()
+        empty_cache()
     return {"ideal": "one up-projection GEMM of every context and new row (HF weight) + one "
                      "batched cuDNN SDPA over each request's whole context + one batched causal "
                      "cuDNN SDPA over the new tokens (kernel medians, each alone)",
@@ -557,17 +553,19 @@ POLICY_SHAPES = [
 ]
 
 
-def bench_policies(device: str, backends: list[str]) -> dict:
+def bench_policies(device: str, backends: list[str], shapes: list[Any] | None = None,
+                   heads_list: tuple[int, ...] = (16, 128)) -> dict:
     """The whole forward per planner policy on steps that mix long and short contexts, with 16
     heads (DeepSeek-V3 at tensor parallel 8, the bench's model) and 128 heads (unsharded)."""
-    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.staging import StagingRing
 
     rows = []
-    for heads in (16, 128):
-        for shape, ql, cl, ws in POLICY_SHAPES:
+    shapes = shapes or POLICY_SHAPES
+    for heads in heads_list:
+        for shape, ql, cl, ws in shapes:
             x = _forward_inputs(ql, cl, heads, torch.bfloat16, device)
             batch = PrefillBatch(ql, cl, page_size=PAGE)
             for name in [b for b in backends if b != "flex"]:
@@ -576,30 +574,27 @@ def bench_policies(device: str, backends: list[str]) -> dict:
                 for policy in ("equal", "packed", "balanced"):
                     row: dict[str, Any] = {"heads": heads, "shape": shape, "backend": name,
                                            "policy": policy, "workspace_tokens": ws}
-                    try:
-                        plan = ChunkPlanner(ws, PAGE, policy=policy).plan(batch)
-                        dplan = StagingRing(device).upload(plan)
+                    plan = ChunkPlanner(ws, PAGE, policy=policy).plan(batch)
+                    dplan = StagingRing(device).upload(plan)
 
-                        def fwd(op: Any = op, dplan: Any = dplan, x: dict = x) -> Any:
-                            return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"],
-                                              x["kv_cache"], x["block_table"], dplan)
+                    def fwd(op: Any = op, dplan: Any = dplan, x: dict = x) -> Any:
+                        return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"],
+                                          x["kv_cache"], x["block_table"], dplan)
 
-                        fwd()  # warm-up (cuDNN builds a graph per new chunk shape)
-                        t = _bench(fwd, rep=20)
-                        row.update(iterations=plan.num_iterations,
-                                   requests_per_iteration=[int(n) for n in
-                                                           (plan.chunk_lens > 0).sum(axis=1)],
-                                   forward_ms=t["median_ms"], forward_p20_ms=t["p20_ms"],
-                                   forward_p80_ms=t["p80_ms"])
-                    except Exception as exc:
-                        row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+                    fwd()  # warm-up (cuDNN builds a graph per new chunk shape)
+                    t = _bench(fwd, rep=20)
+                    row.update(iterations=plan.num_iterations,
+                               requests_per_iteration=[int(n) for n in
+                                                       (plan.chunk_lens > 0).sum(axis=1)],
+                               forward_ms=t["median_ms"], forward_p20_ms=t["p20_ms"],
+                               forward_p80_ms=t["p80_ms"])
                     rows.append(row)
                 del op
             del x
-            torch.cuda.empty_cache()
+            empty_cache()
     return {"query_lens_note": "shape -> (query_lens, context_lens, workspace)",
             "shapes": {n: {"query_lens": q, "context_lens": c, "workspace_tokens": w}
-                       for n, q, c, w in POLICY_SHAPES}, "rows": rows}
+                       for n, q, c, w in shapes}, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,11 +654,14 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
     parser.add_argument("--skip", default="", help="comma list of sections to skip")
-    parser.add_argument("--backends", default="hybrid,triton,cudnn,flex,varlen")
+    parser.add_argument("--backends", default="mlaprefill,cudnn,flex,fa2",
+                        help="comma list; NAME+graphs: the forward with IterationGraphs "
+                             "(vs_ideal)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="vs_ideal: rounds per shape (ideal and every backend each round)")
     parser.add_argument("--ideal-shapes", default="",
                         help="vs_ideal: HEADS:NREQSxQUERIES:CONTEXT,... instead of IDEAL_SHAPES")
+    add_cpu_smoke(parser)
     parser.add_argument("--override", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="set a module constant first (an A/B run; repeatable)")
     args = parser.parse_args()
@@ -674,13 +672,20 @@ def main() -> int:
         overrides = apply_overrides(args.override)
     except ValueError as exc:
         parser.error(str(exc))
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+    if args.cpu_smoke:
+        # the same sections on CPU tensors, math backend, tiny shapes: the library calls run,
+        # the times are host wall clock and mean nothing
+        device, backends, skip = "cpu", ["math"], {"gather", "merge"}
+        smoke = {"attention": [(2, 32, 96)], "forward": [([16, 8], [300, 64], 256)],
+                 "ideal": [(4, 2, 16, 200)],
+                 "policies": [("smoke", [8, 8], [400, 64], 256)]}
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --cpu-smoke)", file=sys.stderr)
         return 2
-
-    device = "cuda"
-    backends = [b for b in args.backends.split(",") if b]
-    skip = set(args.skip.split(","))
+    else:
+        device, backends, skip = "cuda", [b for b in args.backends.split(",") if b], \
+            set(args.skip.split(","))
+        smoke = {}
     results: dict[str, Any] = {
         "command": " ".join(sys.argv), "argv": sys.argv,
         "date_utc": utc_now(offset=True),
@@ -697,16 +702,19 @@ def main() -> int:
     if "merge" not in skip:
         _section(results, "merge", lambda: bench_merge(device), dump)
     if "attention" not in skip:
-        _section(results, "attention", lambda: bench_attention(device, backends, args.quick),
+        _section(results, "attention", lambda: bench_attention(device, backends, args.quick,
+                                                                 smoke.get("attention")),
                  dump)
     if "forward" not in skip:
-        _section(results, "forward", lambda: bench_forward(device, backends), dump)
+        _section(results, "forward", lambda: bench_forward(device, backends,
+                                                             smoke.get("forward")), dump)
     if "vs_ideal" not in skip:
-        _section(results, "vs_ideal", lambda: bench_vs_ideal(device, backends, args.repeats,
-                                                               ideal_shapes),
+        _section(results, "vs_ideal", lambda: bench_vs_ideal(
+            device, backends, args.repeats, smoke.get("ideal", ideal_shapes)),
                  dump)
     if "policies" not in skip:
-        _section(results, "policies", lambda: bench_policies(device, backends), dump)
+        _section(results, "policies", lambda: bench_policies(
+            device, backends, smoke.get("policies"), (4,) if smoke else (16, 128)), dump)
     print(_table(results))
     return 0
 

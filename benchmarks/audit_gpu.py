@@ -105,7 +105,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-overhead", action="store_true",
                         help="only measure the audit's per-op overhead on CPU tensors")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="CPU only: the audit's per-op overhead and an audited CPU forward-"
+                             "like loop (no findings expected); --out is then the JSON file")
     args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        if not args.out:
+            parser.error("--cpu-smoke needs --out FILE.json")
+        x = torch.randn(64, 64)
+        with no_host_sync() as audit:  # CPU tensors: nothing waits for a device
+            float((x @ x).sum().item())
+        checks = [{"check": "CPU matmul + .item() under no_host_sync", "expected": [],
+                   "got": [f.kind for f in audit.findings], "ok": not audit.findings}]
+        doc = {"machine": machine_info(), "command": " ".join(sys.argv), "date_utc": utc_now(),
+               "checks": checks, "overhead": [overhead_us_per_op("cpu", n=500, reps=2)]}
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+        print(json.dumps(doc["checks"]), json.dumps(doc["overhead"]))
+        return 0 if checks[0]["ok"] else 1
     if args.cpu_overhead:
         r = overhead_us_per_op("cpu")
         print(f"audit overhead on CPU: {r['plain_us_per_op']:.2f} -> "

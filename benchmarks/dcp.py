@@ -45,18 +45,17 @@ import torch
 import torch.distributed as dist
 
 from mlaprefill._env import machine_info, utc_now
-from mlaprefill.attention import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.config import MLAConfig
 from mlaprefill.dcp.forward import (
     DCPContextSource,
-    _all_gather_into_tensor,
     check_dcp_consistency,
 )
 from mlaprefill.dcp.plan import DCPChunkPlanner
 from mlaprefill.dcp.shard import shard_paged_cache
 from mlaprefill.kernels import gather_context_rows
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefill import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.staging import StagingRing
 
 # name -> (query_lens, context_lens); "gpu" sizes for CUDA, "cpu" sizes for gloo runs.
@@ -74,6 +73,35 @@ SCENARIOS: dict[str, dict[str, tuple[list[int], list[int]]]] = {
 # default 10 minutes; generous enough for a first call that compiles kernels.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    # torch >= 2.13 names it all_gather_single (same semantics); the GPU machine runs 2.11
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, local, group=group)
+
+
+def _smoke_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """One rank of ``--cpu-smoke`` (``torch.multiprocessing.spawn``): gloo on this host."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    status = main(argv)
+    if status:
+        raise SystemExit(status)
+
+
+def _spawn_smoke(argv: list[str]) -> int:
+    """``--cpu-smoke`` without torchrun: 2 gloo ranks on CPU, on a free port."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_smoke_worker, args=(2, port, argv), nprocs=2, join=True)
+    return 0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -97,6 +125,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=90.0,
                    help="seconds; cases starting after this are skipped (and listed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="CPU, gloo, world 2 (spawned here when not under torchrun), one tiny "
+                        "scenario, 2 reps: the same plan / shard / forward / check path")
     return p.parse_args(argv)
 
 
@@ -243,15 +274,13 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     match = maxs[3] == 0.0
     del out_s, lse_s, out_d, lse_d
     # Host-sync audit of one DCP forward (plan already uploaded): ops that make the host wait
-    # for a non-CPU device. Recorded, not raised (a raise on one rank would hang the others).
-    try:
-        from mlaprefill.audit.runtime import no_host_sync
+    # for a non-CPU device, recorded. An audit error raises: the rank exits and the launcher
+    # stops the others.
+    from mlaprefill.audit import no_host_sync
 
-        with no_host_sync() as audit:
-            dcp()
-        host_syncs: Any = [f"{f.kind} {f.op} at {f.filename}:{f.lineno}" for f in audit.findings]
-    except Exception as exc:  # report and go on: the timing below is still meaningful
-        host_syncs = f"audit failed: {type(exc).__name__}: {exc}"
+    with no_host_sync() as audit:
+        dcp()
+    host_syncs: Any = [f"{f.kind} {f.op} at {f.filename}:{f.lineno}" for f in audit.findings]
 
     # -- time ----------------------------------------------------------------------------------
     timer = _Timer(device, group, args.reps, args.warmup)
@@ -278,10 +307,15 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     gathered = torch.empty(max(dcp_plan.max_gathered_tokens, 1), cfg.latent_dim, dtype=dtype,
                            device=device)
 
+    # the all-gather alone, on a buffer of the local rows' shape (its time does not depend on
+    # their values)
+    local = torch.zeros(max(dcp_plan.max_rank_capacity, 1), cfg.latent_dim, dtype=dtype,
+                        device=device)
+
     def dcp_allgather() -> None:
         for i in dcp_iters:
             cap = dcp_plan.rank_capacity[i]
-            _all_gather_into_tensor(gathered[:world * cap], source._local[:cap], group)
+            _all_gather_into_tensor(gathered[:world * cap], local[:cap], group)
 
     timings = {"forward_single": timer(single), "forward_dcp": timer(dcp)}
     if dcp_plan.base.num_iterations:
@@ -365,6 +399,11 @@ def _table(doc: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point (every torchrun rank runs it); returns the exit status."""
     args = _parse(argv)
+    if args.cpu_smoke:
+        args.device, args.scenarios, args.interleaves = "cpu", "mixed", "16"
+        args.reps, args.warmup = 2, 1
+        if "WORLD_SIZE" not in os.environ:
+            return _spawn_smoke(sys.argv[1:] if argv is None else argv)
     if "WORLD_SIZE" not in os.environ:
         print("launch with torchrun, e.g. `torchrun --nproc-per-node 2 benchmarks/dcp.py "
               "--out dcp.json` (rank/world come from the torchrun environment)", file=sys.stderr)

@@ -3,10 +3,14 @@ stage is not? (The 2-GPU DCP check saw the single-GPU forward differ between two
 on one long-context case.)
 
     PYTHONPATH=src python3 benchmarks/determinism.py --out determinism.json
+    PYTHONPATH=src python3 benchmarks/determinism.py --cpu-smoke --out /tmp/determinism.json
 
 One request, 2048 new tokens over a 131,072-token context, DeepSeek-V3 heads, bf16, workspace
-32,768 (4 iterations): the whole forward 4 times per backend, then each stage of one iteration
-4 times on identical inputs (gather, up-projection, attention, merge). Prints a table last.
+32,768 (4 iterations): the whole forward ``--runs`` times per backend, then each stage of one
+iteration 4 times on identical inputs (gather, up-projection, attention, merge), and a trace of
+the backend's ``attend`` calls inside two forwards (first divergence). Public API only: the
+trace and the probes wrap ``MLAChunkedPrefill.backend.attend`` on the instance. Prints a table
+last. ``--cpu-smoke``: the same on a tiny case on CPU tensors (math backend).
 """
 
 from __future__ import annotations
@@ -20,16 +24,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _common import add_cpu_smoke, sync
+from mlaprefill import MLAChunkedPrefill
 from mlaprefill._env import machine_info, utc_now
-from mlaprefill.attention import MLAChunkedPrefill
 from mlaprefill.backends import VarlenSeqs, get_backend
 from mlaprefill.batch import PrefillBatch
-from mlaprefill.kernels.gather import gather_context_rows
-from mlaprefill.kernels.merge import merge_attention_states
+from mlaprefill.kernels import gather_context_rows, merge_attention_states
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.staging import StagingRing
 
 RUNS = 4
+GPU_BACKENDS = ("mlaprefill", "cudnn", "fa2")
 
 
 def _same(results: list) -> tuple[bool, float]:
@@ -40,68 +45,56 @@ def _same(results: list) -> tuple[bool, float]:
         for a, b in zip(first, r, strict=True):
             equal &= bool(torch.equal(a, b))
             fin = torch.isfinite(a) & torch.isfinite(b)
-            worst = max(worst, float((a.double() - b.double())[fin].abs().max()))
+            if fin.any():
+                worst = max(worst, float((a.double() - b.double())[fin].abs().max()))
     return equal, worst
 
 
-def _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim,
-           rows_out) -> None:
-    """Whole cuDNN forward, RUNS times, with one change each: which change makes it stable?"""
-    import types
-
-    import mlaprefill.attention as attention_mod
+def _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, plan, dev, nope, v_dim,
+           backend, runs, rows_out) -> None:
+    """The whole forward, ``runs`` times, with one change each: which change makes it stable?"""
 
     def run(mla, plan_obj):
         outs = [tuple(t.clone() for t in mla.forward(q, kv_c_new, k_pe_new, kv_cache,
                                                       block_table, plan_obj, return_lse=True))
-                for _ in range(RUNS)]
+                for _ in range(runs)]
         return _same(outs)
 
     def synced(fn):
         def wrapper(*a, **k):
             r = fn(*a, **k)
-            torch.cuda.synchronize()
+            sync()
             return r
         return wrapper
 
-    cloned_dp = types.SimpleNamespace(plan=dp.plan,
-                                      tensors={k: v.clone() for k, v in dp.tensors.items()})
-    probes = ["baseline", "sync after attend", "sync after gather", "sync after merge",
-              "fresh DevicePlan tensors", "contiguous q/k/v into attend"]
-    for probe in probes:
-        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim,
-                                backend="cudnn")
-        orig_g, orig_m = attention_mod.gather_context_rows, attention_mod.merge_attention_states
-        plan_obj = dp
+    dp = StagingRing(dev).upload(plan)
+    for probe in ("baseline", "sync after attend", "fresh DevicePlan per run",
+                  "contiguous q/k/v into attend"):
+        mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=backend)
+        be = mla.backend
         if probe == "sync after attend":
-            mla._backend.attend = synced(mla._backend.attend)
-        elif probe == "sync after gather":
-            attention_mod.gather_context_rows = synced(orig_g)
-        elif probe == "sync after merge":
-            attention_mod.merge_attention_states = synced(orig_m)
-
-        elif probe == "fresh DevicePlan tensors":
-            plan_obj = cloned_dp
+            be.attend = synced(be.attend)
         elif probe == "contiguous q/k/v into attend":
-            orig_a = mla._backend.attend
-            mla._backend.attend = lambda q_, k_, v_, *a, _o=orig_a, **k: _o(
+            be.attend = lambda q_, k_, v_, *a, _o=be.attend, **k: _o(
                 q_.contiguous(), k_.contiguous(), v_.contiguous(), *a, **k)
-        try:
-            eq, worst = run(mla, plan_obj)
-        finally:
-            attention_mod.gather_context_rows = orig_g
-            attention_mod.merge_attention_states = orig_m
-        rows_out.append({"stage": f"probe: {probe}", "backend": "cudnn", "bitwise": eq,
+        if probe == "fresh DevicePlan per run":
+            outs = [tuple(t.clone() for t in mla.forward(
+                q, kv_c_new, k_pe_new, kv_cache, block_table, StagingRing(dev).upload(plan),
+                return_lse=True)) for _ in range(runs)]
+            eq, worst = _same(outs)
+        else:
+            eq, worst = run(mla, dp)
+        rows_out.append({"stage": f"probe: {probe}", "backend": backend, "bitwise": eq,
                          "max_abs_diff": worst})
         print(f"probe {probe:<30} bitwise={eq} max|diff|={worst:.3g}", flush=True)
 
 
 def _report(out: str, rows_out: list[dict], shape: dict) -> None:
     """Write the JSON (command, machine, date, rows) and print the table last."""
-    torch.cuda.synchronize()
-    doc = {"benchmark": "determinism", "argv": sys.argv,
+    sync()
+    doc = {"benchmark": "determinism", "command": " ".join(sys.argv), "argv": sys.argv,
            "date_utc": utc_now(offset=True),
-           "machine": machine_info(torch.device("cuda")),
+           "machine": machine_info(torch.device(shape["device"])),
            "shape": shape, "rows": rows_out}
     Path(out).write_text(json.dumps(doc, indent=1))
     print(f"{'stage':<15} {'backend':<8} {'bitwise':<8} max|diff|")
@@ -118,12 +111,21 @@ def main() -> int:
                         help=f"whole-forward repeats per backend (default {RUNS})")
     parser.add_argument("--probe", action="store_true",
                         help="also rerun the whole cuDNN forward with one stage changed at a time")
+    add_cpu_smoke(parser)
     args = parser.parse_args()
     if args.runs < 2:
         parser.error(f"--runs {args.runs}: need at least 2 runs to compare")
-    dev, dt = torch.device("cuda"), torch.bfloat16
     h, nope, rope, v_dim, rank, page = 128, 128, 64, 128, 512, 64
-    q_len, ctx, ws = 2048, 131072, 32768
+    if args.cpu_smoke:
+        dev, backends, probe_backend = torch.device("cpu"), ("math",), "math"
+        h, q_len, ctx, ws = 4, 16, 256, 128
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    else:
+        dev, backends, probe_backend = torch.device("cuda"), GPU_BACKENDS, "cudnn"
+        q_len, ctx, ws = 2048, 131072, 32768
+    dt = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     nblocks = ctx // page
     kv_cache = torch.randn(nblocks, page, rank + rope, device=dev, dtype=dt, generator=g)
@@ -135,10 +137,11 @@ def main() -> int:
     plan = ChunkPlanner(ws, page).plan(PrefillBatch([q_len], [ctx], page_size=page))
     dp = StagingRing(dev).upload(plan)
     shape = {"heads": h, "q_len": q_len, "context": ctx, "workspace": ws,
-             "iterations": plan.num_iterations, "runs": args.runs, "dtype": "bfloat16"}
+             "iterations": plan.num_iterations, "runs": args.runs, "dtype": "bfloat16",
+             "device": dev.type, "backends": list(backends)}
     rows_out: list[dict] = []
 
-    for name in ("cudnn", "varlen"):
+    for name in backends:
         mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
         fwd = [tuple(t.clone() for t in mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
                                                      dp, return_lse=True))
@@ -150,46 +153,29 @@ def main() -> int:
         _report(args.out, rows_out, shape)
         return 0
     if args.probe:
-        _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, dp, nope, v_dim, rows_out)
+        _probe(q, kv_c_new, k_pe_new, kv_cache, block_table, weight, plan, dev, nope, v_dim,
+               probe_backend, args.runs, rows_out)
 
-    # Trace: record every stage's output inside the forward, two runs, find the first divergence.
-    import mlaprefill.attention as attention_mod
-
-    for name in ("cudnn", "varlen"):
+    # Trace: record every attend call's keys and output inside the forward (a wrapper on the
+    # backend instance), two runs, find the first divergence.
+    for name in backends:
         mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
+        be = mla.backend
         traces: list[list[tuple[str, tuple]]] = []
         for _ in range(2):
             trace: list[tuple[str, tuple]] = []
-            orig_gather, orig_merge = attention_mod.gather_context_rows, \
-                attention_mod.merge_attention_states
-            orig_attend = mla._backend.attend
 
-            def gather(*a, _o=orig_gather, _t=trace, **k):
+            def attend(*a, _o=be.attend, _t=trace, **k):
                 r = _o(*a, **k)
-                _t.append(("gather", (r.clone(),)))
-                return r
-
-            def merge(o, lse, po, plse, _o=orig_merge, _t=trace):
-                _t.append(("merge-in", (o.clone(), lse.clone(), po.clone(), plse.clone())))
-                r = _o(o, lse, po, plse)
-                _t.append(("merge-out", (o.clone(), lse.clone())))
-                return r
-
-            def attend(*a, _o=orig_attend, _t=trace, **k):
-                r = _o(*a, **k)
-                _t.append(("attend-k" , (a[1].clone(), a[2].clone())))
+                _t.append(("attend-k", (a[1].clone(), a[2].clone())))
                 _t.append(("attend-out", tuple(x.clone() for x in r)))
                 return r
 
-            attention_mod.gather_context_rows = gather
-            attention_mod.merge_attention_states = merge
-            mla._backend.attend = attend
+            be.attend = attend
             try:
                 mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, dp, return_lse=True)
             finally:
-                attention_mod.gather_context_rows = orig_gather
-                attention_mod.merge_attention_states = orig_merge
-                del mla._backend.attend
+                del be.attend
             traces.append(trace)
         first = None
         for j, ((tag, a), (_, b)) in enumerate(zip(traces[0], traces[1], strict=True)):
@@ -213,15 +199,14 @@ def main() -> int:
     eq, worst = _same(gathers)
     rows_out.append({"stage": "gather", "backend": "-", "bitwise": eq, "max_abs_diff": worst})
     rows = gathers[0][0]
-    for name in ("cudnn", "varlen"):
+    for name in backends:
         mla = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v_dim, backend=name)
-        w_k, w_v = mla._up_weights(rope, dt, dev)
+        vpad = mla.backend.needs_v_padded
         ups = []
-        for _ in range(RUNS):
-            k = torch.empty(n, h, nope + rope, device=dev, dtype=dt)
-            v = torch.empty(n, h, w_v.shape[0] // h, device=dev, dtype=dt)
-            mla._up_project(rows[:, :rank], rows[:, rank:], k, v, w_k, w_v)
-            ups.append((k, v))
+        for _ in range(RUNS):  # joined keys [k_nope | k_pe], as attend() takes them
+            buf = torch.empty(mla.upproj.kv_numel(n, nope + rope, vpad), device=dev, dtype=dt)
+            ups.append(mla.upproj.project(rows[:, :rank], rows[:, rank:], buf, rope,
+                                          joined=True, v_padded=vpad))
         eq, worst = _same(ups)
         rows_out.append({"stage": "up-projection", "backend": name, "bitwise": eq,
                          "max_abs_diff": worst})
@@ -242,7 +227,7 @@ def main() -> int:
         o = o[..., :v_dim]
         merges = []
         for _ in range(RUNS):
-            acc, acc_lse = o.clone().contiguous(), lse.clone().contiguous()
+            acc, acc_lse = o.clone().contiguous(), lse.clone().contiguous().float()
             merge_attention_states(acc, acc_lse, att[1][0][..., :v_dim], att[1][1] - 0.5)
             merges.append((acc, acc_lse))
         eq, worst = _same(merges)

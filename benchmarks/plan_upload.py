@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _common import kernel_ms
+from _common import add_cpu_smoke, kernel_ms
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
@@ -292,7 +292,7 @@ def _time(fn: Any, graph: bool = False, rep: int = 60) -> float:
 
 
 def section_c() -> dict:
-    from mlaprefill.attention import MLAChunkedPrefill
+    from mlaprefill import MLAChunkedPrefill
     from mlaprefill.kernels import gather_context_rows
 
     old = _old_gather()
@@ -329,10 +329,10 @@ def section_c() -> dict:
 
     forward_rows = []
     for heads, q_lens, ctx_lens, backend in (
-            (128, [4096], [65536], "varlen"), (128, [4096], [65536], "cudnn"),
-            (16, [256] * 16, [8192] * 16, "varlen"), (16, [512] * 8,
+            (128, [4096], [65536], "fa2"), (128, [4096], [65536], "cudnn"),
+            (16, [256] * 16, [8192] * 16, "fa2"), (16, [512] * 8,
                                                       [4096 * (i + 1) for i in range(8)],
-                                                      "varlen")):
+                                                      "fa2")):
         x = _inputs(q_lens, ctx_lens, heads)
         mla = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM,
                                 backend=backend)
@@ -369,22 +369,22 @@ def section_c() -> dict:
 
 # ------------------------------------------------------------------------------ section D
 
-def section_d() -> list[dict]:
+def section_d(device: str = "cuda", cases: tuple | None = None) -> list[dict]:
     from mlaprefill.dcp.forward import reorder_rows_index
     from mlaprefill.dcp.plan import DCPChunkPlanner
 
     rows = []
-    for world, interleave, lens in ((2, 1, [131072]), (2, 64, [131072]),
-                                    (4, 64, [16384] * 8)):
+    for world, interleave, lens in cases or ((2, 1, [131072]), (2, 64, [131072]),
+                                             (4, 64, [16384] * 8)):
         batch = PrefillBatch([1] * len(lens), lens, page_size=PAGE)
         plan = DCPChunkPlanner(sum(lens), PAGE, world=world, interleave=interleave,
                                max_gathered_tokens=2 * sum(lens)).plan(batch, rank=0)
-        dp = StagingRing("cuda").upload(plan, token_tables=True)
+        dp = StagingRing(device).upload(plan, token_tables=True)
         t = dp.tensors
         n = plan.base.iteration_tokens[0]
-        gathered = torch.randn(plan.world * plan.rank_capacity[0], RANK + ROPE, device="cuda",
+        gathered = torch.randn(plan.world * plan.rank_capacity[0], RANK + ROPE, device=device,
                                dtype=torch.bfloat16)
-        out = torch.empty(n, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(n, RANK + ROPE, device=device, dtype=torch.bfloat16)
 
         def compact() -> None:
             idx = reorder_rows_index(t["cu_seq_lens"][0], t["chunk_starts"][0],
@@ -418,14 +418,17 @@ def main() -> int:
     ap.add_argument("--queue-ms", type=float, default=50.0,
                     help="GPU work queued before each timed upload in section B")
     ap.add_argument("--sections", default="ABCD", help="which sections to run (default ABCD)")
+    add_cpu_smoke(ap)
     args = ap.parse_args()
     t_start = time.perf_counter()
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
     device = "cuda" if cuda else "cpu"
     result: dict[str, Any] = {
         "benchmark": "plan_upload",
-        "ran_on": "cuda" if cuda else "cpu (no CUDA: only section A, upload is a CPU copy)",
-        "machine": machine_info(torch.device(device)), "argv": sys.argv,
+        "ran_on": "cuda" if cuda else ("cpu (no CUDA or --cpu-smoke: sections A and a tiny D, "
+                                       "upload is a CPU copy)"),
+        "machine": machine_info(torch.device(device)), "command": " ".join(sys.argv),
+        "argv": sys.argv,
         "date_utc": utc_now(offset=True), "workspace_tokens": WORKSPACE, "page_size": PAGE}
 
     def dump() -> None:
@@ -434,12 +437,17 @@ def main() -> int:
             json.dump(result, fh, indent=1)
 
     sections = {"A": ("section_a_plan_upload_gpu_idle",
-                      lambda: section_a(device, reps=480 if cuda else 48)),
+                      lambda: section_a(
+                          device, reps=480 if cuda else 24 if args.cpu_smoke else 48)),
+                "D-smoke": ("section_d_dcp_reorder", lambda: section_d(
+                    device, ((2, 1, [300]), (2, 16, [100, 60])))),
                 "B": ("section_b_blocked_behind_queue", lambda: section_b(args.queue_ms, 30)),
                 "C": ("section_c_device_row_mapping", section_c),
                 "D": ("section_d_dcp_reorder", section_d)}
     for key, (name, fn) in sections.items():
-        if key not in args.sections or (key != "A" and not cuda):
+        if cuda and (key not in args.sections or key == "D-smoke"):
+            continue
+        if not cuda and key not in ("A", "D-smoke"):  # B, C: CUDA streams / the Triton kernel
             continue
         t0 = time.perf_counter()
         result[name] = fn()

@@ -15,8 +15,8 @@
 #                planner policy)
 #   determinism  benchmarks/determinism.py --probe --runs 16
 #   ideal        issue #11's whole-forward ratio to the ideal, 3 interleaved rounds per shape
-#                (hybrid, hybrid+graphs, triton, cudnn, varlen), 3 shapes of >= 3 iterations
-#                (2 rounds), then the per-kernel profile (hybrid, triton)
+#                (mlaprefill, mlaprefill+graphs, cudnn, fa2), 3 shapes of >= 3 iterations
+#                (2 rounds), then the per-kernel profile (mlaprefill eager, and with the Hopper kernel off)
 #   hostprof     where the forward's host time goes (forward_profile.py --host-only), eager and
 #                with iteration graphs
 # dcp runs first on both GPUs. Then bench runs on GPU 0 while the other jobs run in order on
@@ -83,22 +83,27 @@ micro() {
     fi
     if has ideal; then
         python3 benchmarks/attention.py --skip gather,merge,attention,forward,policies \
-            --backends hybrid,hybrid+graphs,triton,cudnn,varlen --repeats 3 \
+            --backends mlaprefill,mlaprefill+graphs,cudnn,fa2 --repeats 3 \
             --out "$out/attention_vs_ideal_h200.json" 2>&1 | grep -v Warning | tail -n 60
         echo "== vs_ideal rc=${PIPESTATUS[0]} ($(date -u +%T))"
         # shapes of >= 3 workspace iterations, where iteration graphs replay
         python3 benchmarks/attention.py --skip gather,merge,attention,forward,policies \
-            --backends hybrid,hybrid+graphs,triton --repeats 2 \
+            --backends mlaprefill,mlaprefill+graphs,fa2 --repeats 2 \
             --ideal-shapes 128:4x1024:131072,128:2x2048:131072,16:4x1024:131072 \
             --out "$out/attention_vs_ideal_graphs128_h200.json" 2>&1 | grep -v Warning | tail -n 12
         echo "== vs_ideal, many iterations rc=${PIPESTATUS[0]} ($(date -u +%T))"
-        python3 benchmarks/forward_profile.py --backends hybrid,triton \
+        python3 benchmarks/forward_profile.py --backends mlaprefill,fa2 \
             --host-profile --out "$out/forward_profile_h200.json" 2>&1 | grep -v Warn | tail -n 50
         echo "== forward_profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
+        # the Hopper kernel's A/B: the same profile with our Triton kernel in its place
+        MLAPREFILL_DISABLE_HOPPER_KERNEL=1 python3 benchmarks/forward_profile.py \
+            --backends mlaprefill --out "$out/forward_profile_no_hopper_h200.json" 2>&1 \
+            | grep -v Warn | tail -n 20
+        echo "== forward_profile, Hopper kernel off rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi
     if has hostprof; then
         python3 benchmarks/forward_profile.py --host-only \
-            --backends hybrid,hybrid+graphs,triton,triton+graphs \
+            --backends mlaprefill,mlaprefill+graphs,fa2 \
             --out "$out/forward_host_profile_h200.json" 2>&1 | grep -v Warn | tail -n 80
         echo "== host profile rc=${PIPESTATUS[0]} ($(date -u +%T))"
     fi

@@ -32,7 +32,7 @@ def test_ideal_shapes_bad_item_is_a_clear_usage_error(shapes, tmp_path) -> None:
     ("mlaprefill.nowhere.BIG_WORK=1", "no module 'mlaprefill.nowhere'"),
     ("mlaprefill.backends.mlaprefill.NO_SUCH=1", "mlaprefill.backends.mlaprefill has no NO_SUCH"),
     ("mlaprefill.backends.mlaprefill.BIG_WORK=big", "VALUE must be an int or one of the presets"),
-    ("mlaprefill.kernels.hopper_attention.ENABLED=0", "is a bool, VALUE must be true or false"),
+    ("mlaprefill.kernels.attention._MAX_GRID_YZ=1", "is private"),
 ])
 def test_override_bad_item_is_a_clear_usage_error(item, message, tmp_path) -> None:
     proc = subprocess.run(
@@ -58,12 +58,15 @@ def test_ideal_shapes_parse() -> None:
 
 
 def test_override_sets_a_bool_constant(monkeypatch) -> None:
-    """``MODULE.NAME=false`` for a bool constant (the Hopper kernel's A/B switch)."""
+    """``MODULE.NAME=false`` for a bool constant; an int constant takes an int."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from _common import apply_overrides
-    from mlaprefill.kernels import hopper_attention
+    from mlaprefill.backends import mlaprefill as backend_mod
 
-    monkeypatch.setattr(hopper_attention, "ENABLED", True)
-    done = apply_overrides(["mlaprefill.kernels.hopper_attention.ENABLED=false"])
-    assert hopper_attention.ENABLED is False
-    assert done == {"mlaprefill.kernels.hopper_attention.ENABLED": "false"}
+    monkeypatch.setattr(backend_mod, "SOME_FLAG", True, raising=False)
+    monkeypatch.setattr(backend_mod, "BIG_WORK", backend_mod.BIG_WORK)
+    done = apply_overrides(["mlaprefill.backends.mlaprefill.SOME_FLAG=false",
+                            "mlaprefill.backends.mlaprefill.BIG_WORK=7"])
+    assert backend_mod.SOME_FLAG is False and backend_mod.BIG_WORK == 7
+    assert done == {"mlaprefill.backends.mlaprefill.SOME_FLAG": "false",
+                    "mlaprefill.backends.mlaprefill.BIG_WORK": "7"}
