@@ -11,7 +11,7 @@ then runs the Triton kernel.
 Why a second kernel: Triton 3.6 compiles the Triton kernel FA2-style on Hopper. Each wgmma group
 is waited for before the softmax, so a warpgroup never overlaps its softmax with its own MMAs,
 and the CTA's two warpgroups run in lockstep. Reordering the source does not change that, and
-``warp_specialize=True`` compiles the identical binary (benchmarks/attention_variants.py). Here the
+``warp_specialize=True`` compiles the identical binary (attention_variants_h200.json). Here the
 key loop is laid out by hand, FlashAttention-3 style:
 
 * one producer warp (24 registers after ``setmaxnreg``) loads each key block's K, rope and V by
