@@ -448,7 +448,7 @@ def summary_rows(results_dir: Path = RESULTS_DIR) -> list[tuple[str, str, str]]:
         rows.append(
             ("Plan + upload vs the usual build", ex_plan_upload(hit[1])[1], link("plan_upload"))
         )
-    hit = _latest(data, "attention_vs_ideal", "static")
+    hit = _latest(data, "attention_vs_ideal")
     if hit:
         rows.append(
             ("Whole forward vs ideal (H200)", ex_vs_ideal(hit[1])[1], link("attention_vs_ideal"))
