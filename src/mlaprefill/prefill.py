@@ -217,8 +217,7 @@ class MLAChunkedPrefill:
             CPU tensors (or with ``validate``) a block id outside ``[0, num_blocks)``.
 
         Never synchronizes unless ``validate=True``: shapes come from the plan's host ints only.
-        With ``graphs`` it is CUDA-graph replays; without, it can itself be captured in a CUDA
-        graph for one fixed plan. Undefined: tensors modified while the forward runs, a
+        With ``graphs`` it runs as CUDA-graph replays (see :mod:`mlaprefill.graphs`). Undefined: tensors modified while the forward runs, a
         DevicePlan used after its ring slot was reused (see ``validate``) or (with ``graphs``)
         whose tensors were written in place between forwards, block ids outside the cache on
         CUDA without ``validate`` (the gather writes NaN rows for them, so the request's output
