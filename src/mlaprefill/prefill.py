@@ -217,11 +217,11 @@ class MLAChunkedPrefill:
             CPU tensors (or with ``validate``) a block id outside ``[0, num_blocks)``.
 
         Never synchronizes unless ``validate=True``: shapes come from the plan's host ints only.
-        With ``graphs`` it runs as CUDA-graph replays (see :mod:`mlaprefill.graphs`). Undefined: tensors modified while the forward runs, a
-        DevicePlan used after its ring slot was reused (see ``validate``) or (with ``graphs``)
-        whose tensors were written in place between forwards, block ids outside the cache on
-        CUDA without ``validate`` (the gather writes NaN rows for them, so the request's output
-        is NaN and other requests are unaffected).
+        With ``graphs`` it runs as CUDA-graph replays (see :mod:`mlaprefill.graphs`). Undefined:
+        tensors modified while the forward runs, a DevicePlan used after its ring slot was reused
+        (see ``validate``) or (with ``graphs``) whose tensors were written in place between
+        forwards, block ids outside the cache on CUDA without ``validate`` (the gather writes NaN
+        rows for them, so the request's output is NaN and other requests are unaffected).
         """
         rope = check_forward_inputs(
             q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan, weight=self.weight,
