@@ -262,3 +262,42 @@ def test_gpu_forward_nan_stays_in_request(backend, where):
             assert torch.isnan(out[A_ROWS]).any(-1).all() and torch.isnan(lse[A_ROWS]).all()
         assert not torch.isneginf(lse).any()
 
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["q", "k_pe_new"])
+def test_inf_gives_nan_never_no_keys(value, where):
+    """An inf whose scores are all -inf (or any +inf) for a query that has keys: NaN in that
+    query's out and LSE, as the float64 reference's softmax, never ``out = 0, lse = -inf`` (no
+    keys); other requests bitwise unchanged. Request 1 has no context, so its first query's only
+    key is itself: one inf entry in q or in that token's rope key decides its score's sign."""
+    query_lens, context_lens = [2, 3], [6, 0]
+    x = paged_mla_inputs(query_lens, context_lens, page_size=4)
+    first = 2  # request 1's first query: it sees one key, its own
+    y = dict(x)
+    if where == "q":
+        y["q"] = x["q"].clone()
+        sign = torch.sign(x["k_pe_new"][first, 0])  # the rope part of its own key, dim 0
+        y["q"][first, 0, x["nope"]] = value * sign  # score = value (x the key's sign twice)
+    else:
+        y["k_pe_new"] = x["k_pe_new"].clone()
+        sign = torch.sign(x["q"][first, :, x["nope"]])  # per head
+        y["k_pe_new"][first, 0] = value * sign[0]
+    plan = ChunkPlanner(8, 4, policy="packed").plan(
+        PrefillBatch(query_lens, context_lens, page_size=4))
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"],
+                           backend="math")
+
+    def run(inp):
+        return op.forward(inp["q"], inp["kv_c_new"], inp["k_pe_new"], inp["kv_cache"],
+                          inp["block_table"], StagingRing("cpu").upload(plan), return_lse=True)
+
+    clean_out, clean_lse = run(x)
+    out, lse = run(y)
+    assert torch.isnan(out[first, 0]).all() and torch.isnan(lse[first, 0])
+    assert not torch.isneginf(lse).any()  # every query has keys
+    assert torch.equal(out[:2], clean_out[:2]) and torch.equal(lse[:2], clean_lse[:2])
+    ref_out, _ = mla_prefill_reference(
+        *(y[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")),
+        query_lens, context_lens, x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
+    assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref_out).any(-1)), where

@@ -53,6 +53,11 @@ class MathBackend(AttentionBackend):
         # masked_fill (a where), not a multiply: a NaN score of another sequence becomes -inf
         scores.masked_fill_(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]; -inf for rows without keys, NaN stays
+        # A query with keys whose scores are all -inf, or any +inf (an inf in q or k), has no
+        # softmax: NaN, as the float64 reference's, never "no keys" (0, -inf) or all the mass.
+        has_keys = mask.any(dim=-1)  # [Tq]
+        lse = lse.masked_fill(((lse == float("-inf")) & has_keys) | (lse == float("inf")),
+                              float("nan"))
         lse_safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
         probs = torch.exp(scores - lse_safe[..., None])  # masked entries: exp(-inf) = 0
         # probs @ v sums over every key of the batch: 0 * NaN of another sequence's value would
