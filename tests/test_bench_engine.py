@@ -238,3 +238,17 @@ def test_summary_separates_steps_that_ran_a_launch_eagerly():
     eager = summarize([run(forward, [None] * 100)])
     assert eager["graph_first_sight_steps_per_run"] == [None]
     assert eager["graph_replay_only_host_forward_ms_per_layer_p99"] is None
+
+
+def test_deadline_stops_a_wait_for_a_late_arrival():
+    """Was: with arrivals minutes apart the engine slept until the next one whatever the
+    deadline (``bench --request-rate 0.003 --max-seconds 5`` still ran at 150 s)."""
+    import time
+
+    engine = PrefillEngine(EngineConfig(**BASE, prompt_len=8, num_requests=3, max_concurrent=4,
+                                        token_budget=64, workspace_tokens=32, page_size=4,
+                                        request_rate=0.003))  # ~5 min between arrivals
+    t = time.perf_counter()
+    result = engine.run(Variant.parse("ring+packed"), deadline=time.perf_counter() + 0.5)
+    assert time.perf_counter() - t < 20
+    assert result.truncated

@@ -448,7 +448,10 @@ class PrefillEngine:
                     self._observe(state, block=True)  # a request must finish first
                 else:
                     nxt = scheduler.next_arrival_s()
-                    time.sleep(max(0.0, (nxt if nxt is not None else now) - now))
+                    until = nxt if nxt is not None else now
+                    if deadline is not None:  # never sleep past it: the check above then stops
+                        until = min(until, deadline - t0)
+                    time.sleep(max(0.0, until - now))
                 continue
             ta = time.perf_counter()
             arrays = build_engine_arrays(step, prompt_tokens=self.prompt_tokens,
