@@ -89,6 +89,9 @@ def test_batches_errors_exit_2_with_line(tmp_path, capsys, content, match):
 @pytest.mark.parametrize("argv, match", [
     (["--context-lens", "10,-1", "--query-lens", "1,1"], r"context_lens\[1\] = -1 is negative"),
     (["--context-lens", "10,x", "--query-lens", "1,1"], r"--context-lens must be comma-separated"),
+    (["--context-lens", "1,,2", "--query-lens", "1,1"], r"--context-lens has an empty item"),
+    (["--context-lens", "1,2", "--query-lens", "1,1,"], r"--query-lens has an empty item"),
+    (["--context-lens", "", "--query-lens", "1"], r"--context-lens has an empty item"),
     (["--query-lens", "1"], r"--context-lens is required"),
     (["--context-lens", "1", "--query-lens", "1", "--workspace-tokens", "0"],
      r"workspace_tokens must be a positive int"),

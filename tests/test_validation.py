@@ -7,6 +7,7 @@ tables, a DevicePlan whose ring slot was reused.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,8 @@ def test_device_plan_must_be_uploaded(x, device_plan, match):
     (float("inf"), ValueError, r"softmax_scale must be a finite number > 0, got inf"),
     (0.0, ValueError, r"softmax_scale must be a finite number > 0, got 0.0"),
     (-0.1, ValueError, r"softmax_scale must be a finite number > 0, got -0.1"),
+    (2 ** 1100, ValueError, r"softmax_scale must be a finite number > 0, got inf"),  # was an
+    # OverflowError from float()
 ])
 def test_softmax_scale_checked_up_front(x, scale, exc, match):
     """Was: 'x' failed deep in math.py; NaN gave output 0 and LSE -inf for every query."""
@@ -84,8 +87,11 @@ def test_numpy_scale_accepted(x):
 
 
 @pytest.mark.parametrize("kw, exc, match", [
-    (dict(return_lse="yes"), TypeError, r"return_lse must be a bool, got str"),
-    (dict(validate=1), TypeError, r"validate must be a bool, got int"),
+    (dict(return_lse="yes"), TypeError, r"return_lse must be a bool \(True or False\), got str"),
+    (dict(validate=1), TypeError, r"validate must be a bool \(True or False\), got int"),
+    # was "must be a bool, got bool": numpy's bool is named as such
+    (dict(return_lse=np.True_), TypeError, r"return_lse must be a bool \(True or False\), got "
+                                           r"numpy\.bool"),
     (dict(context_source=3), TypeError, r"context_source must be a callable"),
 ])
 def test_forward_flags_are_typed(x, kw, exc, match):
@@ -140,7 +146,7 @@ def test_one_call_argument_checks(x, monkeypatch):
         _op(x, backend=["math"])
     with pytest.raises(TypeError, match=r"graphs must be an IterationGraphs or None, got int"):
         _op(x, graphs=1)
-    with pytest.raises(TypeError, match=r"validate must be a bool, got str"):
+    with pytest.raises(TypeError, match=r"validate must be a bool \(True or False\), got str"):
         _one_call(x, validate="yes")
 
 

@@ -25,7 +25,7 @@ from mlaprefill.dcp.plan import DCPChunkPlanner, dcp_config_digest
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.prefill import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.staging import StagingRing
-from mlaprefill.validation import infer_head_dims
+from mlaprefill.validation import check_bool, infer_head_dims
 
 __all__ = ["mla_chunked_prefill", "mla_chunked_prefill_dcp"]
 
@@ -151,8 +151,7 @@ def mla_chunked_prefill_dcp(
     Collective: every rank of ``process_group`` must call it with the same global lengths.
     Host work is the plan (numpy) and one upload; no host synchronization unless ``validate``.
     """
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
 
     check_dcp_config(1, dcp_interleave)
     rank, world = dcp_world(process_group)

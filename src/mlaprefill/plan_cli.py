@@ -88,8 +88,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _parse_list(flag: str, text: str | None) -> list[int]:
     if text is None:
         raise _InputError(f"{flag} is required (comma-separated ints), unless --batches is given")
+    tokens = text.split(",")
+    if any(not tok.strip() for tok in tokens):  # "1,,2" is a typo, not the list [1, 2]
+        raise _InputError(f"{flag} has an empty item in {text!r}; give comma-separated ints "
+                          f"such as 80000,1000")
     try:
-        return [int(tok) for tok in text.split(",") if tok.strip()]
+        return [int(tok) for tok in tokens]
     except ValueError:
         raise _InputError(f"{flag} must be comma-separated ints, got {text!r}") from None
 

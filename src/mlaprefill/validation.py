@@ -17,8 +17,9 @@ import torch
 from mlaprefill.plan import ChunkPlan
 from mlaprefill.staging import DevicePlan
 
-__all__ = ["FLOAT_DTYPES", "check_block_ids", "check_device_plan", "check_device_plan_matches",
-           "check_forward_inputs", "check_rope_dim", "check_softmax_scale", "infer_head_dims"]
+__all__ = ["FLOAT_DTYPES", "check_block_ids", "check_bool", "check_device_plan",
+           "check_device_plan_matches", "check_forward_inputs", "check_rope_dim",
+           "check_softmax_scale", "infer_head_dims"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,6 +32,17 @@ def check_rope_dim(qk_rope_head_dim: Any) -> int | None:
     return qk_rope_head_dim
 
 
+def check_bool(name: str, flag: Any) -> bool:
+    """``flag`` itself if it is a Python bool; ``TypeError`` naming ``name`` and the type
+    otherwise (``numpy.bool`` is named as such, not as a bare "bool")."""
+    if not isinstance(flag, bool):
+        kind = type(flag)
+        named = kind.__name__ if kind.__module__ == "builtins" else \
+            f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name} must be a bool (True or False), got {named}")
+    return flag
+
+
 def check_softmax_scale(softmax_scale: Any) -> float | None:
     """``softmax_scale`` as a float (None stays None); ``TypeError``/``ValueError`` naming it."""
     if softmax_scale is None:
@@ -39,7 +51,10 @@ def check_softmax_scale(softmax_scale: Any) -> float | None:
         raise TypeError(f"softmax_scale must be a number (e.g. 1 / sqrt(qk_head_dim) times the "
                         f"YaRN mscale) or None, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r:.40}")
-    value = float(softmax_scale)
+    try:
+        value = float(softmax_scale)
+    except OverflowError:  # an int past float's range (2**1100): not a finite scale either
+        value = math.inf
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"softmax_scale must be a finite number > 0, got {value!r}; leave it "
                          f"None for 1 / sqrt(qk_head_dim)")
@@ -151,9 +166,8 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
     forward never reads ``block_table`` (the source gathers the rows, e.g. from a rank's local
     shard), so it is not checked against the contexts.
     """
-    for name, flag in (("return_lse", return_lse), ("validate", validate)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_bool("return_lse", return_lse)
+    check_bool("validate", validate)
     if context_source is not None and not callable(context_source):
         raise TypeError(f"context_source must be a callable (iteration, workspace) -> rows "
                         f"or None, got {type(context_source).__name__}")
