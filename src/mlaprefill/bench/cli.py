@@ -408,7 +408,15 @@ def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     if values.get("request_rate") is None:
         values["request_rate"] = math.inf
     known = {f.name for f in fields(EngineConfig)}
-    config = EngineConfig(**{k: v for k, v in values.items() if k in known})
+    try:
+        config = EngineConfig(**{k: v for k, v in values.items() if k in known})
+    except ValueError as exc:
+        # name the option the user typed, not the config field behind it
+        message = str(exc)
+        for opt, fld in _ENGINE_OPTS.items():
+            if getattr(args, opt, None) is not None:
+                message = message.replace(f"EngineConfig.{fld} ", f"--{opt.replace('_', '-')} ")
+        raise ValueError(message) from None
     return name, scenario, config
 
 
