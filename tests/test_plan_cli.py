@@ -248,3 +248,25 @@ def test_plan_cli_knows_every_backend():
     from mlaprefill.plan_cli import _BACKEND_NAMES
 
     assert set(_BACKEND_NAMES) == set(BACKENDS)
+
+
+def test_usage_errors_are_one_line_and_ctrl_c_is_130(capsys, monkeypatch):
+    """Was: an argparse error printed the whole usage block (8-16 lines); Ctrl-C while a
+    subcommand's module imported torch printed a 52-line traceback."""
+    import importlib
+
+    from mlaprefill import cli
+
+    for argv in (["plan", "--policy", "x"], ["bench", "--nope"], ["plan", "--workspace-tokens"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err and "--help" in err, err
+
+    def interrupted(name, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert cli.main(["bench", "--dry-run"]) == 130
+    assert capsys.readouterr().err == "mlaprefill: interrupted\n"

@@ -49,10 +49,18 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line on stderr (exit status 2) instead of
+    the whole usage block; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def _build_parser(only: str | None) -> argparse.ArgumentParser:
     from mlaprefill import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="mlaprefill",
         description="MLA chunked-context prefill without host stalls, and tools that find them.",
         epilog="Exit status: 0 ok, 1 findings (audit, lint), 2 invalid input (one line on "
@@ -71,6 +79,14 @@ def _build_parser(only: str | None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mlaprefill`` console script; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C at any moment (torch's import takes seconds): no traceback
+        print("mlaprefill: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     only = command if command in SUBCOMMANDS else None
