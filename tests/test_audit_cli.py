@@ -249,3 +249,20 @@ def test_console_script_module_entry_point(tmp_path: pathlib.Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "mlaprefill", "audit", str(script)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "fix per kind:" in proc.stdout, proc.stderr
+
+
+def test_audit_takes_the_form_people_type(tmp_path: pathlib.Path) -> None:
+    """Was: ``mlaprefill audit -- python s.py`` failed with "SCRIPT 'python' does not exist"."""
+    script = tmp_path / "s.py"
+    script.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    for argv in (["audit", "--json", "--", "python", str(script), "a", "-b"],
+                 ["audit", "--json", "python3", str(script), "a", "-b"],
+                 ["audit", "--json", sys.executable, str(script), "a", "-b"]):
+        status, out, err = _run(argv)
+        assert status == 0, err
+        report = json.loads(out)
+        assert report["script"] == str(script) and report["args"] == ["a", "-b"], report
+    for argv, words in ((["audit", "python"], "is the Python interpreter"),
+                        (["audit", "python", "-m", "pkg"], "not interpreter options")):
+        status, _, err = _run(argv)
+        assert status == 2 and words in err and err.count("\n") == 1, err

@@ -121,18 +121,36 @@ def _check_profile(profile: bool) -> None:
                          "machine); drop --profile here, or run on a CUDA machine")
 
 
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
+
+
+def _drop_interpreter(script: str, script_args: list[str]) -> tuple[str, list[str]]:
+    """``mlaprefill audit -- python s.py ARGS`` (the form people type) is ``audit s.py ARGS``:
+    a first word naming a Python interpreter that is not a file here is dropped."""
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    if (_PYTHON.fullmatch(os.path.basename(script)) and not os.path.isfile(script)) or (
+            script == sys.executable):
+        if not script_args:
+            raise UsageError(f"SCRIPT {script!r} is the Python interpreter; pass the script "
+                             f"to audit after it (mlaprefill audit {script} s.py ARGS...)")
+        if script_args[0].startswith("-"):
+            raise UsageError(f"{script} {script_args[0]} ...: the audit runs a script file, "
+                             f"not interpreter options; pass the script's path "
+                             f"(for -m MODULE, the module's file)")
+        return script_args[0], script_args[1:]
+    return script, script_args
+
+
 def run(args: argparse.Namespace) -> int:
-    script = args.script
     try:
+        script, script_args = _drop_interpreter(args.script, list(args.args))
         check_script(script)
         _check_profile(args.profile)
     except UsageError as e:
         print(f"mlaprefill audit: error: {e}", file=sys.stderr)
         return 2
     as_json = args.json or args.format == "json"
-    script_args = list(args.args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
     redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     with redirect:
         audit, status, error = audit_script(script, script_args, strict=args.strict,
