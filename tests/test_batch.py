@@ -117,3 +117,16 @@ def test_lengths_beyond_int32_rejected_before_summing(query_lens, context_lens, 
 def test_page_size_beyond_int32_rejected():
     with pytest.raises(ValueError, match=r"page_size = 1099511627776 overflows int32"):
         PrefillBatch([1], [1], page_size=2**40)
+
+
+def test_object_arrays_of_ints_are_read_or_refused_clearly():
+    """Was: ``PrefillBatch(np.array([3, 2], dtype=object), ...)`` raised a bare StopIteration."""
+    import numpy as np
+
+    batch = PrefillBatch(np.array([3, 2], dtype=object), np.array([5, 0], dtype=object),
+                         page_size=4)
+    assert batch.query_lens.tolist() == [3, 2] and batch.context_lens.tolist() == [5, 0]
+    for bad, words in (([3, 2**70], "overflows int32"), ([3, -2**70], "is negative"),
+                       ([3, -2], "needs >= 1 new token")):
+        with pytest.raises(ValueError, match=words):
+            PrefillBatch(np.array(bad, dtype=object), [1, 1], page_size=4)

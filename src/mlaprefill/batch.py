@@ -59,9 +59,18 @@ def _as_host_lengths(name: str, value: Any) -> np.ndarray:
             ) from None
         if arr.dtype == object and arr.ndim == 1 and arr.size and all(
                 type(v) is int for v in arr.tolist()):
-            # Python ints beyond 64 bits: numpy keeps them as objects. Report the overflow.
-            r = next(i for i, v in enumerate(arr.tolist()) if not 0 <= v <= INT32_MAX)
-            raise ValueError(_overflow_message(name, r, int(arr[r])))
+            # Python ints in an object array (also those beyond 64 bits, which numpy keeps as
+            # objects): too large ones are reported, the rest read as int64 (negatives are
+            # reported below).
+            values = arr.tolist()
+            r = next((i for i, v in enumerate(values) if v > INT32_MAX), None)
+            if r is not None:
+                raise ValueError(_overflow_message(name, r, values[r]))
+            r = next((i for i, v in enumerate(values) if v < -INT32_MAX), None)
+            if r is not None:
+                raise ValueError(f"PrefillBatch.{name}[{r}] = {values[r]} is negative; a length "
+                                 f"counts tokens (>= 0)")
+            arr = np.asarray(values, dtype=np.int64)
         # np.asarray([]) is float64: let it through to the empty-batch message
         if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind != "f"):
                 raise ValueError(
