@@ -62,11 +62,14 @@ def test_cli_writes_json_with_every_metric_and_png(tmp_path, capsys):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_errors_exit_2_without_traceback(capsys):
+def test_cli_errors_exit_2_without_traceback(capsys, tmp_path):
     assert main(["bench", *SMALL, "--variants", "ring+fast"]) == 2
     assert "policy" in capsys.readouterr().err
     assert main(["bench", "--scenario", "stall", "--device", "cpu"]) == 2
     assert "cpu-tiny" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such" / "dir"  # was created, a whole tree of it
+    assert main(["bench", *SMALL, "--out", str(missing)]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
     assert main(["bench", *SMALL, "--concurrency", "0"]) == 2
     err = capsys.readouterr().err  # the option typed, not the config field behind it
     assert "--concurrency must be a positive int, got 0" in err and "EngineConfig" not in err

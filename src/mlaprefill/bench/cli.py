@@ -339,8 +339,12 @@ def _check_out_dir(out: Path) -> None:
     """Create ``out`` and prove it writable now, so a bad --out fails before the run."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for bench.json and bench.png.")
+    parent = out.absolute().parent
+    if not parent.is_dir():  # a typo in a path should not become a tree of new directories
+        raise ValueError(f"--out {out}: its parent {parent} does not exist; create it first or "
+                         f"pass another --out (the bench makes only the last directory).")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".mlaprefill-write-check-"):
             pass
     except OSError as exc:
