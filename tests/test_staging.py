@@ -239,7 +239,9 @@ def test_cuda_device_without_cuda():
 
 
 def test_pin_mode_rejects_non_int32():
-    class Bad:
+    class Bad:  # a StagedPlan (chunk_plan and device_arrays) whose array is not int32
+        chunk_plan = None
+
         def device_arrays(self, *, token_tables=False):
             return {"x": np.zeros(3, np.float32)}
 
@@ -262,3 +264,13 @@ def test_zero_broadcast_skip_never_leaves_stale_data():
     two = make_plan([300, 300])
     for p in (one, two, one, one, two, one):
         assert_matches(ring.upload(p, token_tables=True), p, token_tables=True)
+
+
+@pytest.mark.parametrize("bad", [None, 3, object(), "plan", [1, 2]])
+def test_upload_of_something_else_is_a_type_error_and_changes_nothing(bad):
+    """Was: AttributeError ('NoneType' object has no attribute 'device_arrays')."""
+    ring = StagingRing("cpu")
+    before = (ring.stats.uploads, ring.stats.bytes)
+    with pytest.raises(TypeError, match="plan must be a ChunkPlan"):
+        ring.upload(bad)
+    assert (ring.stats.uploads, ring.stats.bytes) == before

@@ -350,8 +350,16 @@ class StagingRing:
         ValueError
             Ring mode: the plan alone needs more than ``max_pinned_bytes``.
         TypeError
-            An array of ``device_arrays()`` is not int32.
+            ``plan`` is not a plan (no ``device_arrays`` and ``chunk_plan``), ``token_tables``
+            not a bool, or an array of ``device_arrays()`` is not int32.
         """
+        if not (callable(getattr(plan, "device_arrays", None))
+                and hasattr(plan, "chunk_plan")):
+            raise TypeError(f"plan must be a ChunkPlan (or another StagedPlan: device_arrays() "
+                            f"and chunk_plan), got {type(plan).__name__}; pass "
+                            f"ChunkPlanner(...).plan(batch)")
+        if not isinstance(token_tables, bool):
+            raise TypeError(f"token_tables must be a bool, got {type(token_tables).__name__}")
         t0 = time.perf_counter()
         arrays = plan.device_arrays(token_tables=token_tables)
         if self.mode == "ring":
