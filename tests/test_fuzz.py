@@ -244,14 +244,18 @@ def test_fuzz_planner(ctx, page, workspace, planner_page, policy):
 @given(device=st.sampled_from(["cpu", "cpu", "cpu", "meta", "xyz", "cuda", "cuda:7", None, 5,
                                torch.device("cpu")]),
        mode=st.sampled_from(["ring", "ring", "pin", "pageable", "fast"]),
-       valid_uploads=st.sampled_from([0, 3, 3, -1, True]))
-def test_fuzz_staging_ring(device, mode, valid_uploads):
+       valid_uploads=st.sampled_from([0, 3, 3, -1, True, 1024, 1025, 10**9]),
+       plan_kind=st.sampled_from(["plan"] * 6 + [None, 3, "plan?"]))
+def test_fuzz_staging_ring(device, mode, valid_uploads, plan_kind):
     plan = ChunkPlanner(16, 4).plan(PrefillBatch([1, 2], [9, 30], page_size=4))
+    arg = plan if plan_kind == "plan" else plan_kind
+    bad_uploads = type(valid_uploads) is not int or not 0 <= valid_uploads <= 1024
     try:
-        dplan = StagingRing(device, mode=mode, valid_uploads=valid_uploads).upload(plan)
+        dplan = StagingRing(device, mode=mode, valid_uploads=valid_uploads).upload(arg)
     except Exception as exc:
-        clear_error("StagingRing", exc, "StagingRing")
+        clear_error("StagingRing", exc, "StagingRing", "plan must be")
         return
+    assert not bad_uploads and arg is plan, (valid_uploads, plan_kind)
     assert isinstance(dplan, DevicePlan) and not torch.cuda.is_available()
     for name, arr in plan.device_arrays().items():
         assert np.array_equal(dplan.tensors[name].numpy(), arr)

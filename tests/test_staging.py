@@ -225,7 +225,9 @@ def test_views_cached_per_slot_and_layout():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(mode="fast"), ValueError, r"mode must be one of \['ring', 'pin', 'pageable'\]"),
     (dict(max_pinned_bytes=0), ValueError, r"max_pinned_bytes must be an int >= 64"),
-    (dict(valid_uploads=-1), ValueError, r"valid_uploads must be an int >= 0"),
+    (dict(valid_uploads=-1), ValueError, r"valid_uploads must be an int in \[0, 1024\]"),
+    # was 90 s of slot and event objects, then a MemoryError
+    (dict(valid_uploads=10**9), ValueError, r"valid_uploads must be an int in \[0, 1024\]"),
 ])
 def test_ring_arg_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):

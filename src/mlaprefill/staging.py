@@ -49,10 +49,13 @@ import torch
 
 from mlaprefill.plan import ChunkPlan, StagedPlan
 
-__all__ = ["ALIGN_BYTES", "MODES", "DevicePlan", "HostEvent", "StagingRing", "StagingStats",
-           "layout", "rows_to_requests"]
+__all__ = ["ALIGN_BYTES", "MAX_VALID_UPLOADS", "MODES", "DevicePlan", "HostEvent", "StagingRing",
+           "StagingStats", "layout", "rows_to_requests"]
 
 ALIGN_BYTES = 64
+#: Most later uploads a ring-mode DevicePlan can be asked to survive: the ring makes one slot and
+#: one event per upload it must keep, at construction (10**9 took 90 s, then a MemoryError).
+MAX_VALID_UPLOADS = 1024
 _ALIGN = ALIGN_BYTES // 4  # in int32 elements
 _MIN_ARENA_BYTES = 64 * 1024
 MODES = ("ring", "pin", "pageable")
@@ -295,9 +298,11 @@ class StagingRing:
                 f"got {max_pinned_bytes!r}."
             )
         if isinstance(valid_uploads, bool) or not isinstance(valid_uploads, int) \
-                or valid_uploads < 0:
+                or not 0 <= valid_uploads <= MAX_VALID_UPLOADS:
             raise ValueError(
-                f"StagingRing.valid_uploads must be an int >= 0, got {valid_uploads!r}."
+                f"StagingRing.valid_uploads must be an int in [0, {MAX_VALID_UPLOADS}] (one "
+                f"slot and event each, made now), got {valid_uploads!r}; a DevicePlan needed "
+                f"after more later uploads than that should be uploaded again."
             )
         dev = parse_device(device, "StagingRing device")
         if dev.type not in ("cpu", "cuda"):
