@@ -282,3 +282,14 @@ def test_larger_gather_bound_keeps_the_single_rank_iterations() -> None:
                                                                                      rank=0)
     with pytest.raises(ValueError, match="max_gathered_tokens"):
         DCPChunkPlanner(64, 16, world=4, interleave=16, max_gathered_tokens=0)
+
+
+@pytest.mark.parametrize("world, interleave, words", [
+    (2**40, 16, "world = 1099511627776 is more than 4,096"),  # was: tried to allocate 8 TiB
+    (10**6, 16, "world = 1000000 is more than 4,096"),  # was: 10.7 s before its error
+    (2, 2**31, "dcp_interleave = 2147483648 is more than"),
+])
+def test_dcp_sizes_bounded_before_planning(world, interleave, words):
+    with pytest.raises(ValueError, match=words):
+        DCPChunkPlanner(64, 16, world=world, interleave=interleave)
+    assert DCPChunkPlanner(64, 16, world=4096, interleave=16).world == 4096

@@ -21,13 +21,25 @@ __all__ = [
     "dcp_token_location",
 ]
 
+#: Most ranks a DCP group may have: the plan holds O(world x iterations x requests) ints, so a
+#: world of 10**6 spent 10 s and one of 2**40 tried to allocate 8 TiB before any error.
+MAX_DCP_WORLD = 4096
+#: Most tokens per interleave unit (int32 token indices).
+MAX_DCP_INTERLEAVE = 2**31 - 1
+
+
 def check_dcp_config(world: int, interleave: int) -> None:
-    """Raise ``ValueError`` unless ``world`` and ``interleave`` are positive ints."""
-    for name, value in (("world", world), ("dcp_interleave", interleave)):
+    """Raise ``ValueError`` unless ``world`` is an int in ``[1, MAX_DCP_WORLD]`` and
+    ``interleave`` one in ``[1, MAX_DCP_INTERLEAVE]`` (checked before anything is sized)."""
+    for name, value, most in (("world", world, MAX_DCP_WORLD),
+                              ("dcp_interleave", interleave, MAX_DCP_INTERLEAVE)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
             raise ValueError(
                 f"{name} must be a positive int, got {value!r}; pass e.g. {name}=1"
             )
+        if value > most:
+            raise ValueError(f"{name} = {value} is more than {most:,}; pass the size of the "
+                             f"DCP process group (ranks that shard the context)")
 
 
 def dcp_token_location(tokens: np.ndarray, *, world: int,
