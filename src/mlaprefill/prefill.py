@@ -40,6 +40,7 @@ from mlaprefill.validation import (
     check_forward_inputs,
     check_rope_dim,
     check_softmax_scale,
+    lse_dtype_for,
     plan_tensors,
 )
 from mlaprefill.weights import UpProjection
@@ -244,7 +245,7 @@ class MLAChunkedPrefill:
             self._checked = checked
         backend = self._backend
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
-        lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        lse_dtype = lse_dtype_for(dtype)
 
         num_tokens = plan.num_query_tokens
         if num_tokens == 0:
@@ -272,14 +273,13 @@ class MLAChunkedPrefill:
             kv_c_new, k_pe_new,
             torch.empty(self.upproj.kv_numel(num_tokens, qk, v_padded), dtype=dtype,
                         device=device), rope, joined=joined, v_padded=v_padded)
-        k_rope = None if joined else k_pe_new
+        split = {} if joined else {"k_rope": k_pe_new}  # joined-key backends take no k_rope
         if out is not None:  # the caller's buffer: the backend stores into it
             lse = torch.empty(num_tokens, h, dtype=lse_dtype, device=device) if lse is None \
                 else lse
             backend.attend_and_store(q, k_new, v_new, new_seqs, out, lse, causal=True,
-                                            softmax_scale=scale, k_rope=k_rope)
+                                     softmax_scale=scale, **split)
         else:
-            split = {} if joined else {"k_rope": k_pe_new}  # joined-key backends take no k_rope
             out_a, lse_a = backend.attend(q, k_new, v_new, new_seqs, causal=True,
                                           softmax_scale=scale, **split)
             out = out_a[..., :self.v_head_dim]
@@ -357,7 +357,7 @@ class MLAChunkedPrefill:
         device = self.weight.device if device is None else parse_device(
             device, "io_buffers device")
         h, qk, v = self.num_heads, self.qk_nope_head_dim + rope, self.v_head_dim
-        lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        lse_dtype = lse_dtype_for(dtype)
         if self.graphs is None or lse_dtype != torch.float32:
             return IOBuffers(torch.empty(num_tokens, h, qk, dtype=dtype, device=device),
                              torch.empty(num_tokens, h, v, dtype=dtype, device=device),

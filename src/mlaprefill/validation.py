@@ -19,7 +19,7 @@ from mlaprefill.staging import DevicePlan
 
 __all__ = ["FLOAT_DTYPES", "check_block_ids", "check_bool", "check_device_plan",
            "check_device_plan_matches", "check_forward_inputs", "check_rope_dim",
-           "check_softmax_scale", "infer_head_dims"]
+           "check_softmax_scale", "infer_head_dims", "lse_dtype_for"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -30,6 +30,11 @@ def check_rope_dim(qk_rope_head_dim: Any) -> int | None:
         raise ValueError(f"qk_rope_head_dim must be an int >= 0 or None, got "
                          f"{qk_rope_head_dim!r}")
     return qk_rope_head_dim
+
+
+def lse_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The LSE's dtype for inputs of ``dtype``: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_bool(name: str, flag: Any) -> bool:
@@ -234,8 +239,7 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
                                                   or validate):
         # Free on host memory; on a device it copies the used columns to the host: a sync.
         check_block_ids(block_table, plan.context_lens, plan.page_size, kv_cache.shape[0])
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    check_out_buffers(out, lse, (num_tokens, h), v_head_dim, dtype, lse_dtype, device)
+    check_out_buffers(out, lse, (num_tokens, h), v_head_dim, dtype, lse_dtype_for(dtype), device)
     if validate:
         check_device_plan_matches(device_plan)
     return rope
