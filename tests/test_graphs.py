@@ -16,8 +16,11 @@ from mlaprefill.graphs import (
     pow2_at_least,
     row_bucket,
 )
+from mlaprefill.kvcache import KVCacheSpec
 from mlaprefill.prefill import MLAChunkedPrefill
 from mlaprefill.replay import _ArenaReplay
+
+PLAIN8 = KVCacheSpec("plain", None, None, 12)  # how the tests' caches (rank 8 + rope 4) read
 
 CPU = torch.device("cpu")
 DIMS = dict(device=CPU, dtype=torch.float16, kv_dtype=torch.float16, heads=2, qk=24, v=16,
@@ -308,7 +311,7 @@ def test_arena_load_pads_sequences_over_stale_values():
         plan = ChunkPlanner(32, 4).plan(PrefillBatch(query_lens, context_lens, page_size=4))
         dp = StagingRing("cpu").upload(plan)
         t, n, iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
-        replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+        replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], PLAIN8,
                               x["block_table"], dp, 4, 0.5, 512, 512)
         a, seqs = replay.arena, pow2_at_least(n)
         assert torch.equal(a.q[:t], x["q"])
@@ -350,8 +353,8 @@ def test_arena_keeps_offsets_of_the_same_device_plan_and_copies_others():
     dp = ring.upload(WithTable())
 
     def load(dp, block_table):
-        return _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], block_table,
-                            dp, 4, 0.5, 512, 512).arena
+        return _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], PLAIN8,
+                            block_table, dp, 4, 0.5, 512, 512).arena
 
     staged_table = dp["block_table"]
     arena = load(dp, staged_table)

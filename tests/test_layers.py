@@ -25,7 +25,7 @@ LAYERS = {
     "mlaprefill.kernels": 3, "mlaprefill.backends": 3, "mlaprefill.graphs": 3,
     "mlaprefill.weights": 3, "mlaprefill.validation": 3, "mlaprefill.replay": 3,
     "mlaprefill.prefill": 3, "mlaprefill.reference": 3, "mlaprefill.dcp.forward": 3,
-    "mlaprefill.dcp.shard": 3,
+    "mlaprefill.dcp.shard": 3, "mlaprefill.kvcache": 3,
     "mlaprefill.api": 4,
     "mlaprefill.bench": 5, "mlaprefill.cli": 5, "mlaprefill.plan_cli": 5,
     "mlaprefill.__main__": 5,

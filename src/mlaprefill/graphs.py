@@ -96,8 +96,8 @@ class Arena:
     q : [token_cap, H, qk]; out : [token_cap, H, v]; lse : float32 [token_cap, H]
     cu_q : int32 [seq_cap + 1]; cu_k : int32 [iter_cap, seq_cap + 1]
     starts : int32 [iter_cap, seq_cap]; block_table : int32 [seq_cap, block_cap]
-    workspace : [row_cap, latent] in the cache's dtype (the new tokens' latent rows first, then
-        each iteration's gathered rows); kv_buf : [kv_cap] in q's dtype (flat)
+    workspace : [row_cap, latent] in the compute dtype (the new tokens' latent rows first, then
+        each iteration's gathered rows, dequantized); kv_buf : [kv_cap] in q's dtype (flat)
     counter : int64 [1], the iteration a replay runs (it adds one to it)
     next : int, the host's view of ``counter``
     """

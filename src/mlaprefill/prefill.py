@@ -173,7 +173,8 @@ class MLAChunkedPrefill:
                 kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: DevicePlan, *,
                 return_lse: bool = False, out: torch.Tensor | None = None,
                 lse: torch.Tensor | None = None, context_source: ContextSource | None = None,
-                validate: bool = False,
+                validate: bool = False, kv_cache_scale: float | torch.Tensor | None = None,
+                kv_cache_format: str | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output of every new token over its context and the new tokens before it.
 
@@ -182,7 +183,11 @@ class MLAChunkedPrefill:
         q : [T, H, qk_nope_head_dim + qk_rope_head_dim] (roped), contiguous
         kv_c_new : [T, kv_lora_rank]
         k_pe_new : [T, qk_rope_head_dim] (roped)
-        kv_cache : [num_blocks, page_size, kv_lora_rank + qk_rope_head_dim], q's dtype
+        kv_cache : [num_blocks, page_size, record]
+            Records of q's dtype (``record = kv_lora_rank + qk_rope_head_dim``),
+            ``float8_e4m3fn`` (with ``kv_cache_scale``) or ``uint8`` 656-byte records of
+            ``kv_cache_format="fp8_ds_mla"``; see :mod:`mlaprefill.kvcache`. Rows are
+            dequantized to q's dtype while they are gathered.
         block_table : int32 [num_reqs, max_blocks] on the cache's device
         device_plan : :class:`mlaprefill.staging.DevicePlan` of a ChunkPlan (or a DCP plan)
         return_lse : also return the LSE
@@ -199,7 +204,13 @@ class MLAChunkedPrefill:
             of the block table's used columns and of the DevicePlan's tensors): every block id a
             context reads is in ``[0, num_blocks)``, and the DevicePlan's device tensors still
             hold its plan (a ring slot is reused after ``valid_uploads`` later uploads). For
-            debugging and first integration, not for the hot path.
+            debugging and first integration, not for the hot path. With a scale tensor, also
+            that it holds a finite value > 0.
+        kv_cache_scale : float or 1-element float32 tensor on the cache's device, optional
+            The scale of a ``float8_e4m3fn`` cache (default 1.0): row = fp8 x scale. A tensor is
+            read by the device only (never on the host).
+        kv_cache_format : None or ``"fp8_ds_mla"``
+            Names the byte layout of a ``uint8`` cache (never guessed from a shape).
 
         Returns
         -------
@@ -224,11 +235,12 @@ class MLAChunkedPrefill:
         forwards, block ids outside the cache on CUDA without ``validate`` (the gather writes NaN
         rows for them, so the request's output is NaN and other requests are unaffected).
         """
-        rope = check_forward_inputs(
+        rope, cache_spec = check_forward_inputs(
             q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan, weight=self.weight,
             num_heads=self.num_heads, qk_nope_head_dim=self.qk_nope_head_dim,
             v_head_dim=self.v_head_dim, context_source=context_source, return_lse=return_lse,
-            validate=validate, out=out, lse=lse)
+            validate=validate, out=out, lse=lse, kv_cache_scale=kv_cache_scale,
+            kv_cache_format=kv_cache_format)
         return_lse = return_lse or lse is not None
         plan = device_plan.chunk_plan
         device, dtype = q.device, q.dtype
@@ -255,7 +267,8 @@ class MLAChunkedPrefill:
 
         if self.graphs is not None and context_source is None and backend.takes_split_keys:
             return forward_graphs(self, q, kv_c_new, k_pe_new, kv_cache, block_table,
-                                  device_plan, rope, scale, lse_dtype, return_lse, out, lse)
+                                  device_plan, rope, scale, lse_dtype, return_lse, out, lse,
+                                  cache_spec)
         tensors = plan_tensors(plan, device_plan)
         cu_q = tensors["cu_query_lens"]
         # int64 [T], for backends that read it (computed once per step, not per iteration)
@@ -296,7 +309,7 @@ class MLAChunkedPrefill:
             return (out, lse) if return_lse else out
         max_rows = plan.max_iteration_tokens
         chunk_starts, cu_seq_lens = tensors["chunk_starts"], tensors["cu_seq_lens"]
-        workspace = torch.empty(max_rows, rank + rope, dtype=kv_cache.dtype, device=device)
+        workspace = torch.empty(max_rows, rank + rope, dtype=dtype, device=device)
         kv_buf = torch.empty(self.upproj.kv_numel(max_rows, qk, v_padded), dtype=dtype,
                              device=device)
         for i in range(plan.num_iterations):
@@ -309,7 +322,9 @@ class MLAChunkedPrefill:
             joined = backend.wants_joined_keys(seqs_i, h, False)
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
-                                           chunk_starts[i], workspace, num_rows)
+                                           chunk_starts[i], workspace, num_rows,
+                                           kv_cache_scale=kv_cache_scale,
+                                           kv_cache_format=kv_cache_format)
             else:
                 rows = context_source(i, workspace)
                 if tuple(rows.shape) != (num_rows, rank + rope):

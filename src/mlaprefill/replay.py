@@ -18,6 +18,7 @@ import torch
 from mlaprefill.backends import VarlenSeqs
 from mlaprefill.graphs import EAGER, MIN_QUERY_BUCKET, Arena, pow2_at_least, row_bucket
 from mlaprefill.kernels.gather import gather_context_rows
+from mlaprefill.kvcache import KVCacheSpec
 from mlaprefill.staging import DevicePlan
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
                    k_pe_new: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    device_plan: DevicePlan, rope: int, scale: float, lse_dtype: torch.dtype,
                    return_lse: bool, out: torch.Tensor | None, lse: torch.Tensor | None,
+                   cache_spec: KVCacheSpec,
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``op.forward`` through the static buffers of ``op.graphs``: the new tokens' stage, then
     runs of context iterations, each a replay of a cached CUDA graph (or, at a launch shape's
@@ -48,8 +50,8 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
     new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
                      cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
     tokens = row_bucket(plan.num_query_tokens)
-    replay = _ArenaReplay(op, q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                          rope, scale, tokens,
+    replay = _ArenaReplay(op, q, kv_c_new, k_pe_new, kv_cache, cache_spec, block_table,
+                          device_plan, rope, scale, tokens,
                           max([tokens, *(rows for _, rows, _ in units)]))
     replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
     k = 0
@@ -125,12 +127,13 @@ class _PaddedIteration:
     from which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
     """
 
-    __slots__ = ("arena", "host", "kv_cache", "launch", "op")
+    __slots__ = ("arena", "cache_kwargs", "host", "kv_cache", "launch", "op")
 
-    def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
-                 max_q: int, rows: int, count: int, rope: int, scale: float,
-                 host: tuple[Any, Any] | None) -> None:
+    def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor,
+                 cache_spec: KVCacheSpec, seqs: int, max_q: int, rows: int, count: int,
+                 rope: int, scale: float, host: tuple[Any, Any] | None) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
+        self.cache_kwargs = cache_spec.gather_kwargs()
         self.launch = (seqs, max_q, rows, count, rope, scale)
 
     def __call__(self) -> None:
@@ -143,7 +146,8 @@ class _PaddedIteration:
             cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
-                                         arena.workspace, rows, use_kernel=True)
+                                         arena.workspace, rows, use_kernel=True,
+                                         **self.cache_kwargs)
             k_i, v_i = op.upproj.project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
                                          rope, joined=joined, v_padded=v_padded)
             op.backend.attend_and_merge(arena.q, k_i, v_i,
@@ -177,9 +181,9 @@ class _ArenaReplay:
     """
 
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
-                 k_pe_new: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 device_plan: DevicePlan, rope: int, scale: float, tokens: int,
-                 max_rows: int) -> None:
+                 k_pe_new: torch.Tensor, kv_cache: torch.Tensor, cache_spec: KVCacheSpec,
+                 block_table: torch.Tensor, device_plan: DevicePlan, rope: int, scale: float,
+                 tokens: int, max_rows: int) -> None:
         assert op.graphs is not None
         shared, plan = op.graphs, device_plan.chunk_plan
         num_tokens, num_seqs, num_iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
@@ -220,9 +224,11 @@ class _ArenaReplay:
         self.op, self.shared, self.device = op, shared, device
         self.use_graphs = device.type == "cuda"
         self.num_tokens = num_tokens
-        self.kv_cache, self.launch = kv_cache, (seqs, max_q, rope, scale)
+        self.kv_cache, self.cache_spec = kv_cache, cache_spec
+        self.launch = (seqs, max_q, rope, scale)
         self.key = (seqs, max_q, rope, scale, op.backend.name, kv_cache.data_ptr(),
-                    tuple(kv_cache.shape), tuple(kv_cache.stride()))
+                    tuple(kv_cache.shape), tuple(kv_cache.stride()), kv_cache.dtype,
+                    cache_spec.key)
 
     def new_tokens(self, tokens: int, joined: VarlenSeqs | None) -> None:
         """The new tokens' stage over ``tokens`` rows (their bucket); ``joined``: their
@@ -247,8 +253,8 @@ class _ArenaReplay:
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
-        self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, seqs, max_q, rows,
-                                                   count, rope, scale, host),
+        self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, self.cache_spec,
+                                                   seqs, max_q, rows, count, rope, scale, host),
                      stand_in=joined is None)
         arena.next = i + count  # each iteration added one to the counter
 

@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlaprefill.kvcache import KVCacheSpec, resolve_kv_cache
 from mlaprefill.plan import ChunkPlan
 from mlaprefill.staging import DevicePlan
 
 __all__ = ["FLOAT_DTYPES", "check_block_ids", "check_bool", "check_device_plan",
            "check_device_plan_matches", "check_forward_inputs", "check_rope_dim",
-           "check_softmax_scale", "infer_head_dims", "lse_dtype_for"]
+           "check_scale_value", "check_softmax_scale", "infer_head_dims", "lse_dtype_for"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -163,9 +164,11 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
                          block_table: Any, device_plan: Any, *, weight: torch.Tensor,
                          num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
                          context_source: Any = None, return_lse: Any = False,
-                         validate: Any = False, out: Any = None, lse: Any = None) -> int:
+                         validate: Any = False, out: Any = None, lse: Any = None,
+                         kv_cache_scale: Any = None,
+                         kv_cache_format: Any = None) -> tuple[int, KVCacheSpec]:
     """Check every input of ``MLAChunkedPrefill.forward`` against the weight and the plan's host
-    ints; return the rope dim (``k_pe_new.shape[1]``).
+    ints; return the rope dim (``k_pe_new.shape[1]``) and how to read the cache.
 
     Host-only (never reads device memory) unless ``validate``. With a ``context_source`` the
     forward never reads ``block_table`` (the source gathers the rows, e.g. from a rank's local
@@ -199,9 +202,12 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
                 f"plan.num_query_tokens = {num_tokens}, H = {h} and kv_lora_rank = {rank} "
                 f"from kv_b_proj_weight, qk = qk_nope_head_dim {nope} + rope {rope} from "
                 f"k_pe_new)")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + rope:
-        raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected [num_blocks, "
-                         f"page_size, {rank + rope}] (kv_lora_rank + qk_rope_head_dim)")
+    dtype = q.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype {dtype} is not a float dtype; expected one of "
+                         f"{FLOAT_DTYPES}")
+    spec = resolve_kv_cache(kv_cache, kv_cache_scale, kv_cache_format,
+                            latent_dim=rank + rope, dtype=dtype)
     if kv_cache.shape[1] != plan.page_size:
         raise ValueError(f"kv_cache page_size {kv_cache.shape[1]} != plan.page_size "
                          f"{plan.page_size}; plan with the cache's page size")
@@ -215,11 +221,7 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
         raise ValueError(f"block_table has {block_table.shape[1]} blocks per request "
                          f"(x page_size {plan.page_size}), fewer than the longest context "
                          f"{max_ctx} tokens needs")
-    dtype = q.dtype
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q dtype {dtype} is not a float dtype; expected one of "
-                         f"{FLOAT_DTYPES}")
-    for name, t in (("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new), ("kv_cache", kv_cache)):
+    for name, t in (("kv_c_new", kv_c_new), ("k_pe_new", k_pe_new)):
         if t.dtype != dtype:
             raise ValueError(f"{name} dtype {t.dtype} != q dtype {dtype}; cast them to one "
                              f"dtype")
@@ -242,7 +244,18 @@ def check_forward_inputs(q: Any, kv_c_new: Any, k_pe_new: Any, kv_cache: Any,
     check_out_buffers(out, lse, (num_tokens, h), v_head_dim, dtype, lse_dtype_for(dtype), device)
     if validate:
         check_device_plan_matches(device_plan)
-    return rope
+        if spec.scale_tensor is not None:
+            check_scale_value(spec.scale_tensor)
+    return rope, spec
+
+
+def check_scale_value(scale: torch.Tensor) -> None:
+    """``ValueError`` unless the device scale tensor holds a finite value > 0 (reads it:
+    synchronizes on a device; ``validate=True`` only)."""
+    value = float(scale.cpu().numpy()[0])
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"kv_cache_scale holds {value!r}; the scale must be a finite number "
+                         f"> 0 (the dequantized value is fp8 x scale)")
 
 
 def check_out_buffers(out: Any, lse: Any, tokens_heads: tuple[int, int], v_head_dim: int,

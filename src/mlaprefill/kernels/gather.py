@@ -28,23 +28,32 @@ Bandwidth model (benchmarks/attention.py): bytes = rows * latent_dim * elt (read
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mlaprefill.kernels._triton import HAS_TRITON, cdiv, tl, triton, use_triton
+from mlaprefill.kvcache import DS_MLA_RANK, KVCacheSpec, dequantize_rows, resolve_kv_cache
 from mlaprefill.staging import rows_to_requests
 
-__all__ = ["gather_context_rows", "gather_context_rows_torch", "rows_to_requests"]
+__all__ = ["gather_context_records", "gather_context_rows", "gather_context_rows_torch",
+           "rows_to_requests"]
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _gather_kernel(
-        kv_cache_ptr,        # [num_blocks, PAGE_SIZE, LATENT_DIM], last dim contiguous
+        kv_cache_ptr,        # [num_blocks, PAGE_SIZE, record]: last dim contiguous (FORMAT 2:
+                             # the uint8 records viewed as float8_e4m3fn, strides in bytes)
+        scales_ptr,          # FORMAT 1 with SCALE_FROM_PTR: float32 [1]; FORMAT 2: the same
+                             # records viewed as float32 (offsets = byte offsets / 4)
+        rope_ptr,            # FORMAT 2: the same records viewed as bfloat16; else unused
         workspace_ptr,       # [>= num_rows, LATENT_DIM], last dim contiguous
         block_table_ptr,     # int32 [num_reqs, max_blocks]
         cu_seq_lens_ptr,     # int32 [num_reqs + 1] (this iteration's row)
         chunk_starts_ptr,    # int32 [num_reqs]     (this iteration's row)
+        scale,               # FORMAT 1 without SCALE_FROM_PTR: the float32 scale
         num_rows,            # rows to gather (host int)
         num_reqs,            # requests (host int)
         num_blocks,          # cache pages (host int): block ids outside [0, num_blocks) -> NaN
@@ -57,6 +66,10 @@ if HAS_TRITON:
         LOG2_REQS: tl.constexpr,   # ceil(log2(num_reqs)): binary-search steps
         BLOCK_ROWS: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        FORMAT: tl.constexpr,      # 0: copy records, 1: e4m3 x one scale, 2: fp8_ds_mla
+        SCALE_FROM_PTR: tl.constexpr,
+        BYTES: tl.constexpr,       # FORMAT 0 of uint8 records: a bad block is 0xFF bytes
+        VALUES: tl.constexpr,      # columns read as values (FORMAT 2: the 512 e4m3 ones)
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -85,10 +98,29 @@ if HAS_TRITON:
         src = tl.where(bad, 0, block) * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_page
         dst = rows * stride_ws_row
         cols = tl.arange(0, BLOCK_D)
-        for d0 in tl.static_range(0, LATENT_DIM, BLOCK_D):
+        out_ty = workspace_ptr.dtype.element_ty
+        if FORMAT == 1:
+            if SCALE_FROM_PTR:
+                scale = tl.load(scales_ptr)
+        # fp8_ds_mla: 512 e4m3 values, then 4 float32 scales, then 64 bfloat16 rope values.
+        for d0 in tl.static_range(0, VALUES, BLOCK_D):
             x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=load_mask)
-            x = tl.where(bad[:, None], float("nan"), x)
+            if FORMAT == 1:
+                x = (x.to(tl.float32) * scale).to(out_ty, fp_downcast_rounding="rtne")
+            if FORMAT == 2:
+                s = tl.load(scales_ptr + src // 4 + (128 + d0 // 128), mask=row_mask & ~bad)
+                x = (x.to(tl.float32) * s[:, None]).to(out_ty, fp_downcast_rounding="rtne")
+            if BYTES:
+                x = tl.where(bad[:, None], 255, x)
+            else:
+                x = tl.where(bad[:, None], float("nan"), x)
             tl.store(workspace_ptr + dst[:, None] + (d0 + cols)[None, :], x,
+                     mask=row_mask[:, None])
+        if FORMAT == 2:
+            ropes = tl.arange(0, 64)
+            r = tl.load(rope_ptr + src[:, None] // 2 + (264 + ropes)[None, :], mask=load_mask)
+            r = tl.where(bad[:, None], float("nan"), r.to(out_ty))
+            tl.store(workspace_ptr + dst[:, None] + (512 + ropes)[None, :], r,
                      mask=row_mask[:, None])
 
 
@@ -98,20 +130,32 @@ def _block_d(latent_dim: int) -> int:
 
 
 def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
-           chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int) -> None:
+           chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int,
+           kv_cache_scale: Any, kv_cache_format: Any, records: bool) -> KVCacheSpec | None:
+    """The cache's :class:`KVCacheSpec` (None for ``records``: a verbatim copy) after checking
+    every argument."""
     if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, page_size, latent_dim], got shape "
+        raise ValueError(f"kv_cache must be [num_blocks, page_size, record], got shape "
                          f"{tuple(kv_cache.shape)}")
-    if not kv_cache.dtype.is_floating_point:
-        raise ValueError(f"kv_cache must have a float dtype, got {kv_cache.dtype}")
-    if workspace.dim() != 2 or workspace.shape[1] != kv_cache.shape[2]:
-        raise ValueError(f"workspace must be [rows, {kv_cache.shape[2]}], got shape "
+    if workspace.dim() != 2:
+        raise ValueError(f"workspace must be [rows, latent_dim], got shape "
                          f"{tuple(workspace.shape)}")
+    if records:
+        spec = None
+        if workspace.dtype != kv_cache.dtype or workspace.shape[1] != kv_cache.shape[2]:
+            raise ValueError(f"workspace must be [rows, {kv_cache.shape[2]}] {kv_cache.dtype} "
+                             f"(a verbatim copy of the records), got {tuple(workspace.shape)} "
+                             f"{workspace.dtype}")
+    else:
+        if not workspace.dtype.is_floating_point:
+            raise ValueError(f"workspace must have a float dtype (the compute dtype), got "
+                             f"{workspace.dtype}")
+        spec = resolve_kv_cache(kv_cache, kv_cache_scale, kv_cache_format,
+                                latent_dim=workspace.shape[1], dtype=workspace.dtype,
+                                dtype_of="workspace")
     if workspace.shape[0] < num_rows:
         raise ValueError(f"workspace has {workspace.shape[0]} rows, the iteration needs "
                          f"{num_rows}; allocate at least plan.max_iteration_tokens rows")
-    if workspace.dtype != kv_cache.dtype:
-        raise ValueError(f"workspace dtype {workspace.dtype} != kv_cache dtype {kv_cache.dtype}")
     for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens),
                     ("chunk_starts", chunk_starts)):
         if t.dtype != torch.int32:
@@ -128,17 +172,12 @@ def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch
                          f"num_reqs = block_table.shape[0] = {num_reqs}; got "
                          f"{tuple(cu_seq_lens.shape)} and {tuple(chunk_starts.shape)} (pass one "
                          f"iteration's row of the plan)")
+    return spec
 
 
-def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                              cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
-                              workspace: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Torch reference/fallback of :func:`gather_context_rows` (same arguments and result).
-
-    On CPU tensors a block id outside ``[0, num_blocks)`` raises ``ValueError`` (before anything
-    is written); on CUDA its rows are NaN (checking would synchronize).
-    """
-    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows)
+def _gather_torch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                  chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int,
+                  spec: KVCacheSpec | None) -> torch.Tensor:
     num_blocks, page_size = kv_cache.shape[0], kv_cache.shape[1]
     j = torch.arange(num_rows, device=kv_cache.device, dtype=torch.int64)
     req = rows_to_requests(cu_seq_lens, num_rows)
@@ -161,33 +200,58 @@ def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
                 f"the context needs must index kv_cache")
     rows = workspace[:num_rows]
     src = kv_cache[block.clamp(0, max(num_blocks - 1, 0)), pos % page_size]
+    if spec is not None:
+        src = dequantize_rows(src, spec, workspace.dtype)
     if not on_cpu:
-        src.masked_fill_(bad[:, None], float("nan"))
+        src.masked_fill_(bad[:, None], 255 if src.dtype == torch.uint8 else float("nan"))
     rows.copy_(torch.where(valid[:, None], src, rows))  # padding rows keep their values
     return rows
+
+
+def gather_context_rows_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                              cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
+                              workspace: torch.Tensor, num_rows: int, *,
+                              kv_cache_scale: Any = None,
+                              kv_cache_format: str | None = None) -> torch.Tensor:
+    """Torch reference/fallback of :func:`gather_context_rows` (same arguments and result).
+
+    On CPU tensors a block id outside ``[0, num_blocks)`` raises ``ValueError`` (before anything
+    is written); on CUDA its rows are NaN (checking would synchronize).
+    """
+    spec = _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows,
+                  kv_cache_scale, kv_cache_format, records=False)
+    return _gather_torch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows,
+                         spec)
 
 
 def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
                         cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
                         workspace: torch.Tensor, num_rows: int, *,
+                        kv_cache_scale: Any = None, kv_cache_format: str | None = None,
                         use_kernel: bool | None = None, block_rows: int = 16,
                         num_warps: int = 4) -> torch.Tensor:
-    """Copy one iteration's context rows from the paged cache into ``workspace[:num_rows]``.
+    """Copy one iteration's context rows from the paged cache into ``workspace[:num_rows]``,
+    dequantized to the workspace's dtype.
 
     Parameters
     ----------
-    kv_cache : [num_blocks, page_size, latent_dim], any float dtype, last dim contiguous
+    kv_cache : [num_blocks, page_size, record], last dim contiguous
+        Records in the workspace's dtype, ``float8_e4m3fn`` or ``fp8_ds_mla`` uint8 (see
+        :mod:`mlaprefill.kvcache`).
     block_table : int32 [num_reqs, max_blocks], same device
     cu_seq_lens : int32 [num_reqs + 1]
         Workspace offset of each request's piece in this iteration (the plan's row ``i``); the
         request of every row is derived from it on the device.
     chunk_starts : int32 [num_reqs]
         Context-token index where each request's piece starts.
-    workspace : [>= num_rows, latent_dim], kv_cache's dtype, contiguous rows
+    workspace : [>= num_rows, kv_lora_rank + qk_rope_head_dim], the compute dtype, contiguous
+        rows
     num_rows : int
         Host int (``plan.iteration_tokens[i]``). A larger value pads: rows from the iteration's
         total ``cu_seq_lens[-1]`` (read on the device) to ``num_rows`` are left as they are, so
         a launch of fixed size can serve every iteration (what a replayed CUDA graph needs).
+    kv_cache_scale, kv_cache_format
+        The cache's format (:func:`mlaprefill.kvcache.resolve_kv_cache`).
     use_kernel : bool, optional
         Force (True) or forbid (False) the Triton kernel; default: Triton on CUDA when available.
     block_rows, num_warps : int
@@ -195,17 +259,46 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
     Returns
     -------
-    ``workspace[:num_rows]`` (a view), filled. Never synchronizes on CUDA; CUDA-graph safe. A
+    ``workspace[:num_rows]`` (a view), filled. Never synchronizes on CUDA; CUDA-graph safe (a
+    scale tensor is read on the device; a float scale is recorded in a captured graph). A
     block id outside ``[0, num_blocks)`` gives NaN rows (Triton, torch on CUDA) or
     ``ValueError`` (torch on CPU).
     """
+    spec = _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows,
+                  kv_cache_scale, kv_cache_format, records=False)
+    return _launch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows, spec,
+                   use_kernel, block_rows, num_warps)
+
+
+def gather_context_records(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
+                           records: torch.Tensor, num_rows: int, *,
+                           use_kernel: bool | None = None) -> torch.Tensor:
+    """:func:`gather_context_rows` without dequantization: the cache's records verbatim.
+
+    ``records`` is ``[>= num_rows, record]`` in the cache's dtype (view an FP8 cache and the
+    buffer as ``torch.uint8``). A bad block id gives NaN rows, for uint8 all-0xFF bytes (NaN in
+    e4m3fn, in the float32 scales and the bfloat16 rope of ``fp8_ds_mla``). What a DCP rank
+    gathers before the all-gather, which so moves the FP8 bytes.
+    """
+    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, records, num_rows, None, None,
+           records=True)
+    return _launch(kv_cache, block_table, cu_seq_lens, chunk_starts, records, num_rows, None,
+                   use_kernel, 16, 4)
+
+
+_FORMATS = {"plain": 0, "fp8": 1, "fp8_ds_mla": 2}
+
+
+def _launch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+            chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int,
+            spec: KVCacheSpec | None, use_kernel: bool | None, block_rows: int,
+            num_warps: int) -> torch.Tensor:
     if use_kernel is None:
         use_kernel = use_triton(kv_cache, workspace)
     if not use_kernel:
-        return gather_context_rows_torch(kv_cache, block_table, cu_seq_lens, chunk_starts,
-                                         workspace, num_rows)
-    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows)
-    latent_dim = kv_cache.shape[2]
+        return _gather_torch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace,
+                             num_rows, spec)
     if kv_cache.stride(2) != 1 or workspace.stride(1) != 1 or block_table.stride(1) != 1:
         raise ValueError("kv_cache, workspace and block_table need a contiguous last dim")
     for name, t in (("cu_seq_lens", cu_seq_lens), ("chunk_starts", chunk_starts)):
@@ -213,14 +306,28 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous 1-D row, got stride {t.stride()}")
     if num_rows == 0:
         return workspace[:0]
+    kind = "plain" if spec is None else spec.kind
+    cache, scales, rope, scale, from_ptr = kv_cache, kv_cache, kv_cache, 1.0, False
+    if kind == "fp8":
+        from_ptr = spec.scale_tensor is not None
+        scales = spec.scale_tensor if from_ptr else kv_cache
+        scale = 1.0 if from_ptr else spec.scale
+    elif kind == "fp8_ds_mla":
+        # One set of records seen three ways; offsets are the byte offsets / element size.
+        cache = kv_cache.view(torch.float8_e4m3fn)
+        scales, rope = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
+    latent_dim = workspace.shape[1]
     num_reqs = block_table.shape[0]
     grid = (cdiv(num_rows, block_rows),)
     _gather_kernel[grid](
-        kv_cache, workspace, block_table, cu_seq_lens, chunk_starts,
+        cache, scales, rope, workspace, block_table, cu_seq_lens, chunk_starts, scale,
         num_rows, num_reqs, kv_cache.shape[0], kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), workspace.stride(0),
         PAGE_SIZE=kv_cache.shape[1], LATENT_DIM=latent_dim,
         LOG2_REQS=max(num_reqs - 1, 0).bit_length(), BLOCK_ROWS=block_rows,
-        BLOCK_D=_block_d(latent_dim), num_warps=num_warps,
+        BLOCK_D=64 if kind == "fp8_ds_mla" else _block_d(latent_dim),
+        FORMAT=_FORMATS[kind], SCALE_FROM_PTR=from_ptr,
+        BYTES=workspace.dtype == torch.uint8,
+        VALUES=DS_MLA_RANK if kind == "fp8_ds_mla" else latent_dim, num_warps=num_warps,
     )
     return workspace[:num_rows]
