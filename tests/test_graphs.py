@@ -155,7 +155,8 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     fail = False
 
     class Padded:  # stands for _PaddedIteration: reads the counter, adds one per iteration
-        def __init__(self, op, arena, kv_cache, seqs, max_q, rows, count, rope, scale, host):
+        def __init__(self, op, arena, kv_cache, cache_spec, seqs, max_q, rows, count, rope,
+                     scale, host):
             self.arena, self.count = arena, count
             launches.append((rows, count))
 
@@ -171,6 +172,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     replay.arena, replay.shared, replay.device, replay.use_graphs = arena, shared, CPU, False
     replay.op = types.SimpleNamespace(layer_graphs=LayerGraphs(shared))
     replay.key, replay.kv_cache, replay.launch = ("key",), None, (4, 64, 8, 1.0)
+    replay.cache_spec = PLAIN8
     real_fill = arena.counter.fill_
     arena.counter.fill_ = lambda i: (fills.append(i), real_fill(i))
     order = [(0, 1), (1, 1), (3, 2), (5, 1), (6, 4)]  # iteration 2 skipped
