@@ -200,6 +200,61 @@ def _run_errors(rank, world, device):
         MLAChunkedPrefill.preferred_policy = saved
 
 
+def _run_fp8(rank, world, device):
+    """FP8 caches: the DCP forward equals the single-rank one on the unsharded cache, and its
+    all-gathers move the FP8 records (half the bytes of the same plan over a bf16 cache)."""
+    from mlaprefill.api import mla_chunked_prefill
+    from mlaprefill.kvcache import write_kv_cache
+
+    query_lens, context_lens, page, interleave, workspace = [2, 1, 3], [0, 47, 90], 16, 16, 64
+    backend = "auto" if device == "cpu" else "math"
+    x = paged_mla_inputs(query_lens, context_lens, heads=NUM_HEADS, rank=512, nope=QK_NOPE,
+                         rope=64, v=V_HEAD, page_size=page, seed=7 * world)
+    x = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    bf16 = x["kv_cache"].bfloat16()
+    nb = bf16.shape[0]
+    rows = x["kv_cache"].reshape(nb * page, -1)
+    batch = PrefillBatch(query_lens, context_lens, page_size=page)
+    plan = DCPChunkPlanner(workspace, page, world=world, interleave=interleave).plan(
+        batch, rank=rank)
+    device_plan = StagingRing(device).upload(plan)
+
+    def gathered_bytes(local, dtype, **kw):
+        workspace_rows = torch.empty(plan.base.max_iteration_tokens, 576, device=device,
+                                     dtype=dtype)
+        source = DCPContextSource(local[0], local[1], device_plan, dist.group.WORLD, **kw)
+        for i in range(plan.base.num_iterations):
+            source(i, workspace_rows)
+        return source.all_gather_bytes
+
+    lens = np.array(context_lens)
+    bf16_bytes = gathered_bytes(shard_paged_cache(bf16, x["block_table"], lens, world=world,
+                                                  interleave=interleave)[rank], torch.bfloat16)
+    assert bf16_bytes > 0
+    for fmt, scale, ratio in (("fp8", 0.05, 0.5), ("fp8", "tensor", 0.5),
+                              ("fp8_ds_mla", None, 656 / 1152)):
+        if scale == "tensor":
+            scale = torch.tensor([0.03], device=device)
+        kw = {"kv_cache_scale": scale,
+              "kv_cache_format": "fp8_ds_mla" if fmt == "fp8_ds_mla" else None}
+        cache = torch.zeros(nb, page, 656 if fmt == "fp8_ds_mla" else 576, device=device,
+                            dtype=torch.uint8 if fmt == "fp8_ds_mla" else torch.float8_e4m3fn)
+        write_kv_cache(cache, torch.arange(nb * page, device=device), rows, **kw)
+        local = shard_paged_cache(cache, x["block_table"], lens, world=world,
+                                  interleave=interleave, seed=3)[rank]
+        assert gathered_bytes(local, torch.float32, **kw) == ratio * bf16_bytes, fmt
+        args = (x["q"], x["kv_c_new"], x["k_pe_new"])
+        single, single_lse = mla_chunked_prefill(
+            *args, cache, x["block_table"], query_lens, context_lens, x["weight"],
+            workspace_tokens=workspace, backend=backend, return_lse=True, **kw)
+        out, lse = mla_chunked_prefill_dcp(
+            *args, local[0], local[1], query_lens, context_lens, x["weight"],
+            process_group=dist.group.WORLD, dcp_interleave=interleave,
+            workspace_tokens=workspace, backend=backend, return_lse=True, validate=True, **kw)
+        torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
+
+
 def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind: str) -> None:
     """One rank: gloo on CPU, or NCCL with device ``cuda:rank`` (``device_kind == "cuda"``)."""
     torch.set_num_threads(1)
@@ -218,6 +273,7 @@ def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind:
             _run_case(rank, world, case, seed=1000 * world + k, device=device,
                       check_delegation=k == 0)
         _run_errors(rank, world, device)
+        _run_fp8(rank, world, device)
         dist.barrier()
     except BaseException:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:

@@ -68,7 +68,7 @@ def test_gather_validates_inputs():
         gather_context_rows_torch(cache, table, cu, cs, torch.empty(2, 8), 4)
     with pytest.raises(ValueError, match="block_table must be int32"):
         gather_context_rows_torch(cache, table.long(), cu, cs, torch.empty(4, 8), 4)
-    with pytest.raises(ValueError, match="kv_cache dtype torch.float32 != workspace dtype"):
+    with pytest.raises(ValueError, match=r"kv_cache dtype torch\.float32 != workspace dtype"):
         gather_context_rows_torch(cache, table, cu, cs, torch.empty(4, 8).double(), 4)
     with pytest.raises(ValueError, match=r"cu_seq_lens must be \[num_reqs \+ 1\]"):
         gather_context_rows_torch(cache, table, cu[:1], cs, torch.empty(4, 8), 4)

@@ -22,6 +22,7 @@ from mlaprefill.dcp.forward import (
 )
 from mlaprefill.dcp.layout import check_dcp_config
 from mlaprefill.dcp.plan import DCPChunkPlanner, dcp_config_digest
+from mlaprefill.kvcache import resolve_kv_cache
 from mlaprefill.plan import ChunkPlanner
 from mlaprefill.prefill import DEFAULT_WORKSPACE_TOKENS, MLAChunkedPrefill
 from mlaprefill.staging import StagingRing
@@ -40,6 +41,8 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
                         process_group: Any = None, dcp_interleave: int = 1,
                         qk_nope_head_dim: int | None = None, v_head_dim: int | None = None,
                         validate: bool = False,
+                        kv_cache_scale: float | torch.Tensor | None = None,
+                        kv_cache_format: str | None = None,
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One call: PrefillBatch -> ChunkPlanner.plan -> StagingRing.upload -> forward.
 
@@ -49,7 +52,10 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     weight rows / H - nope`` (pass them to check). ``page_size`` defaults to ``kv_cache.shape[1]``.
     ``policy="auto"`` plans with the backend's :attr:`~MLAChunkedPrefill.preferred_policy`
     (``balanced`` for mlaprefill and fa2, ``packed`` for cudnn/flex/math); or name a planner
-    policy.
+    policy. ``kv_cache`` may be FP8: ``float8_e4m3fn`` with ``kv_cache_scale`` (a float or a
+    1-element float32 device tensor, default 1.0), or ``uint8`` 656-byte records with
+    ``kv_cache_format="fp8_ds_mla"`` (:mod:`mlaprefill.kvcache`); it is dequantized to q's dtype
+    as it is gathered.
     With ``process_group`` of world size > 1 this is the context-parallel version
     (:func:`mlaprefill.dcp.mla_chunked_prefill_dcp`, same arguments); world size 1 or None is the
     single-rank path. Returns what :meth:`MLAChunkedPrefill.forward` returns.
@@ -68,7 +74,8 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
                 q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
                 kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
                 page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
-                process_group=process_group, dcp_interleave=dcp_interleave, validate=validate)
+                process_group=process_group, dcp_interleave=dcp_interleave, validate=validate,
+                kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)
 
     nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight, qk_nope_head_dim,
                                         v_head_dim)
@@ -93,7 +100,8 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     plan = ChunkPlanner(workspace_tokens, page, policy=op.resolve_policy(policy)).plan(batch)
     device_plan = StagingRing(kv_cache.device).upload(plan)
     return op.forward(q, kv_c_new, k_pe_new, kv_cache, block_table, device_plan,
-                      return_lse=return_lse, validate=validate)
+                      return_lse=return_lse, validate=validate, kv_cache_scale=kv_cache_scale,
+                      kv_cache_format=kv_cache_format)
 
 
 def mla_chunked_prefill_dcp(
@@ -103,6 +111,7 @@ def mla_chunked_prefill_dcp(
     softmax_scale: float | None = None, workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     page_size: int | None = None, policy: str = "auto", backend: str = "auto",
     return_lse: bool = False, validate: bool = False, staging: Any = None,
+    kv_cache_scale: float | torch.Tensor | None = None, kv_cache_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Chunked-context MLA prefill over a token-sharded (DCP) paged cache, in one call.
 
@@ -130,6 +139,9 @@ def mla_chunked_prefill_dcp(
         (raises ``ValueError`` naming what differs). Synchronizes the host once.
     staging : StagingRing, optional
         Reused for the upload; default a fresh ``StagingRing(q.device)``.
+    kv_cache_scale, kv_cache_format
+        An FP8 cache, as in :func:`mla_chunked_prefill`. Ranks all-gather the FP8 records
+        (half the bytes of bf16 rows for e4m3) and dequantize after the gather.
 
     Returns
     -------
@@ -160,7 +172,7 @@ def mla_chunked_prefill_dcp(
             q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
             kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
             page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
-            validate=validate)
+            validate=validate, kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)
     page = kv_cache.shape[1] if page_size is None else page_size
     batch = PrefillBatch(query_lens, context_lens, page_size=page)
     resolved = policy
@@ -174,6 +186,8 @@ def mla_chunked_prefill_dcp(
                                   policy=resolved)
         plan = planner.plan(batch, rank=rank)
         check_local_cache(kv_cache, block_table, plan)
+        resolve_kv_cache(kv_cache, kv_cache_scale, kv_cache_format,
+                         latent_dim=kv_b_proj_weight.shape[1] + rope, dtype=q.dtype)
     except ValueError as exc:
         if not validate:
             raise  # before any collective; identical inputs fail identically on every rank
@@ -191,6 +205,8 @@ def mla_chunked_prefill_dcp(
     if staging is None:
         staging = StagingRing(q.device)
     device_plan = staging.upload(plan)
-    source = DCPContextSource(kv_cache, block_table, device_plan, process_group)
+    source = DCPContextSource(kv_cache, block_table, device_plan, process_group,
+                              kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)
     return mla.forward(q, kv_c_new, k_pe_new, kv_cache, block_table,
-                       device_plan, return_lse=return_lse, context_source=source)
+                       device_plan, return_lse=return_lse, context_source=source,
+                       kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)

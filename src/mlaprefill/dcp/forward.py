@@ -3,12 +3,16 @@
 Each iteration of the single-rank forward asks its ``context_source`` for that iteration's
 latent rows in workspace order. :class:`DCPContextSource` answers on every rank with
 
-1. the paged gather of this rank's share from its *local* cache into a local buffer
-   (``gather_context_rows`` with the plan's ``local_*`` rows),
+1. the paged gather of this rank's share of cache *records* from its *local* cache into a local
+   buffer (``gather_context_records`` with the plan's ``local_*`` rows: an FP8 cache's records
+   stay FP8, so the all-gather moves their bytes — half of bf16's for e4m3, 656 of 1152 for
+   ``fp8_ds_mla``),
 2. one ``all_gather_into_tensor`` of the local buffers, each padded to ``rank_capacity[i]`` rows
    (equal sizes on every rank; rank-major result),
-3. one ``index_select`` into the workspace, with the gathered row of every workspace row
-   computed on the device from the plan's compact ``reorder_base`` (:func:`reorder_rows_index`).
+3. one ``index_select`` into the workspace (a cache in the compute dtype) or into a record
+   buffer that is then dequantized into the workspace (:func:`~mlaprefill.kvcache.
+   dequantize_rows`), with the gathered row of every workspace row computed on the device from
+   the plan's compact ``reorder_base`` (:func:`reorder_rows_index`).
 
 Attention and the LSE merge then run exactly as on one rank, so every rank returns the output
 of the single-rank forward on the unsharded cache. Shapes come from host ints of the plan; the
@@ -25,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from mlaprefill.dcp.plan import DCPChunkPlan
-from mlaprefill.kernels import gather_context_rows
+from mlaprefill.kernels.gather import gather_context_records
+from mlaprefill.kvcache import KVCacheSpec, dequantize_rows, resolve_kv_cache
 from mlaprefill.staging import rows_to_requests
 
 __all__ = [
@@ -84,14 +89,21 @@ class DCPContextSource:
 
     Parameters
     ----------
-    kv_cache : [local_num_blocks, page_size, latent_dim]
-        This rank's local cache.
+    kv_cache : [local_num_blocks, page_size, record]
+        This rank's local cache, in any format of :mod:`mlaprefill.kvcache`.
     block_table : int32 [num_reqs, local_max_blocks]
         This rank's block table (local token indices), same device.
     device_plan : DevicePlan
         ``StagingRing.upload`` of a :class:`~mlaprefill.dcp.plan.DCPChunkPlan` for this rank.
     process_group : ProcessGroup
         The DCP group (world size ``device_plan.plan.world``).
+    kv_cache_scale, kv_cache_format
+        The cache's format, as in :meth:`~mlaprefill.MLAChunkedPrefill.forward`.
+
+    Attributes
+    ----------
+    all_gather_bytes : int
+        Bytes of the all-gathered buffers so far (host count of what the calls enqueued).
 
     Notes
     -----
@@ -102,7 +114,8 @@ class DCPContextSource:
     """
 
     def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any,
-                 process_group: Any) -> None:
+                 process_group: Any, *, kv_cache_scale: Any = None,
+                 kv_cache_format: str | None = None) -> None:
         plan = device_plan.plan
         if not isinstance(plan, DCPChunkPlan):
             raise TypeError(f"device_plan must be the upload of a DCPChunkPlan, got one of "
@@ -118,20 +131,29 @@ class DCPContextSource:
         self.device_plan = device_plan
         self.process_group = process_group
         self.plan = plan
-        latent = kv_cache.shape[2]
-        self._local = torch.empty((plan.max_rank_capacity, latent), dtype=kv_cache.dtype,
+        self.kv_cache_scale, self.kv_cache_format = kv_cache_scale, kv_cache_format
+        self.all_gather_bytes = 0
+        # FP8 records travel as bytes (collectives and index_select need no float8 support).
+        quantized = kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+        self._records = kv_cache.view(torch.uint8) if quantized else kv_cache
+        record, kind = self._records.shape[2], self._records.dtype
+        self._local = torch.empty((plan.max_rank_capacity, record), dtype=kind,
                                   device=kv_cache.device)
-        self._gathered = torch.empty((plan.max_gathered_tokens, latent), dtype=kv_cache.dtype,
+        self._gathered = torch.empty((plan.max_gathered_tokens, record), dtype=kind,
                                      device=kv_cache.device)
+        self._ordered = torch.empty((plan.base.max_iteration_tokens, record), dtype=kind,
+                                    device=kv_cache.device) if quantized else None
+        self._spec: KVCacheSpec | None = None
 
     def gather_local(self, iteration: int) -> torch.Tensor:
         """This rank's share of ``iteration``, ``[rank_capacity[i], latent_dim]`` (padded)."""
         t = self.device_plan.tensors
         cap = self.plan.rank_capacity[iteration]
         local = self._local[:cap]
-        gather_context_rows(self.kv_cache, self.block_table, t["local_cu_seq_lens"][iteration],
-                            t["local_chunk_starts"][iteration], local,
-                            self.plan.local_iteration_tokens[iteration])
+        gather_context_records(self._records, self.block_table,
+                               t["local_cu_seq_lens"][iteration],
+                               t["local_chunk_starts"][iteration], local,
+                               self.plan.local_iteration_tokens[iteration])
         return local
 
     def __call__(self, iteration: int, workspace: torch.Tensor) -> torch.Tensor:
@@ -142,12 +164,24 @@ class DCPContextSource:
         local = self.gather_local(iteration)
         gathered = self._gathered[: plan.world * cap]  # [world * cap, latent] rank-major
         _all_gather_into_tensor(gathered, local, self.process_group)
+        self.all_gather_bytes += gathered.numel() * gathered.element_size()
         out = workspace[:num_rows]
         t = self.device_plan.tensors
         index = reorder_rows_index(t["cu_seq_lens"][iteration], t["chunk_starts"][iteration],
                                    t["reorder_base"][iteration], num_rows, world=plan.world,
                                    interleave=plan.interleave)
-        torch.index_select(gathered, 0, index, out=out)
+        if self._ordered is None:
+            torch.index_select(gathered, 0, index, out=out)
+            return out
+        spec = self._spec
+        if spec is None or spec.latent_dim != workspace.shape[1]:
+            spec = self._spec = resolve_kv_cache(
+                self.kv_cache, self.kv_cache_scale, self.kv_cache_format,
+                latent_dim=workspace.shape[1], dtype=workspace.dtype, dtype_of="workspace")
+        records = torch.index_select(gathered, 0, index, out=self._ordered[:num_rows])
+        if self.kv_cache.dtype == torch.float8_e4m3fn:
+            records = records.view(torch.float8_e4m3fn)
+        out.copy_(dequantize_rows(records, spec, workspace.dtype))
         return out
 
 

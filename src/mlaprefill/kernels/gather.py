@@ -99,21 +99,17 @@ if HAS_TRITON:
         dst = rows * stride_ws_row
         cols = tl.arange(0, BLOCK_D)
         out_ty = workspace_ptr.dtype.element_ty
-        if FORMAT == 1:
-            if SCALE_FROM_PTR:
-                scale = tl.load(scales_ptr)
+        if FORMAT == 1 and SCALE_FROM_PTR:
+            scale = tl.load(scales_ptr)
         # fp8_ds_mla: 512 e4m3 values, then 4 float32 scales, then 64 bfloat16 rope values.
         for d0 in tl.static_range(0, VALUES, BLOCK_D):
             x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=load_mask)
             if FORMAT == 1:
-                x = (x.to(tl.float32) * scale).to(out_ty, fp_downcast_rounding="rtne")
+                x = (x.to(tl.float32) * scale).to(out_ty)
             if FORMAT == 2:
                 s = tl.load(scales_ptr + src // 4 + (128 + d0 // 128), mask=row_mask & ~bad)
-                x = (x.to(tl.float32) * s[:, None]).to(out_ty, fp_downcast_rounding="rtne")
-            if BYTES:
-                x = tl.where(bad[:, None], 255, x)
-            else:
-                x = tl.where(bad[:, None], float("nan"), x)
+                x = (x.to(tl.float32) * s[:, None]).to(out_ty)
+            x = tl.where(bad[:, None], 255 if BYTES else float("nan"), x)
             tl.store(workspace_ptr + dst[:, None] + (d0 + cols)[None, :], x,
                      mask=row_mask[:, None])
         if FORMAT == 2:
