@@ -370,3 +370,32 @@ def test_warmup_counts_against_max_seconds(tmp_path, capsys):
     text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse's wrap
     assert "of the whole run, the warm-up included" in text
     assert "MIN_MEASURED_STEPS" in text and "--wide" in text
+
+
+@pytest.mark.slow  # three short benchmark runs of a 576-wide latent: ~6 s
+def test_kv_cache_dtype_runs_each_format_side_by_side(tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *SMALL, "--repeats", "1", "--variants",
+                 "ring+packed", "--preset", "deepseek-v2-lite", "--tp", "16",
+                 "--kv-cache-dtype", "auto,fp8,fp8_ds_mla"]) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = {v["name"]: v for v in doc["variants"]}
+    assert list(rows) == ["ring+packed", "ring+packed:fp8", "ring+packed:fp8_ds_mla"]
+    assert [v["kv_cache_dtype"] for v in rows.values()] == ["auto", "fp8", "fp8_ds_mla"]
+    # float32 on the CPU: 576 x 4 bytes a token, e4m3 576, fp8_ds_mla 656
+    assert [v["kv_cache_bytes_per_token"] for v in rows.values()] == [2304, 576, 656]
+    for v in rows.values():
+        assert v["metrics"]["num_requests_per_run"] == 3
+        assert 0 <= v["first_tokens_agreement_with_first_variant"] <= 1
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype 'fp16' is unknown"),
+    (["--kv-cache-dtype", "fp8,fp8"], "names a format twice"),
+    (["--kv-cache-dtype", "fp8_ds_mla"], "--preset tiny has 40-wide latent rows"),
+    (["--variants", "ring+packed:int4"], "Variant.kv_cache_dtype"),
+    (["--variants", "ring+packed:"], "KV_CACHE_DTYPE"),
+])
+def test_kv_cache_dtype_errors_are_one_line(capsys, argv, match):
+    assert main(["bench", *SMALL, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1, err

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["BlockAllocator", "PagedLatentCache", "blocks_needed"]
+from mlaprefill.kvcache import FP8_DS_MLA_RECORD_BYTES, write_kv_cache
+
+__all__ = ["KV_CACHE_DTYPES", "BlockAllocator", "PagedLatentCache", "blocks_needed"]
 
 
 def blocks_needed(num_tokens: int, page_size: int) -> int:
@@ -97,14 +99,23 @@ class BlockAllocator:
         return self._owned.get(owner, np.zeros(0, dtype=np.int32))
 
 
+#: ``--kv-cache-dtype`` values (vLLM's names): ``auto`` = the compute dtype, ``fp8`` =
+#: float8_e4m3fn with one scale per layer (1.0, vLLM's default without calibration),
+#: ``fp8_ds_mla`` = DeepSeek's 656-byte records (kv_lora_rank 512, rope 64 only).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
+
+
 class PagedLatentCache:
-    """One latent page pool per layer: ``kv_cache[layer]`` is ``[num_blocks, page_size, latent]``.
+    """One latent page pool per layer: ``kv_cache[layer]`` is ``[num_blocks, page_size, record]``.
 
     Parameters
     ----------
     num_layers, num_blocks, page_size, latent_dim : int
         ``latent_dim = kv_lora_rank + qk_rope_head_dim`` (each row ``[kv_c | k_pe]``).
     device, dtype : torch.device, torch.dtype
+        ``dtype``: the compute dtype (the model's).
+    kv_cache_dtype : one of :data:`KV_CACHE_DTYPES`
+        How the pages store a row (:mod:`mlaprefill.kvcache`).
 
     Notes
     -----
@@ -113,25 +124,40 @@ class PagedLatentCache:
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, page_size: int, latent_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is unknown; choose one of "
+                             f"{list(KV_CACHE_DTYPES)}")
+        if kv_cache_dtype == "fp8_ds_mla" and latent_dim != 576:
+            raise ValueError(f"--kv-cache-dtype fp8_ds_mla stores kv_lora_rank 512 + rope 64 = "
+                             f"576 per token; this model's latent rows are {latent_dim} wide "
+                             f"(use --preset deepseek-v3 or kimi-k2)")
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.latent_dim = latent_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        record, store = {"auto": (latent_dim, dtype),
+                         "fp8": (latent_dim, torch.float8_e4m3fn),
+                         "fp8_ds_mla": (FP8_DS_MLA_RECORD_BYTES, torch.uint8)}[kv_cache_dtype]
         self.layers = [
-            torch.empty(num_blocks, page_size, latent_dim, device=device, dtype=dtype)
+            torch.empty(num_blocks, page_size, record, device=device, dtype=store)
             for _ in range(num_layers)
         ]
+        #: The forward's ``kv_cache_scale`` / ``kv_cache_format`` for these pages.
+        self.forward_kwargs: dict[str, object] = {
+            "kv_cache_scale": 1.0 if kv_cache_dtype == "fp8" else None,
+            "kv_cache_format": "fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else None}
 
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes per token over all layers."""
-        return len(self.layers) * self.latent_dim * self.layers[0].element_size()
+        page = self.layers[0]
+        return len(self.layers) * page.shape[2] * page.element_size()
 
-    @staticmethod
-    def write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write latent ``rows[T, latent]`` to the flat slots ``slot_mapping[T]`` (int64).
+    def write(self, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write latent ``rows[T, latent]`` of ``layer`` to the flat slots ``slot_mapping[T]``
+        (int64), quantized to the pages' format.
 
         Slot ``s`` is row ``s % page_size`` of page ``s // page_size``. Device-only, never syncs.
         """
-        flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * page_size, latent]
-        flat.index_copy_(0, slot_mapping, rows.to(kv_cache.dtype))
+        write_kv_cache(self.layers[layer], slot_mapping, rows, **self.forward_kwargs)

@@ -186,6 +186,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "io_buffers; GPU scenarios: mlaprefill+graphs; cpu-tiny: auto); a "
                         "variant may name its own as TRANSFER+POLICY@BACKEND")
     p.add_argument("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32, ...")
+    p.add_argument("--kv-cache-dtype",
+                   help="comma list of latent cache formats, each variant run once per format "
+                        "and reported side by side: auto (the compute dtype), fp8 "
+                        "(float8_e4m3fn, scale 1.0), fp8_ds_mla (DeepSeek's 656-byte records; "
+                        "deepseek-v3/kimi-k2 dims only). A variant may name its own as "
+                        "VARIANT:FORMAT. Default: auto")
     p.add_argument("--device", help="auto, cuda, cuda:N or cpu")
     p.add_argument("--seed", type=int, help="weights / prompts seed")
     p.add_argument("--max-seconds", type=float,
@@ -370,6 +376,35 @@ def _parse_variants(text: str | None, default: tuple[str, ...] | None = None) ->
     return [Variant.parse(t) for t in items]
 
 
+def _with_kv_cache_dtypes(variants: list, text: str | None, config: Any) -> list:
+    """Each variant once per ``--kv-cache-dtype`` format (variants that name a format keep
+    it); ``ValueError`` naming the option for an unknown format or one the model's dims cannot
+    store."""
+    from mlaprefill.bench.cache import KV_CACHE_DTYPES
+    from mlaprefill.bench.model import MODEL_PRESETS, model_dims
+
+    formats = ["auto"] if text is None else [t.strip() for t in text.split(",")]
+    for f in formats:
+        if f not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {f!r} is unknown; choose from "
+                             f"{', '.join(KV_CACHE_DTYPES)} (a comma list runs each)")
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"--kv-cache-dtype {text!r} names a format twice")
+    out = []
+    for v in variants:
+        for f in ([v.kv_cache_dtype] if v.kv_cache_dtype != "auto" else formats):
+            if v.with_kv_cache_dtype(f) not in out:
+                out.append(v.with_kv_cache_dtype(f))
+    if any(v.kv_cache_dtype == "fp8_ds_mla" for v in out) and config.preset in MODEL_PRESETS:
+        latent = model_dims(config.preset, tp=config.tp,
+                            vocab_size=config.vocab_size).mla.latent_dim
+        if latent != 576:
+            raise ValueError(f"--kv-cache-dtype fp8_ds_mla stores kv_lora_rank 512 + rope 64 = "
+                             f"576 per token; --preset {config.preset} has {latent}-wide latent "
+                             f"rows (use deepseek-v3 or kimi-k2)")
+    return out
+
+
 def build_config(args: argparse.Namespace) -> tuple[str, Scenario, Any]:
     """Resolve the scenario and option overrides into (name, scenario, EngineConfig)."""
     import torch
@@ -447,7 +482,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     try:
         name, scenario, config = build_config(args)
-        variants = _parse_variants(args.variants, scenario.variants)
+        variants = _with_kv_cache_dtypes(_parse_variants(args.variants, scenario.variants),
+                                         args.kv_cache_dtype, config)
         repeats = args.repeats if args.repeats is not None else scenario.repeats
         warmup = args.warmup_steps if args.warmup_steps is not None else scenario.warmup_steps
         max_seconds = scenario.max_seconds if args.max_seconds is None else args.max_seconds

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mlaprefill.batch import PrefillBatch
-from mlaprefill.bench.cache import BlockAllocator, PagedLatentCache
+from mlaprefill.bench.cache import KV_CACHE_DTYPES, BlockAllocator, PagedLatentCache
 from mlaprefill.bench.metrics import RunResult, StepRecord
 from mlaprefill.bench.model import BenchModel, model_dims
 from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
@@ -104,6 +104,7 @@ class Variant:
     policy: str
     tables: str = "compact"
     backend: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.transfer not in MODES:
@@ -116,29 +117,40 @@ class Variant:
             why = backend_error(self.backend, "Variant.backend")
             if why is not None:
                 raise ValueError(why)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Variant.kv_cache_dtype = {self.kv_cache_dtype!r}; choose one of "
+                             f"{KV_CACHE_DTYPES}.")
 
     @property
     def name(self) -> str:
         base = f"{self.transfer}+{self.policy}"
         base = base if self.tables == "compact" else f"{base}+{self.tables}"
-        return base if self.backend is None else f"{base}@{self.backend}"
+        base = base if self.backend is None else f"{base}@{self.backend}"
+        return base if self.kv_cache_dtype == "auto" else f"{base}:{self.kv_cache_dtype}"
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
         vLLM-shaped per-token tables too; ``"ring+balanced@fa2"`` runs that attention backend;
         ``"ring+balanced@mlaprefill+graphs"`` runs it with CUDA graphs (one
-        :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers)."""
-        body, at, backend = text.strip().partition("@")
+        :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers); a ``:fp8`` or
+        ``:fp8_ds_mla`` suffix keeps the latent cache in that format."""
+        text, colon, kv = text.strip().partition(":")
+        body, at, backend = text.partition("@")
         parts = body.split("+")
-        if len(parts) not in (2, 3) or (at and not backend):
-            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][@BACKEND], "
-                             f"e.g. 'ring+packed', 'pageable+equal+vllm' or "
-                             f"'ring+balanced@fa2' (transfer in {MODES}, policy in "
+        if len(parts) not in (2, 3) or (at and not backend) or (colon and not kv):
+            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][@BACKEND]"
+                             f"[:KV_CACHE_DTYPE], e.g. 'ring+packed', 'pageable+equal+vllm' or "
+                             f"'ring+balanced@fa2:fp8' (transfer in {MODES}, policy in "
                              f"{POLICIES}; '+vllm' also ships vLLM's per-token token_to_seq; "
                              f"@BACKEND picks the attention backend for this variant, "
-                             f"@BACKEND+graphs also turns on its CUDA graphs).")
-        return cls(*parts, backend=backend or None)
+                             f"@BACKEND+graphs also turns on its CUDA graphs; :KV_CACHE_DTYPE "
+                             f"in {KV_CACHE_DTYPES}).")
+        return cls(*parts, backend=backend or None, kv_cache_dtype=kv or "auto")
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> Variant:
+        """This variant with its latent cache in ``kv_cache_dtype``."""
+        return Variant(self.transfer, self.policy, self.tables, self.backend, kv_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +300,12 @@ class PrefillEngine:
         # config's set is built now, so a backend that cannot run here fails at construction.
         self._attention: dict[str, list[Any]] = {}
         self.attention_layers(cfg.backend)
-        m = self.dims.mla
         self.prompt_lens, self.arrivals_s = workload(cfg)
         self.num_blocks = default_num_blocks(cfg, self.prompt_lens)
-        self.cache = PagedLatentCache(num_layers=cfg.num_layers, num_blocks=self.num_blocks,
-                                      page_size=cfg.page_size, latent_dim=m.latent_dim,
-                                      device=self.device, dtype=self.dtype)
+        # One page pool per cache format a variant asks for (block ids are the same in each);
+        # the compute dtype's now.
+        self._caches: dict[str, PagedLatentCache] = {}
+        self.cache = self.latent_cache("auto")
         if self.cuda:
             self._prewarm_allocator()
         # One staging ring per transfer mode for the engine's lifetime, as a serving engine keeps
@@ -305,6 +317,16 @@ class PrefillEngine:
         rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=int(self.prompt_offsets[-1]),
                                           dtype=np.int32)
+
+    def latent_cache(self, kv_cache_dtype: str) -> PagedLatentCache:
+        """The engine's pages in ``kv_cache_dtype`` (made at first use, then kept)."""
+        if kv_cache_dtype not in self._caches:
+            cfg = self.config
+            self._caches[kv_cache_dtype] = PagedLatentCache(
+                num_layers=cfg.num_layers, num_blocks=self.num_blocks, page_size=cfg.page_size,
+                latent_dim=self.dims.mla.latent_dim, device=self.device, dtype=self.dtype,
+                kv_cache_dtype=kv_cache_dtype)
+        return self._caches[kv_cache_dtype]
 
     def _prewarm_allocator(self) -> None:
         """Reserve the forward's largest per-iteration buffers once, then free them.
@@ -415,6 +437,7 @@ class PrefillEngine:
         ring = self.ring(variant.transfer)
         base = _staging_counters(ring)
         layers = self.attention_layers(variant.backend)
+        cache = self.latent_cache(variant.kv_cache_dtype)
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
         iteration_graphs = getattr(layers[0], "graphs", None)
@@ -471,7 +494,7 @@ class PrefillEngine:
             warm0 = None if iteration_graphs is None else iteration_graphs.warm_runs
             forward_ms, forward_gc_ms = self._launch(
                 dplan, int(arrays["sample_index"].shape[0]), state.pinned_tokens[slot], layers,
-                static)
+                cache, static)
             end.record()
             td = time.perf_counter()
             events.append((start, end))
@@ -526,14 +549,17 @@ class PrefillEngine:
                      "pinned_bytes": ring.stats.pinned_bytes})
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
-                attention: list[Any], static: bool = False) -> tuple[float, float]:
+                attention: list[Any], cache: PagedLatentCache,
+                static: bool = False) -> tuple[float, float]:
         """Enqueue one step's device work; never synchronizes. Returns the host time (ms) spent
         enqueuing the attention forwards of all layers, and how much of it was Python's garbage
         collector. ``static``: the model writes q into each layer's ``io_buffers(T).q`` and the
         forward writes its output into ``.out`` (with graphs: no copies, :data:`GRAPHS`)."""
         slot_mapping = dplan["slot_mapping"].to(torch.int64)  # index_copy_ wants int64
         block_table = dplan["block_table"]
-        caches = self.cache.layers
+        caches = cache.layers
+        # only a quantized cache's keywords (an attention_factory's objects need not know them)
+        cache_kwargs = {k: v for k, v in cache.forward_kwargs.items() if v is not None}
         forward_ms = gc_ms = 0.0
         clock = _GcClock()
         # layer -> its I/O buffers of this step (static only: an attention_factory's objects
@@ -545,11 +571,12 @@ class PrefillEngine:
             nonlocal forward_ms, gc_ms
             # New latent rows go to the cache first; the forward reads only context rows
             # (positions < context_lens), so this write never races its own step's reads.
-            PagedLatentCache.write(caches[i], slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
+            cache.write(i, slot_mapping, torch.cat((kv_c, k_pe), dim=-1))
             gc0 = clock.ms
             t = time.perf_counter()
             io = ios.pop(i, None)
             out = attention[i].forward(q, kv_c, k_pe, caches[i], block_table, dplan,
+                                       **cache_kwargs,
                                        **({} if io is None else {"out": io.out}))
             forward_ms += (time.perf_counter() - t) * 1e3
             gc_ms += clock.ms - gc0

@@ -160,6 +160,8 @@ def run_suite(config: EngineConfig, variants: list[Variant], *, repeats: int = 2
         out_variants.append({
             "name": v.name, "transfer": v.transfer, "policy": v.policy, "tables": v.tables,
             "attention_backend": engine.backend_name(v.backend),
+            "kv_cache_dtype": v.kv_cache_dtype,
+            "kv_cache_bytes_per_token": engine.latent_cache(v.kv_cache_dtype).bytes_per_token,
             "metrics": metrics,
             "first_tokens_agreement_with_first_variant": min(agree),
             "per_repeat": [{"repeat": r.repeat, "throughput_tok_s": r.throughput_tok_s,
