@@ -19,6 +19,7 @@ BENCH = REPO / "benchmarks"
 SMOKE = {
     "attention.py": ("attention", "forward", "vs_ideal", "policies"),
     "determinism.py": ("rows", "shape"),
+    "fp8_cache.py": ("gather", "forward"),
     "dcp.py": ("cases", "all_match", "world"),
     "forward_profile.py": ("rows", "host_profile"),
     "audit_gpu.py": ("checks", "overhead", "command"),
