@@ -103,7 +103,8 @@ def _decoded(cache: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.cat([(vals * scales).to(torch.bfloat16), rope], dim=1)
 
 
-def bench_gather(device: str, shapes: list[tuple[int, int]]) -> dict[str, Any]:
+def bench_gather(device: str, shapes: list[tuple[int, int]], sweep: bool = False
+                 ) -> dict[str, Any]:
     rows_out = []
     for nr, ctx in shapes:
         g = torch.Generator(device=device).manual_seed(nr * 7 + ctx)
@@ -136,6 +137,16 @@ def bench_gather(device: str, shapes: list[tuple[int, int]]) -> dict[str, Any]:
             nbytes = n * (read[fmt] + 2 * LATENT + 4)
             row[f"{fmt}_ms"] = t["median_ms"]
             row[f"{fmt}_gbps"] = nbytes / (t["median_ms"] * 1e-3) / 1e9
+            if sweep:  # tile height x warps, for the defaults
+                cfgs = {}
+                for br in (16, 32, 64):
+                    for nw in (2, 4, 8):
+                        def tile(br: int = br, nw: int = nw) -> Any:
+                            return gather_context_rows(cache, table, cu, starts, ws, n,
+                                                       block_rows=br, num_warps=nw, **kw)
+                        tile()
+                        cfgs[f"rows{br}_warps{nw}"] = kernel_ms(tile, graph=True)["median_ms"]
+                row[f"{fmt}_sweep_ms"] = cfgs
         for fmt in FORMATS[1:]:
             row[f"{fmt}_over_bf16"] = row[f"{fmt}_ms"] / row["bf16_ms"]
         rows_out.append(row)
@@ -151,7 +162,7 @@ def bench_gather(device: str, shapes: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def bench_forward(device: str, shapes: list[tuple[int, int, int, int]],
-                  backend: str) -> dict[str, Any]:
+                  backend: str, rounds: int = 3) -> dict[str, Any]:
     rows_out = []
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for heads, nr, q, c in shapes:
@@ -178,6 +189,7 @@ def bench_forward(device: str, shapes: list[tuple[int, int, int, int]],
                                "backend": op.backend_name + ("+graphs" if device == "cuda"
                                                              else ""),
                                "iterations": plan.num_iterations}
+        fwds = {}
         for fmt in FORMATS:
             cache, kw = caches[fmt], _kwargs(fmt)
 
@@ -188,23 +200,38 @@ def bench_forward(device: str, shapes: list[tuple[int, int, int, int]],
             for _ in range(3):  # first sight runs eagerly, the second captures
                 fwd()
                 op.graphs.capture_pending()
-            row[f"{fmt}_ms"] = kernel_ms(fwd, rep=100)["median_ms"]
+            fwds[fmt] = fwd
+        # interleaved rounds: clock drift over a shape's timings hits every format alike
+        times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+        for _ in range(rounds):
+            for fmt in FORMATS:
+                times[fmt].append(kernel_ms(fwds[fmt], rep=100)["median_ms"])
+        for fmt in FORMATS:
+            row[f"{fmt}_ms_per_round"] = times[fmt]
+            row[f"{fmt}_ms"] = sorted(times[fmt])[len(times[fmt]) // 2]
         for fmt in FORMATS[1:]:
-            row[f"{fmt}_over_bf16"] = row[f"{fmt}_ms"] / row["bf16_ms"]
+            ratios = sorted(a / b for a, b in zip(times[fmt], times["bf16"], strict=True))
+            row[f"{fmt}_over_bf16"] = ratios[len(ratios) // 2]
+            row[f"{fmt}_over_bf16_min_max"] = [ratios[0], ratios[-1]]
         rows_out.append(row)
         print(f"  forward H={heads:>3} {nr:>2}x{q:<5} ctx {c:>6}: bf16 {row['bf16_ms']:.3f} ms, "
-              f"fp8 {row['fp8_over_bf16']:.3f}x, fp8_ds_mla {row['fp8_ds_mla_over_bf16']:.3f}x",
+              f"fp8 {row['fp8_over_bf16']:.3f}x {row['fp8_over_bf16_min_max']}, fp8_ds_mla "
+              f"{row['fp8_ds_mla_over_bf16']:.3f}x {row['fp8_ds_mla_over_bf16_min_max']}",
               flush=True)
         caches = op = io = None  # free before the next shape
         empty_cache()
     return {"what": "whole forward, graphs + io_buffers, per cache format; ratio to the bf16 "
-                    "cache's forward", "target": "<= 1.0", "rows": rows_out}
+                    "cache's forward: median over interleaved rounds (and min / max)",
+            "rounds": rounds, "target": "<= 1.0", "rows": rows_out}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="JSON path")
     p.add_argument("--quick", action="store_true", help="first shapes of each section only")
+    p.add_argument("--sweep", action="store_true",
+                   help="gather: also time every tile height x warps (block_rows, num_warps)")
+    p.add_argument("--sections", default="gather,forward", help="comma list to run")
     add_cpu_smoke(p)
     args = p.parse_args()
     if args.cpu_smoke:
@@ -219,10 +246,13 @@ def main() -> int:
         shapes = SHAPES[:3] if args.quick else SHAPES
     doc: dict[str, Any] = {"date_utc": utc_now(), "machine": machine_info(torch.device(device)),
                            "command": sys.argv, "scale": SCALE}
+    sections = args.sections.split(",")
     with torch.inference_mode():
-        doc["gather"] = bench_gather(device, gather_shapes)
-        write_json(args.out, doc)
-        doc["forward"] = bench_forward(device, shapes, backend)
+        if "gather" in sections:
+            doc["gather"] = bench_gather(device, gather_shapes, args.sweep)
+            write_json(args.out, doc)
+        if "forward" in sections:
+            doc["forward"] = bench_forward(device, shapes, backend, 1 if args.cpu_smoke else 3)
     write_json(args.out, doc)
     return 0
 

@@ -91,7 +91,9 @@ def test_every_backend_matches_reference_on_the_decoded_cache(backend, fmt, scal
         v_head_dim=V)
     rel = (out.double().cpu() - ref_out).norm() / ref_out.norm()
     assert rel <= 1e-2, f"{backend} {fmt}: relative error {rel:.2e}"
-    assert (lse.double().cpu() - ref_lse).abs().max() <= 1e-2
+    # bf16 q.k error grows with the logits: at values near e4m3's top the LSE is ~9
+    lse_err = (lse.double().cpu() - ref_lse).abs().max()
+    assert lse_err <= 1e-2 * max(1.0, float(ref_lse.abs().max())), f"{backend} {fmt}: {lse_err}"
 
 
 @pytest.mark.parametrize(("fmt", "scale"), FORMATS)
