@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -16,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlaprefill.audit.lint import CODES, OPT_IN, is_selected, lint_source, lint_tree
-from mlaprefill.audit.lint_report import EXPLANATIONS, to_github, to_sarif
-from mlaprefill.audit.lint_where import (
+from hostsync.lint import CODES, OPT_IN, is_selected, lint_source, lint_tree
+from hostsync.lint_report import EXPLANATIONS, to_github, to_sarif
+from hostsync.lint_where import (
     ACC_DEV,
     CPU_DEV,
     DEVICE,
@@ -324,7 +325,7 @@ def test_cli_unreadable_and_undecodable_files(tmp_path: pathlib.Path,
 
 def test_cli_unreadable_file_is_one_line(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from mlaprefill.audit import cli_common
+    from hostsync import cli_common
 
     secret = tmp_path / "secret.py"
     secret.write_text("x = 1\n")
@@ -371,6 +372,23 @@ def test_cli_fuzz_outcome_classes(argv: list[str]) -> None:
 # ------------------------------------------------------------------------------ tools
 
 
+def test_hostsync_command_lints_without_torch_or_numpy() -> None:
+    """`hostsync lint` / `--version` import neither torch nor numpy (the install has neither);
+    its errors are named for the command that was typed."""
+    code = ("import sys, contextlib, io; from hostsync.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: main(['--version'])\n"
+            "    except SystemExit: pass\n"
+            f"    status = main(['lint', {str(CORPUS / 'hs102_pin_in_loop.py')!r}])\n"
+            "print(status, sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.split() == ["1", "[]"], proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "hostsync", "lint", "no/such.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("hostsync lint: error: PATH")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flake8") is None, reason="flake8 not installed")
 def test_flake8_plugin_reports_hs_codes_and_opt_in() -> None:
     files = [str(CORPUS / "hs101_prefix_patterns.py"), str(CORPUS / "noqa_cases.py")]
@@ -401,15 +419,22 @@ def _hooks() -> list[dict[str, str]]:
 
 def test_pre_commit_hooks_run_the_lint(tmp_path: pathlib.Path) -> None:
     hooks = _hooks()
-    assert [h["id"] for h in hooks] == ["mlaprefill-lint", "mlaprefill-lint-system"]
-    for hook in hooks:
-        assert hook["types"] == "[python]" and hook["language"] in ("python", "system")
-        entry = shlex.split(hook["entry"])
-        assert entry[:2] == ["mlaprefill", "lint"]
-        # pre-commit appends the staged file names to the entry
-        bad = tmp_path / "stage.py"
-        bad.write_text("import torch\ndef f(l, d):\n    return torch.tensor(l).to(d, "
-                       "non_blocking=True)\n")
-        proc = subprocess.run([sys.executable, "-m", "mlaprefill", *entry[1:], str(bad)],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and " HS101 " in proc.stdout, proc.stderr
+    assert [h["id"] for h in hooks] == ["hostsync-lint", "hostsync-lint-system"]
+    # pre-commit appends the staged file names to the entry
+    bad = tmp_path / "stage.py"
+    bad.write_text("import torch\ndef f(l, d):\n    return torch.tensor(l).to(d, "
+                   "non_blocking=True)\n")
+    script, system = hooks
+    assert script["language"] == "script" and system["language"] == "system"
+    assert all(h["types"] == "[python]" for h in hooks)
+    # the script hook runs hostsync from the checkout, with nothing installed (no torch)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run([str(ROOT / script["entry"]), str(bad)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and " HS101 " in proc.stdout, proc.stderr
+    entry = shlex.split(system["entry"])
+    assert entry[:2] == ["hostsync", "lint"]
+    proc = subprocess.run([sys.executable, "-m", "hostsync", *entry[1:], str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and " HS101 " in proc.stdout, proc.stderr

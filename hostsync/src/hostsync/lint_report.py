@@ -1,5 +1,5 @@
 """Output of the static lint for people and tools: text, JSON, SARIF 2.1.0, GitHub annotations,
-and the long explanation of each code (``mlaprefill lint --explain CODE``)."""
+and the long explanation of each code (``hostsync lint --explain CODE``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlaprefill
-from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding
+import hostsync
+from hostsync.lint import CODES, OPT_IN, LintFinding
 
 __all__ = ["EXPLANATIONS", "FORMATS", "format_findings", "to_github", "to_sarif"]
 
@@ -114,7 +114,7 @@ def to_sarif(findings: Sequence[LintFinding]) -> dict[str, Any]:
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
         "version": "2.1.0",
         "runs": [{
-            "tool": {"driver": {"name": "mlaprefill-lint", "version": mlaprefill.__version__,
+            "tool": {"driver": {"name": "hostsync", "version": hostsync.__version__,
                                 "rules": rules}},
             "results": results,
         }],
@@ -137,7 +137,7 @@ def to_github(findings: Sequence[LintFinding]) -> list[str]:
 
 
 def format_findings(findings: Sequence[LintFinding], fmt: str, *, num_files: int) -> str:
-    """The whole stdout of ``mlaprefill lint`` in format ``fmt`` (one of :data:`FORMATS`)."""
+    """The whole stdout of ``hostsync lint`` in format ``fmt`` (one of :data:`FORMATS`)."""
     if fmt == "json":
         return json.dumps({"num_files": num_files, "num_findings": len(findings),
                            "findings": [f.to_dict() for f in findings]}, indent=2)

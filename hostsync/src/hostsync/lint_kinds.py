@@ -1,6 +1,6 @@
 """Kinds of expressions for the static lint: where the value of an expression lives.
 
-:class:`KindModel` answers "what kind (see :mod:`mlaprefill.audit.lint_where`) does this
+:class:`KindModel` answers "what kind (see :mod:`hostsync.lint_where`) does this
 expression have, in this scope?" from the flow facts of the current function (a
 :class:`Scope`), module facts gathered by earlier passes (:class:`Facts`: attributes, return
 values, module globals) and engine naming conventions. ``None`` means unknown or not a tensor.
@@ -12,7 +12,7 @@ import ast
 import dataclasses
 import re
 
-from mlaprefill.audit.lint_where import (
+from hostsync.lint_where import (
     ACC_DEV,
     ARG,
     CPU_DEV,
@@ -360,7 +360,7 @@ class KindModel:
     # ------------------------------------------------------------------ expressions
 
     def kind(self, node: ast.expr, scope: Scope) -> str | None:
-        """Kind of ``node`` (see :mod:`mlaprefill.audit.lint_where`); None: unknown."""
+        """Kind of ``node`` (see :mod:`hostsync.lint_where`); None: unknown."""
         if isinstance(node, ast.Name):
             return self.name(node.id, scope)
         if isinstance(node, ast.Constant):

@@ -1,4 +1,4 @@
-"""What ``mlaprefill audit`` and ``mlaprefill lint`` share: user errors as one line, and reading
+"""What ``hostsync audit`` and ``hostsync lint`` share: user errors as one line, and reading
 Python source the way Python does.
 
 Every user error (a missing or unreadable path, a file that is not UTF-8 or does not parse, a

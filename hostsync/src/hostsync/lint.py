@@ -12,8 +12,8 @@ HS201  ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")`` of a
        be on a device.
 
 Where a value lives is tracked per function in statement order, with ``if``/``else`` branches
-merged (see :mod:`mlaprefill.audit.lint_flow`, :mod:`mlaprefill.audit.lint_kinds` and
-:mod:`mlaprefill.audit.lint_where`): a host tensor made without pinning is pageable; results of
+merged (see :mod:`hostsync.lint_flow`, :mod:`hostsync.lint_kinds` and
+:mod:`hostsync.lint_where`): a host tensor made without pinning is pageable; results of
 device tensors' ops are on the device; a tensor made with ``device=`` anything not known to be
 the CPU is on the device; names follow engine conventions (``*_cpu`` / ``*_np`` host,
 ``*_gpu`` / ``*_dev`` device, ``x`` is on the device when ``x.device`` is used as a device or
@@ -31,7 +31,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from mlaprefill.audit.lint_flow import analyze
+from hostsync.lint_flow import analyze
 
 __all__ = ["CODES", "OPT_IN", "LintFinding", "is_selected", "lint_source", "lint_tree"]
 

@@ -1,6 +1,6 @@
-"""``mlaprefill lint PATH... [--format text|json|sarif|github] [--select CODES] [--exclude GLOB]``.
+"""``hostsync lint PATH... [--format text|json|sarif|github] [--select CODES] [--exclude GLOB]``.
 
-Static host-sync lint (see :mod:`mlaprefill.audit.lint` for the codes; ``--explain CODE`` prints
+Static host-sync lint (see :mod:`hostsync.lint` for the codes; ``--explain CODE`` prints
 one in full). Directories are searched recursively for ``*.py`` (hidden directories and
 ``__pycache__`` skipped). Output: one ``path:line:col: CODE message`` line per finding, a JSON
 object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. Exit status:
@@ -17,8 +17,8 @@ import re
 import sys
 from typing import Any
 
-from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
-from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding, lint_source
+from hostsync.cli_common import UsageError, one_line_errors, read_python
+from hostsync.lint import CODES, OPT_IN, LintFinding, lint_source
 
 __all__ = ["add_parser", "collect_files", "lint_files", "read_source", "run"]
 
@@ -37,6 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip files whose path matches GLOB (repeatable)")
     p.add_argument("--explain", metavar="CODE", help="explain a code (e.g. HS101) and exit")
+    p.set_defaults(prog=p.prog)
     return one_line_errors(p)
 
 
@@ -65,7 +66,7 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
 
 
 def read_source(path: str) -> str:
-    """Text of a Python file (see :func:`~mlaprefill.audit.cli_common.read_python`).
+    """Text of a Python file (see :func:`~hostsync.cli_common.read_python`).
 
     Raises
     ------
@@ -87,7 +88,7 @@ def _parse_select(select: str) -> list[str]:
 
 
 def _explain(code: str) -> str:
-    from mlaprefill.audit.lint_report import EXPLANATIONS
+    from hostsync.lint_report import EXPLANATIONS
 
     key = code.strip().upper()
     if key not in EXPLANATIONS:
@@ -118,8 +119,9 @@ def lint_files(files: list[str], select: list[str]) -> list[LintFinding]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlaprefill.audit.lint_report import format_findings
+    from hostsync.lint_report import format_findings
 
+    prog = getattr(args, "prog", "hostsync lint")  # `mlaprefill lint` when run through it
     try:
         if args.explain is not None:
             print(_explain(args.explain))
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         files = collect_files(list(args.paths), list(args.exclude))
         findings = lint_files(files, select)
     except UsageError as e:
-        print(f"mlaprefill lint: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     out = format_findings(findings, args.format, num_files=len(files))
     if out:

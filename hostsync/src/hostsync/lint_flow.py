@@ -2,7 +2,7 @@
 
 Each function is walked in statement order with an environment ``name -> kind`` (also
 ``"obj.attr"`` paths assigned in the function). ``if``/``try``/``match`` branches start from the
-same environment and are merged with :func:`~mlaprefill.audit.lint_where.join`; a branch that
+same environment and are merged with :func:`~hostsync.lint_where.join`; a branch that
 returns, raises, breaks or continues does not reach the merge. Loop bodies are walked a second
 time from the merge of the entry state and the first iteration's exit state.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 
-from mlaprefill.audit.lint_kinds import (
+from hostsync.lint_kinds import (
     LIST,
     Facts,
     KindModel,
@@ -24,7 +24,7 @@ from mlaprefill.audit.lint_kinds import (
     is_dtype_expr,
     kwarg,
 )
-from mlaprefill.audit.lint_where import (
+from hostsync.lint_where import (
     ARG,
     CPU_DEV,
     DEVICE,

@@ -1,7 +1,7 @@
 """Where a value lives, as the static lint sees it: the kinds, how paths merge, and names.
 
 Pure functions over short strings, shared by the flow analysis in
-:mod:`mlaprefill.audit.lint_flow`. A *kind* is one of
+:mod:`hostsync.lint_flow`. A *kind* is one of
 
 =============  ==============================================================================
 ``pinned``     host tensor in page-locked memory (``pin_memory=True``, ``.pin_memory()``)
