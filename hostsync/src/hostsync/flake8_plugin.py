@@ -11,7 +11,7 @@ import ast
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from hostsync.lint import OPT_IN, lint_tree
+from hostsync.lint import OPT_IN, lint_tree, not_checked
 
 __all__ = ["HostSyncChecker"]
 
@@ -39,5 +39,9 @@ class HostSyncChecker:
         cls.enabled = tuple(c.strip().upper() for c in options.hostsync_enable if c.strip())
 
     def run(self) -> Iterator[tuple[int, int, str, type[Any]]]:
-        for f in lint_tree(self.tree, self.filename, select=["HS", *self.enabled]):
+        try:
+            found = lint_tree(self.tree, self.filename, select=["HS", *self.enabled])
+        except (RecursionError, MemoryError):
+            found = [not_checked(self.filename, "is nested too deeply to analyse")]
+        for f in found:
             yield f.line, f.col, f"{f.code} {f.message}", type(self)

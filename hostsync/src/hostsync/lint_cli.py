@@ -3,9 +3,10 @@
 Static host-sync lint (see :mod:`hostsync.lint` for the codes; ``--explain CODE`` prints
 one in full). Directories are searched recursively for ``*.py`` (hidden directories and
 ``__pycache__`` skipped). Output: one ``path:line:col: CODE message`` line per finding, a JSON
-object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. Exit status:
-0 clean, 1 findings, 2 usage error (a path that does not exist or cannot be read, a file that is
-not UTF-8 or does not parse, an unknown code), always as one line on stderr.
+object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. A file that
+cannot be read, decoded or parsed is one HS000 finding and the run goes on. Exit status: 0
+clean, 1 findings, 2 usage error (a path that does not exist, a directory that cannot be
+listed, an unknown code), always as one line on stderr.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import re
 import sys
 from typing import Any
 
-from hostsync.cli_common import UsageError, one_line_errors, read_python
-from hostsync.lint import CODES, OPT_IN, LintFinding, lint_source
+from hostsync.cli_common import UsageError, one_line_errors
+from hostsync.lint import CODES, OPT_IN, LintFinding, lint_path
 
-__all__ = ["add_parser", "collect_files", "lint_files", "read_source", "run"]
+__all__ = ["add_parser", "collect_files", "lint_files", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,17 +66,6 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
     return [f for f in files if not any(fnmatch.fnmatch(f, g) for g in exclude)]
 
 
-def read_source(path: str) -> str:
-    """Text of a Python file (see :func:`~hostsync.cli_common.read_python`).
-
-    Raises
-    ------
-    UsageError
-        If the file cannot be read or decoded.
-    """
-    return read_python(path, field="PATH", skip="pass --exclude")
-
-
 def _parse_select(select: str) -> list[str]:
     codes = [c.strip().upper() for c in select.split(",") if c.strip()]
     if not codes:
@@ -98,23 +88,11 @@ def _explain(code: str) -> str:
 
 
 def lint_files(files: list[str], select: list[str]) -> list[LintFinding]:
-    """Findings of every file, in order.
-
-    Raises
-    ------
-    UsageError
-        If a file cannot be read, decoded or parsed.
-    """
+    """Findings of every file, in order; a file that cannot be read, decoded or parsed is one
+    ``HS000`` finding and the others are still linted."""
     findings: list[LintFinding] = []
     for path in files:
-        source = read_source(path)
-        try:
-            findings.extend(lint_source(source, path, select=select))
-        except SyntaxError as e:
-            raise UsageError(f"PATH {path!r} does not parse (line {e.lineno}: {e.msg}); fix "
-                             "the syntax error or pass --exclude") from None
-        except (ValueError, RecursionError) as e:  # null bytes, absurd nesting
-            raise UsageError(f"PATH {path!r} cannot be linted ({e}); pass --exclude") from None
+        findings.extend(lint_path(path, select=select))
     return findings
 
 

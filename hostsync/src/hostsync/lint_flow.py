@@ -13,6 +13,7 @@ attributes, returned by functions and methods, bound at module level), the third
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Callable
 
 from hostsync.lint_kinds import (
@@ -51,8 +52,29 @@ _VALUE_TYPES = frozenset({
 
 
 def _src(node: ast.AST, limit: int = 48) -> str:
+    """Short source of ``node`` for a message: whole if it fits, else with the argument lists
+    and subscripts of its calls written ``...`` (``torch.tensor(...).to(...)``), so that the
+    message names the whole chained call rather than a cut-off first argument."""
     text = ast.unparse(node)
+    if len(text) <= limit:
+        return text
+    text = ast.unparse(_Elide().visit(copy.deepcopy(node)))
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Elide(ast.NodeTransformer):
+    _DOTS = ast.Name(id="...")
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        node.func = self.visit(node.func)
+        if node.args or node.keywords:
+            node.args, node.keywords = [self._DOTS], []
+        return node
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+        node.value = self.visit(node.value)
+        node.slice = self._DOTS
+        return node
 
 
 def _is_true(node: ast.expr | None) -> bool:

@@ -17,6 +17,17 @@ __all__ = ["EXPLANATIONS", "FORMATS", "format_findings", "to_github", "to_sarif"
 FORMATS = ("text", "json", "sarif", "github")
 
 EXPLANATIONS: dict[str, str] = {
+    "HS000": """\
+HS000  file not checked
+
+What: a file the lint could not check: it cannot be read, is not a regular file (a device such
+as /dev/zero, a FIFO) or is larger than 16 MiB, is not UTF-8 (nor declares its coding), does not
+parse, or is nested too deeply for the parser or the analysis.
+
+Why: a file that was not checked is not clean. The finding keeps the run going (the other files'
+findings are reported) and makes its exit status 1.
+
+Fix: fix the file, or leave it out with --exclude GLOB.""",
     "HS101": """\
 HS101  non_blocking copy to a device from pageable host memory
 
@@ -76,8 +87,10 @@ keep the value on the device; if it must come back, copy non_blocking into pinne
 wait on an event where it is read. An intended read (a debug check): `# noqa: HS201`.""",
 }
 
-_LEVELS = {"HS101": "warning", "HS102": "warning", "HS103": "note", "HS201": "warning"}
-_RULE_NAMES = {"HS101": "PageableNonBlockingCopy", "HS102": "PinMemoryInLoop",
+_LEVELS = {"HS000": "error", "HS101": "warning", "HS102": "warning", "HS103": "note",
+           "HS201": "warning"}
+_RULE_NAMES = {"HS000": "FileNotChecked", "HS101": "PageableNonBlockingCopy",
+               "HS102": "PinMemoryInLoop",
                "HS103": "UnplacedNonBlockingCopy", "HS201": "DeviceTensorHostRead"}
 
 
@@ -107,7 +120,8 @@ def to_sarif(findings: Sequence[LintFinding]) -> dict[str, Any]:
         "message": {"text": f.message},
         "locations": [{"physicalLocation": {
             "artifactLocation": {"uri": _uri(f.path)},
-            "region": {"startLine": f.line, "startColumn": f.col + 1},
+            "region": {"startLine": f.line, "startColumn": f.col + 1,
+                       "endLine": f.end_line or f.line, "endColumn": f.end_col + 1},
         }}],
     } for f in findings]
     return {
