@@ -38,6 +38,9 @@ LIST = "list"  # env marker: a Python list; its element kind is stored under "[]
 _FACTORIES = frozenset({
     "arange", "range", "linspace", "logspace", "zeros", "ones", "empty", "full", "eye", "rand",
     "randn", "randint", "randperm", "tensor", "empty_strided", "frombuffer", "scalar_tensor",
+    # legacy constructors: torch.Tensor(list) is a fresh CPU tensor in pageable memory
+    "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
+    "IntTensor", "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor",
 })
 _NOT_TENSOR_TORCH = frozenset({
     "is_tensor", "numel", "finfo", "iinfo", "get_default_dtype", "is_floating_point",
@@ -166,6 +169,10 @@ class KindModel:
         self.methods: set[tuple[str, str]] = set()
         self.identifiers: set[str] = set()
         self.hint_attrs: set[str] = set()
+        # keyword dicts written as literals (``CPU_KWARGS = {"pin_memory": True, ...}``,
+        # ``self.kw = dict(device="cpu")``) by name or attribute; None where assigned twice
+        # differently
+        self.kwarg_dicts: dict[str, dict[str, ast.expr] | None] = {}
         self.facts = Facts()
         self._scan(tree)
 
@@ -193,6 +200,18 @@ class KindModel:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.add(node.name)
+        seen: dict[str, set[str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                key = _dict_key(node.targets[0])
+                if key is not None:
+                    lit = _dict_literal(node.value)
+                    seen.setdefault(key, set()).add(
+                        "?" if lit is None else repr({k: ast.dump(v) for k, v in lit.items()}))
+                    self.kwarg_dicts.setdefault(key, lit)
+        for key, forms in seen.items():
+            if len(forms) > 1 or "?" in forms:  # one meaning only, or none
+                self.kwarg_dicts[key] = None
         for arg in self._device_args(tree):
             if isinstance(arg, ast.Attribute) and arg.attr == "device" \
                     and isinstance(arg.value, ast.Attribute):
@@ -234,6 +253,22 @@ class KindModel:
                         and any(isinstance(t, ast.Name) and t.id in hinted
                                 for t in node.targets)):
                     self.hint_attrs.add(node.value.attr)
+
+    def kw(self, call: ast.Call, name: str) -> ast.expr | None:
+        """Keyword ``name`` of ``call``, written out or in a ``**`` dict literal
+        (``torch.tensor(x, **CPU_KWARGS)`` where ``CPU_KWARGS = {"pin_memory": True}``)."""
+        explicit = kwarg(call, name)
+        if explicit is not None:
+            return explicit
+        for k in call.keywords:
+            if k.arg is None:
+                lit = _dict_literal(k.value)
+                if lit is None:
+                    key = _dict_key(k.value)
+                    lit = self.kwarg_dicts.get(key) if key is not None else None
+                if lit is not None and name in lit:
+                    return lit[name]
+        return None
 
     def is_torch(self, node: ast.expr) -> bool:
         root = node
@@ -443,12 +478,12 @@ class KindModel:
             return self.device_kind(call, scope)
         if m in _NOT_TENSOR_TORCH:
             return None
-        if truthy_pin(kwarg(call, "pin_memory")):
+        if truthy_pin(self.kw(call, "pin_memory")):
             return PINNED
-        out = kwarg(call, "out")
+        out = self.kw(call, "out")
         if out is not None:
             return self.kind(out, scope)
-        dev = kwarg(call, "device")
+        dev = self.kw(call, "device")
         if dev is not None:
             return self.made_on(dev, scope)
         if m in _FACTORIES:
@@ -479,9 +514,9 @@ class KindModel:
         if m == "to":
             return self.to_result(call, rk, scope)
         if m in _NEW_LIKE:
-            if truthy_pin(kwarg(call, "pin_memory")):
+            if truthy_pin(self.kw(call, "pin_memory")):
                 return PINNED
-            dev = kwarg(call, "device")
+            dev = self.kw(call, "device")
             return self.made_on(dev, scope) if dev is not None else op_result([rk])
         if m.endswith("_") and not m.startswith("_"):
             return rk  # in-place ops return self
@@ -521,6 +556,27 @@ class KindModel:
                 _bind_plain(t, k if k in TENSOR_KINDS else None, scope)
         else:
             _bind_plain(target, elems if isinstance(elems, str) else None, scope)
+
+
+def _dict_key(node: ast.expr) -> str | None:
+    """Name of a keyword dict: ``NAME``, or ``.attr`` for ``obj.attr`` (any owner)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return "." + node.attr
+    return None
+
+
+def _dict_literal(node: ast.expr) -> dict[str, ast.expr] | None:
+    """``{"k": v, ...}`` or ``dict(k=v, ...)`` with every key known, as a mapping."""
+    if isinstance(node, ast.Dict):
+        if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            return {k.value: v for k, v in zip(node.keys, node.values, strict=True)}
+        return None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+            and not node.args and all(k.arg for k in node.keywords)):
+        return {k.arg: k.value for k in node.keywords}
+    return None
 
 
 def _known(kind: str | None) -> str | None:
