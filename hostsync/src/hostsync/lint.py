@@ -11,8 +11,12 @@ HS102  Pinning inside a loop (``.pin_memory()``, ``torch.*(pin_memory=True)``): 
        allocation per iteration.
 HS103  (opt-in) like HS101, but the lint cannot tell where the source lives or whether it is
        pinned. Off by default so the default stays precise; select it explicitly.
-HS201  ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")`` of a tensor known to
-       be on a device.
+HS201  A host read of a tensor known to be on a device: ``.item()``, ``.tolist()``, ``.cpu()``,
+       ``.numpy()``, ``.to("cpu")``; ``bool()`` / ``int()`` / ``float()``; an ``if`` / ``while`` /
+       ``assert`` / comprehension / conditional-expression test (``if torch.any(mask):``,
+       ``if t[i] != c:``); an f-string of it. Conditions, casts and f-strings count only
+       device-ness shown by the code (construction, ``.to``, a ``device = x.device`` alias),
+       never names alone.
 
 Where a value lives is tracked per function in statement order, with ``if``/``else`` branches
 merged (see :mod:`hostsync.lint_flow`, :mod:`hostsync.lint_kinds` and

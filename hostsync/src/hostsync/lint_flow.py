@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from hostsync.lint_kinds import (
     LIST,
+    STRICT,
     Facts,
     KindModel,
     Scope,
@@ -28,6 +29,7 @@ from hostsync.lint_kinds import (
 from hostsync.lint_where import (
     ARG,
     CPU_DEV,
+    DEV_CALL,
     DEVICE,
     HOST,
     HOST_KINDS,
@@ -44,6 +46,7 @@ __all__ = ["Report", "analyze"]
 Report = Callable[[ast.AST, str, str], None]
 
 _HOST_READS = ("item", "tolist", "cpu", "numpy")
+_SCALAR_CASTS = ("bool", "int", "float", "complex")
 _TERMINATORS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 _VALUE_TYPES = frozenset({
     "None", "Tensor", "ndarray", "Parameter", "Any", "int", "float", "bool", "str", "bytes",
@@ -164,6 +167,7 @@ class _Flow:
             self._loop(s, scope)
         elif isinstance(s, ast.If):
             self._expr(s.test, scope)
+            self._check_truth(s.test, "if", scope)
             return self._branches([s.body, s.orelse], scope, fallthrough_env=False)
         elif isinstance(s, (ast.With, ast.AsyncWith)):
             for item in s.items:
@@ -185,7 +189,12 @@ class _Flow:
             return False
         elif isinstance(s, ast.Expr):
             self._expr(s.value, scope)
-        elif isinstance(s, (ast.Raise, ast.Assert, ast.Delete)):
+        elif isinstance(s, ast.Assert):
+            self._expr(s.test, scope)
+            self._check_truth(s.test, "assert", scope)
+            if s.msg is not None:
+                self._expr(s.msg, scope)
+        elif isinstance(s, (ast.Raise, ast.Delete)):
             for child in ast.iter_child_nodes(s):
                 if isinstance(child, ast.expr):
                     self._expr(child, scope)
@@ -227,6 +236,8 @@ class _Flow:
     def _loop(self, s: ast.For | ast.AsyncFor | ast.While, scope: Scope) -> None:
         head = s.iter if isinstance(s, (ast.For, ast.AsyncFor)) else s.test
         self._expr(head, scope)
+        if isinstance(s, ast.While):
+            self._check_truth(s.test, "while", scope)
         entry = dict(scope.env)
         state = entry
         for _ in range(2):  # the first iteration, then any later one
@@ -287,11 +298,14 @@ class _Flow:
     def _bind(self, target: ast.expr, value: ast.expr | None, scope: Scope) -> None:
         model = self.model
         kind = model.kind(value, scope) if value is not None else None
+        strict = model.strictly(value, scope) if value is not None else None
         if isinstance(target, ast.Name):
             name = target.id
-            for key in [k for k in scope.env if k.startswith(name + ".")]:
+            for key in [k for k in scope.env
+                        if k.startswith((name + ".", STRICT + name + "."))]:
                 del scope.env[key]
             scope.env.pop("[]" + name, None)
+            scope.env[STRICT + name] = strict or UNKNOWN
             if _is_list_value(value):
                 scope.env[name] = LIST
                 scope.env["[]" + name] = kind or UNKNOWN
@@ -311,6 +325,7 @@ class _Flow:
             path = dotted(target)
             if path is not None:
                 scope.env[path] = kind or UNKNOWN
+                scope.env[STRICT + path] = strict or UNKNOWN
             owner = target.value
             if isinstance(owner, ast.Name) and owner.id == "self" and scope.cls is not None:
                 self.pending.add_attr(scope.cls, target.attr, kind)
@@ -326,6 +341,7 @@ class _Flow:
         if isinstance(target, ast.Name):
             scope.env[target.id] = kind or UNKNOWN
             scope.env.pop("[]" + target.id, None)
+            scope.env.pop(STRICT + target.id, None)
         elif isinstance(target, (ast.Tuple, ast.List)):
             for t in target.elts:
                 self._bind_kind(t, kind, scope)
@@ -362,6 +378,7 @@ class _Flow:
                 self.model.bind_loop_target(gen.target, gen.iter, inner)
                 for cond in gen.ifs:
                     self._expr(cond, inner)
+                    self._check_truth(cond, "if", inner)
             for part in ([e.key, e.value] if isinstance(e, ast.DictComp) else [e.elt]):
                 self._expr(part, inner)
             return
@@ -382,6 +399,13 @@ class _Flow:
                 self._expr(child, scope)
         if isinstance(e, ast.Call):
             self._call(e, scope)
+        elif isinstance(e, ast.IfExp):
+            self._check_truth(e.test, "if", scope)
+        elif isinstance(e, ast.FormattedValue) and self.model.strictly(e.value, scope) == DEVICE:
+            self._add(e.value, "HS201",
+                      f"formatting `{_src(e.value)}`, a device tensor, in an f-string copies it "
+                      "to the host and waits for the device; format a host copy (or only its "
+                      "shape and dtype)")
 
     def _call(self, call: ast.Call, scope: Scope) -> None:
         model = self.model
@@ -396,6 +420,13 @@ class _Flow:
                     self.pending.add_attr(None, kw.arg, kind)
                     if cls_name in model.classes:
                         self.pending.add_attr(cls_name, kw.arg, kind)
+        if isinstance(f, ast.Name) and f.id in _SCALAR_CASTS and len(call.args) == 1 \
+                and f.id not in scope.env and model.strictly(call.args[0], scope) == DEVICE:
+            self._add(call, "HS201",
+                      f"`{f.id}({_src(call.args[0])})` of a device tensor reads its value on the "
+                      "host, which waits for the device; keep the decision on the device "
+                      "(torch.where) or compute it from host values (e.g. in the plan)")
+            return
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
@@ -434,11 +465,32 @@ class _Flow:
     # ------------------------------------------------------------------ checks
 
     def _check_host_read(self, call: ast.Call, value: ast.expr, what: str, scope: Scope) -> None:
-        if self.model.kind(value, scope) == DEVICE:
+        kind = self.model.kind(value, scope)
+        if kind in (DEVICE, DEV_CALL):
+            what_it_is = "a device tensor" if kind == DEVICE else \
+                "the result of a call given device tensors"
             self._add(call, "HS201",
-                      f"`{what}` of `{_src(value)}`, a device tensor, makes the host wait for "
+                      f"`{what}` of `{_src(value)}`, {what_it_is}, makes the host wait for "
                       "the device; keep the value on the device, or keep a host copy of it "
                       "(compute it on the host, e.g. in the plan)")
+
+    def _check_truth(self, test: ast.expr, where: str, scope: Scope) -> None:
+        """``if``/``while``/``assert`` (and comprehension/conditional-expression) tests: the
+        truth value of a device tensor is read on the host (``bool(t)``)."""
+        if isinstance(test, ast.BoolOp):
+            for value in test.values:
+                self._check_truth(value, where, scope)
+            return
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            self._check_truth(test.operand, where, scope)
+            return
+        if isinstance(test, ast.NamedExpr):
+            test = test.value
+        if self.model.strictly(test, scope) == DEVICE:
+            self._add(test, "HS201",
+                      f"`{where} {_src(test)}` reads the truth value of a device tensor on the "
+                      "host, which waits for the device; keep the branch on the device "
+                      "(torch.where, masks) or decide from host values (e.g. in the plan)")
 
     def _check_to(self, call: ast.Call, scope: Scope) -> None:
         model = self.model

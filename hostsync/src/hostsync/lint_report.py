@@ -74,17 +74,28 @@ made (pin_memory=True in this module) or add `# noqa: HS103`.""",
     "HS201": """\
 HS201  host read of a device tensor
 
-What: `.item()`, `.tolist()`, `.cpu()`, `.numpy()` or a blocking `.to("cpu")` of a tensor the lint
-knows is on the device: made with device= something not known to be the CPU (a free function's
-own device parameter excepted: the caller chooses it), moved there, computed from device
-tensors, or named so (`*_gpu`, `x` beside `x_cpu`, `x` whose `x.device` is used as a device).
+What: reading a device tensor's value on the host, in any of these forms:
+  - `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, a blocking `.to("cpu")`;
+  - `bool(t)`, `int(t)`, `float(t)`;
+  - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
+    `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
+  - an f-string of a device tensor (`f"{t}"`, e.g. in an assert or log message).
+A tensor is known to be on the device when it is made with device= something not known to be
+the CPU (a free function's own device parameter excepted: the caller chooses it), also through a
+local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
+tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
+beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
+returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
+fields of such a result. Conditions, casts and f-strings are judged from what the code does,
+not from names (`if has_cuda:`, `if device.type == "cuda":`, `assert t.dim() == 2` are silent).
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
 
 Fix: keep a host copy of the integers you need (compute them on the host, e.g. in the plan), or
-keep the value on the device; if it must come back, copy non_blocking into pinned memory and
-wait on an event where it is read. An intended read (a debug check): `# noqa: HS201`.""",
+keep the value on the device (`torch.where`, masks instead of a branch); if it must come back,
+copy non_blocking into pinned memory and wait on an event where it is read. An intended read
+(a debug check): `# noqa: HS201`.""",
 }
 
 _LEVELS = {"HS000": "error", "HS101": "warning", "HS102": "warning", "HS103": "note",
