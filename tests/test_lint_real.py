@@ -58,10 +58,13 @@ def _ratio(num: int, den: int) -> float:
     return num / den if den else 1.0
 
 
-#: What the lint reaches today, per (split, code): (precision, recall) lower bounds.
+#: What the lint reaches today, per (split, code): (precision, recall) lower bounds. The targets
+#: of issue #29 (held-out HS101 P, R >= 0.9; HS201 P >= 0.9, R >= 0.8) are not reached: most
+#: held-out misses are tensors made in another module (uploads of helpers' fresh CPU tensors,
+#: reads of parameters and attributes), which a per-module analysis cannot place.
 REACHED = {
-    ("dev", "HS101"): (1.0, 1.0), ("dev", "HS201"): (1.0, 0.0),
-    ("held-out", "HS101"): (1.0, 0.0), ("held-out", "HS201"): (1.0, 0.0),
+    ("dev", "HS101"): (1.0, 1.0), ("dev", "HS201"): (1.0, 1.0),
+    ("held-out", "HS101"): (1.0, 1 / 7), ("held-out", "HS201"): (1.0, 1 / 8),
 }
 
 
