@@ -65,3 +65,16 @@ def host_look_alikes(lens_cpu, device, has_cuda, reqs):
     assert marks[0] == 0
     n = int(cu[-1])
     return n, f"{device}", f"{len(reqs)} requests on {device}"
+
+
+def guarded(num_rejected, next_ids, t, state):
+    """A test that a tensor is on an accelerator places it there where the test holds."""
+    rejected = num_rejected.cpu() if num_rejected.is_cuda else num_rejected  # expect: HS201
+    if next_ids.device.type == "cuda":
+        ids = next_ids.tolist()  # expect: HS201
+    else:
+        ids = next_ids.tolist()  # the CPU branch: a host read
+    if state.buf.is_cuda and t.is_cuda:
+        first = state.buf[0].item()  # expect: HS201
+    last = t.cpu()  # outside the guard: not known
+    return rejected, ids, first, last

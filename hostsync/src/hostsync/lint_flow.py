@@ -22,11 +22,13 @@ from hostsync.lint_kinds import (
     Facts,
     KindModel,
     Scope,
+    device_kind_of_str,
     dotted,
     is_dtype_expr,
     kwarg,
 )
 from hostsync.lint_where import (
+    ACC_DEV,
     ARG,
     CPU_DEV,
     DEV_CALL,
@@ -168,7 +170,8 @@ class _Flow:
         elif isinstance(s, ast.If):
             self._expr(s.test, scope)
             self._check_truth(s.test, "if", scope)
-            return self._branches([s.body, s.orelse], scope, fallthrough_env=False)
+            return self._branches([s.body, s.orelse], scope, fallthrough_env=False,
+                                  refine=_guarded(s.test))
         elif isinstance(s, (ast.With, ast.AsyncWith)):
             for item in s.items:
                 self._expr(item.context_expr, scope)
@@ -201,11 +204,14 @@ class _Flow:
         return not isinstance(s, _TERMINATORS)
 
     def _branches(self, blocks: list[list[ast.stmt]], scope: Scope, *,
-                  fallthrough_env: bool) -> bool:
-        """Walk alternative blocks from one state and merge the ones that fall through."""
+                  fallthrough_env: bool, refine: list[str] = ()) -> bool:
+        """Walk alternative blocks from one state and merge the ones that fall through;
+        ``refine``: names the test proves to be device tensors in the first block."""
         outs: list[dict[str, str]] = [dict(scope.env)] if fallthrough_env else []
-        for block in blocks:
+        for i, block in enumerate(blocks):
             inner = scope.branch()
+            if i == 0:
+                _refine(inner, refine)
             if self._block(block, inner):
                 outs.append(inner.env)
         if not outs:
@@ -392,6 +398,14 @@ class _Flow:
             self._expr(e.value, scope)
             self._bind(e.target, e.value, scope)
             return
+        if isinstance(e, ast.IfExp):  # `x.cpu() if x.is_cuda else x`: x is on the device there
+            self._expr(e.test, scope)
+            self._check_truth(e.test, "if", scope)
+            body = scope.branch()
+            _refine(body, _guarded(e.test))
+            self._expr(e.body, body)
+            self._expr(e.orelse, scope)
+            return
         for child in ast.iter_child_nodes(e):
             if isinstance(child, ast.keyword):
                 self._expr(child.value, scope)
@@ -399,8 +413,6 @@ class _Flow:
                 self._expr(child, scope)
         if isinstance(e, ast.Call):
             self._call(e, scope)
-        elif isinstance(e, ast.IfExp):
-            self._check_truth(e.test, "if", scope)
         elif isinstance(e, ast.FormattedValue) and self.model.strictly(e.value, scope) == DEVICE:
             self._add(e.value, "HS201",
                       f"formatting `{_src(e.value)}`, a device tensor, in an f-string copies it "
@@ -530,6 +542,32 @@ class _Flow:
                       f"non_blocking=True copy of `{_src(src)}`, {where}: if it is pageable "
                       "host memory the host can block until all queued GPU work finishes; "
                       "make sure it is pinned (or on the device)")
+
+
+def _guarded(test: ast.expr) -> list[str]:
+    """Names (or ``a.b`` paths) that ``test`` proves to be on an accelerator where it holds:
+    ``x.is_cuda``, ``x.device.type == "cuda"`` (or another accelerator), and ``and`` of them."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [n for v in test.values for n in _guarded(v)]
+    owner: ast.expr | None = None
+    if isinstance(test, ast.Attribute) and test.attr == "is_cuda":
+        owner = test.value
+    elif (isinstance(test, ast.Compare) and len(test.ops) == 1
+          and isinstance(test.ops[0], ast.Eq) and isinstance(test.left, ast.Attribute)
+          and test.left.attr == "type" and isinstance(test.left.value, ast.Attribute)
+          and test.left.value.attr == "device"
+          and isinstance(test.comparators[0], ast.Constant)
+          and isinstance(test.comparators[0].value, str)
+          and device_kind_of_str(test.comparators[0].value) == ACC_DEV):
+        owner = test.left.value.value
+    path = dotted(owner) if owner is not None else None
+    return [path] if path is not None else []
+
+
+def _refine(scope: Scope, names: list[str]) -> None:
+    for name in names:
+        scope.env[name] = DEVICE
+        scope.env[STRICT + name] = DEVICE
 
 
 def _is_list_value(value: ast.expr | None) -> bool:
