@@ -64,7 +64,7 @@ def _ratio(num: int, den: int) -> float:
 #: reads of parameters and attributes), which a per-module analysis cannot place.
 REACHED = {
     ("dev", "HS101"): (1.0, 1.0), ("dev", "HS201"): (1.0, 5 / 7),
-    ("held-out", "HS101"): (1.0, 1 / 7), ("held-out", "HS201"): (1.0, 1 / 3),
+    ("held-out", "HS101"): (1.0, 3 / 10), ("held-out", "HS201"): (1.0, 1 / 3),
 }
 
 
