@@ -65,7 +65,7 @@ def read_python(path: str, *, field: str, skip: str) -> str:
         # stat before open: opening a FIFO would block, reading /dev/zero would never end
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise UsageError(f"{field} {path!r} is not a regular file (a device, FIFO or "
-                             f"socket); pass a Python source file or {skip}")
+                             f"socket) and cannot be Python source; {skip}")
         with open(path, "rb") as fh:
             data = fh.read(MAX_SOURCE_BYTES + 1)
     except OSError as e:
