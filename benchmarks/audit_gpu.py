@@ -1,4 +1,4 @@
-"""GPU checks and numbers for mlaprefill.audit; the lead runs this on the H200.
+"""GPU checks and numbers for hostsync; the lead runs this on the H200.
 
     python benchmarks/audit_gpu.py --out benchmarks/results/audit_h200
     python benchmarks/audit_gpu.py --cpu-overhead          # CPU-only: audit overhead per op
@@ -20,9 +20,9 @@ import time
 
 import torch
 
+from hostsync import no_host_sync
 from mlaprefill._env import utc_now
-from mlaprefill.audit import no_host_sync
-from mlaprefill.audit.stallmap import format_table, machine_info, plot_stallmap, stallmap
+from mlaprefill.stallmap import format_table, machine_info, plot_stallmap, stallmap
 
 
 def overhead_us_per_op(device: str, *, n: int = 5000, reps: int = 5) -> dict[str, float]:

@@ -276,7 +276,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     # Host-sync audit of one DCP forward (plan already uploaded): ops that make the host wait
     # for a non-CPU device, recorded. An audit error raises: the rank exits and the launcher
     # stops the others.
-    from mlaprefill.audit import no_host_sync
+    from hostsync import no_host_sync
 
     with no_host_sync() as audit:
         dcp()

@@ -411,7 +411,7 @@ def test_long_context_forward_is_bitwise_repeatable(backend):
 
 @pytest.mark.parametrize("backend", ["auto", "mlaprefill", "cudnn", "fa2"])
 def test_plan_upload_forward_never_syncs(backend):
-    from mlaprefill.audit.cuda_check import check_step_async
+    from hostsync.cuda_check import check_step_async
 
     query_lens, context_lens = [512, 1, 300, 64], [4096, 0, 1000, 64 * 20]
     x = _inputs(query_lens, context_lens, heads=16)
@@ -438,7 +438,7 @@ def test_iteration_graphs_match_eager_and_reference(backend, policy):
     cuDNN calls too) captured once and replayed give the eager forward's result up to the GEMM's
     rounding (its row count is the row bucket, not the iteration's), match the float64
     reference, repeat bitwise, and never sync."""
-    from mlaprefill.audit.cuda_check import check_step_async
+    from hostsync.cuda_check import check_step_async
 
     query_lens, context_lens = [17, 1, 300, 64, 5], [0, 64, 5000, 1280, 129]
     x = _inputs(query_lens, context_lens, heads=16, seed=7)
@@ -588,7 +588,7 @@ def test_triton_compiles_once_per_config_not_per_length():
 
 def test_step_check_sees_a_pageable_upload():
     """The check can fail: the same kind of step, uploading from pageable memory, is caught."""
-    from mlaprefill.audit.cuda_check import check_step_async
+    from hostsync.cuda_check import check_step_async
 
     plan = ChunkPlanner(2048, PAGE).plan(PrefillBatch([64, 1], [4096, 0], page_size=PAGE))
     ring = StagingRing("cuda", mode="pageable")
@@ -625,7 +625,7 @@ def test_iteration_graphs_replayed_across_forwards_and_layers():
     called; after that it runs eagerly again) or by capture_pending between steps, and replayed
     from then on, in later steps too; a third round only replays. Every
     forward matches the eager forward and the float64 reference; the steady state never syncs."""
-    from mlaprefill.audit.cuda_check import check_step_async
+    from hostsync.cuda_check import check_step_async
     from mlaprefill.graphs import pow2_at_least, row_bucket
 
     steps = [([17, 1, 300], [3000, 1280, 129]), ([64, 200, 5, 90], [2000, 64, 2500, 700]),
@@ -723,7 +723,7 @@ def test_iteration_graphs_static_io(backend):
     io.q and out= / lse= the io buffers is bitwise the copying forward through the same graphs,
     and the float64 reference's within bf16; the buffers are the arena's own; such a step never
     syncs."""
-    from mlaprefill.audit.cuda_check import check_step_async
+    from hostsync.cuda_check import check_step_async
 
     steps = [([17, 1, 300], [3000, 1280, 129]), ([64, 200, 5, 90], [2000, 64, 2500, 700])]
     heads = 16

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mlaprefill.audit import KINDS, Finding, HostSyncError, no_host_sync
+from hostsync import KINDS, Finding, HostSyncError, no_host_sync
 from mlaprefill.cli import main
 
 THIS = os.path.abspath(__file__)

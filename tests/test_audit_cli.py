@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlaprefill.audit import KINDS, no_host_sync
-from mlaprefill.audit.findings import audit_limits, group_by_frame
+from hostsync import KINDS, no_host_sync
+from hostsync.findings import audit_limits, group_by_frame
 from mlaprefill.cli import main
 
 NO_CUDA = not torch.cuda.is_available()
@@ -66,7 +66,7 @@ def test_limits_name_what_a_machine_without_devices_cannot_see() -> None:
     blind = audit_limits(cuda_available=False, devices_seen=[], profiled=False)
     assert blind[0]["scope"] == "this machine" and "item()" in blind[0]["what"]
     assert "torch.cuda.is_available() is False" in blind[0]["why"]
-    assert "mlaprefill lint" in blind[0]["fix"]
+    assert "hostsync lint" in blind[0]["fix"]
     assert [x["scope"] for x in blind[1:]] == ["always"] * 3
     meta = audit_limits(cuda_available=False, devices_seen=["meta"], profiled=False)
     assert meta[0]["scope"] == "this machine" and "meta" in meta[0]["why"]
@@ -192,7 +192,7 @@ def test_cli_directory_unreadable_script_and_bad_flags(tmp_path: pathlib.Path,
         status, _, err = _run(argv)
         assert status == 2
         _one_line(err, *fields)
-    from mlaprefill.audit import cli_common
+    from hostsync import cli_common
 
     script = tmp_path / "ok.py"
     script.write_text("x = 1\n")

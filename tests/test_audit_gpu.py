@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from mlaprefill.audit import Finding, no_host_sync
+from hostsync import Finding, no_host_sync
 
 pytestmark = pytest.mark.gpu
 THIS = os.path.abspath(__file__)
@@ -115,7 +115,7 @@ def test_profiler_confirms_pageable_memcpy() -> None:
 
 
 def test_pinned_copy_does_not_block_behind_queued_work() -> None:
-    from mlaprefill.audit.stallmap import CudaCopyTimer
+    from mlaprefill.stallmap import CudaCopyTimer
 
     timer = CudaCopyTimer(queue_ms=20.0)
     timer.warmup()

@@ -93,7 +93,7 @@ def test_marker_registered(pytester: pytest.Pytester) -> None:
 
 
 def test_plugin_import_is_cheap() -> None:
-    code = ("import sys, mlaprefill.audit.pytest_plugin, mlaprefill.audit.flake8_plugin; "
+    code = ("import sys, hostsync.pytest_plugin, hostsync.flake8_plugin; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout

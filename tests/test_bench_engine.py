@@ -176,7 +176,7 @@ def test_gpu_engine_ring_has_no_host_sync_and_pageable_is_seen():
     """On CUDA: the ring variant's step loop issues no hidden host sync (only the engine's
     deliberate event waits and the synchronize around the run); the pageable variant's plan
     and engine arrays are all pageable copies."""
-    from mlaprefill.audit import no_host_sync
+    from hostsync import no_host_sync
 
     cfg = EngineConfig(preset="tiny", tp=1, num_layers=2, vocab_size=97, prompt_len=256,
                        num_requests=4, max_concurrent=4, token_budget=64, workspace_tokens=128,

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import paged_mla_inputs
+from hostsync.runtime import no_host_sync
 from mlaprefill.api import mla_chunked_prefill_dcp
-from mlaprefill.audit.runtime import no_host_sync
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp import (
     DCPChunkPlanner,

@@ -109,7 +109,7 @@ def test_ring_upload_does_not_block_behind_queued_kernels():
 
 
 def test_ring_upload_has_no_host_sync_but_pageable_does():
-    from mlaprefill.audit import no_host_sync
+    from hostsync import no_host_sync
 
     plan = ChunkPlanner(65536, 64).plan(PrefillBatch([4096, 512], [80000, 1000], page_size=64))
     rings = {mode: StagingRing("cuda", mode=mode) for mode in ("ring", "pageable")}

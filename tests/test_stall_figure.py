@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlaprefill.audit.lint_report import EXPLANATIONS as EXPLAIN
+from hostsync.lint_report import EXPLANATIONS as EXPLAIN
 from mlaprefill.bench import cli as bench_cli
 from mlaprefill.bench.dryrun import STALL_THRESHOLD_BYTES
 

@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mlaprefill.audit.stallmap import (
+from mlaprefill.cli import main
+from mlaprefill.stallmap import (
     DEFAULT_SIZES,
     MiB,
     find_threshold,
@@ -17,7 +18,6 @@ from mlaprefill.audit.stallmap import (
     plot_stallmap,
     run_sweep,
 )
-from mlaprefill.cli import main
 
 QUEUE_MS = 50.0
 

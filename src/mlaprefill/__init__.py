@@ -7,7 +7,7 @@ Three stages (see docs/DESIGN.md)::
     DevicePlan --MLAChunkedPrefill.forward()--> out [T, H, v_head_dim], lse [T, H] (natural log)
                (device only, never syncs)
 
-``mla_chunked_prefill`` does all three in one call. ``mlaprefill.audit`` finds hidden host syncs
+``mla_chunked_prefill`` does all three in one call. ``hostsync`` finds hidden host syncs
 in any PyTorch code; ``mlaprefill.dcp`` shards the context over ranks.
 """
 
@@ -27,13 +27,13 @@ _LAZY = {
     "DevicePlan": "mlaprefill.staging",
     "StagingRing": "mlaprefill.staging",
     "StagingStats": "mlaprefill.staging",
-    "no_host_sync": "mlaprefill.audit",
-    "HostSyncError": "mlaprefill.audit",
+    "no_host_sync": "hostsync",
+    "HostSyncError": "hostsync",
 }
 
 if TYPE_CHECKING:
+    from hostsync import HostSyncError, no_host_sync
     from mlaprefill.api import mla_chunked_prefill
-    from mlaprefill.audit import HostSyncError, no_host_sync
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.graphs import IterationGraphs
     from mlaprefill.plan import ChunkPlan, ChunkPlanner

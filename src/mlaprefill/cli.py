@@ -18,9 +18,9 @@ __all__ = ["main"]
 SUBCOMMANDS: dict[str, str] = {
     "plan": "mlaprefill.plan_cli",
     "bench": "mlaprefill.bench.cli",
-    "audit": "mlaprefill.audit.cli",
-    "lint": "mlaprefill.audit.lint_cli",
-    "stallmap": "mlaprefill.audit.stallmap",
+    "audit": "hostsync.audit_cli",
+    "lint": "hostsync.lint_cli",
+    "stallmap": "mlaprefill.stallmap",
 }
 
 

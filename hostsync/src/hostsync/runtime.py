@@ -32,13 +32,13 @@ too (default ``Tensor.is_pinned()`` plus storages registered with
 Mechanism notes. :class:`HostSyncAudit` is the dispatch mode and owns the findings; it composes
 the parts that decide what a finding is:
 
-- :mod:`~mlaprefill.audit.runtime_ops`: which aten calls sync (copies, scalar reads,
+- :mod:`~hostsync.runtime_ops`: which aten calls sync (copies, scalar reads,
   data-dependent shapes), plus a small :class:`~torch.overrides.TorchFunctionMode` that sees the
   copies ``torch.tensor``/``torch.as_tensor`` make inside C++ (invisible to the dispatch mode)
   and names the Python-level call (``Tensor.item``, ``Tensor.tolist`` ...) behind each aten op;
-- :mod:`~mlaprefill.audit.runtime_where`: the user frame a finding is attributed to, and the
+- :mod:`~hostsync.runtime_where`: the user frame a finding is attributed to, and the
   allow-list;
-- :mod:`~mlaprefill.audit.runtime_cuda`: the ``synchronize`` functions, wrapped on enter and
+- :mod:`~hostsync.runtime_cuda`: the ``synchronize`` functions, wrapped on enter and
   restored when the last active audit exits (reference-counted on the wrapper itself, so no
   module holds mutable state), and the profiler's count of pageable memcpys.
 """
@@ -55,7 +55,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from mlaprefill.audit.findings import (
+from hostsync.findings import (
     KINDS,
     Finding,
     HostSyncError,
@@ -64,13 +64,13 @@ from mlaprefill.audit.findings import (
     group_by_frame,
     group_findings,
 )
-from mlaprefill.audit.runtime_cuda import (
+from hostsync.runtime_cuda import (
     PageableMemcpyCounter,
     unwrap_synchronize,
     wrap_synchronize,
 )
-from mlaprefill.audit.runtime_ops import OpClassifier
-from mlaprefill.audit.runtime_where import AllowList, FrameLocator, Where, finding_at
+from hostsync.runtime_ops import OpClassifier
+from hostsync.runtime_where import AllowList, FrameLocator, Where, finding_at
 
 __all__ = ["KINDS", "Finding", "HostSyncAudit", "HostSyncError", "no_host_sync"]
 
@@ -166,7 +166,7 @@ class HostSyncAudit(TorchDispatchMode):
 
     def limits(self) -> list[dict[str, str]]:
         """What this audit could not see on this machine and in this run, and what it never
-        sees (see :func:`~mlaprefill.audit.findings.audit_limits`). A run with no device
+        sees (see :func:`~hostsync.findings.audit_limits`). A run with no device
         tensor at all (no CUDA here) saw no copy or read that could synchronize."""
         return audit_limits(cuda_available=torch.cuda.is_available(),
                             devices_seen=self.devices_seen,

@@ -1,5 +1,5 @@
 """Output of the static lint for people and tools: text, JSON, SARIF 2.1.0, GitHub annotations,
-and the long explanation of each code (``mlaprefill lint --explain CODE``)."""
+and the long explanation of each code (``hostsync lint --explain CODE``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlaprefill
-from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding
+import hostsync
+from hostsync.lint import CODES, OPT_IN, LintFinding
 
 __all__ = ["EXPLANATIONS", "FORMATS", "format_findings", "to_github", "to_sarif"]
 
 FORMATS = ("text", "json", "sarif", "github")
 
 EXPLANATIONS: dict[str, str] = {
+    "HS000": """\
+HS000  file not checked
+
+What: a file the lint could not check: it cannot be read, is not a regular file (a device such
+as /dev/zero, a FIFO) or is larger than 16 MiB, is not UTF-8 (nor declares its coding), does not
+parse, or is nested too deeply for the parser or the analysis.
+
+Why: a file that was not checked is not clean. The finding keeps the run going (the other files'
+findings are reported) and makes its exit status 1.
+
+Fix: fix the file, or leave it out with --exclude GLOB.""",
     "HS101": """\
 HS101  non_blocking copy to a device from pageable host memory
 
@@ -63,21 +74,34 @@ made (pin_memory=True in this module) or add `# noqa: HS103`.""",
     "HS201": """\
 HS201  host read of a device tensor
 
-What: `.item()`, `.tolist()`, `.cpu()`, `.numpy()` or a blocking `.to("cpu")` of a tensor the lint
-knows is on the device: made with device= something not known to be the CPU (a free function's
-own device parameter excepted: the caller chooses it), moved there, computed from device
-tensors, or named so (`*_gpu`, `x` beside `x_cpu`, `x` whose `x.device` is used as a device).
+What: reading a device tensor's value on the host, in any of these forms:
+  - `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, a blocking `.to("cpu")`;
+  - `bool(t)`, `int(t)`, `float(t)`;
+  - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
+    `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
+  - an f-string of a device tensor (`f"{t}"`, e.g. in an assert or log message).
+A tensor is known to be on the device when it is made with device= something not known to be
+the CPU (a free function's own device parameter excepted: the caller chooses it), also through a
+local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
+tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
+beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
+returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
+fields of such a result. Conditions, casts and f-strings are judged from what the code does,
+not from names (`if has_cuda:`, `if device.type == "cuda":`, `assert t.dim() == 2` are silent).
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
 
 Fix: keep a host copy of the integers you need (compute them on the host, e.g. in the plan), or
-keep the value on the device; if it must come back, copy non_blocking into pinned memory and
-wait on an event where it is read. An intended read (a debug check): `# noqa: HS201`.""",
+keep the value on the device (`torch.where`, masks instead of a branch); if it must come back,
+copy non_blocking into pinned memory and wait on an event where it is read. An intended read
+(a debug check): `# noqa: HS201`.""",
 }
 
-_LEVELS = {"HS101": "warning", "HS102": "warning", "HS103": "note", "HS201": "warning"}
-_RULE_NAMES = {"HS101": "PageableNonBlockingCopy", "HS102": "PinMemoryInLoop",
+_LEVELS = {"HS000": "error", "HS101": "warning", "HS102": "warning", "HS103": "note",
+           "HS201": "warning"}
+_RULE_NAMES = {"HS000": "FileNotChecked", "HS101": "PageableNonBlockingCopy",
+               "HS102": "PinMemoryInLoop",
                "HS103": "UnplacedNonBlockingCopy", "HS201": "DeviceTensorHostRead"}
 
 
@@ -107,14 +131,15 @@ def to_sarif(findings: Sequence[LintFinding]) -> dict[str, Any]:
         "message": {"text": f.message},
         "locations": [{"physicalLocation": {
             "artifactLocation": {"uri": _uri(f.path)},
-            "region": {"startLine": f.line, "startColumn": f.col + 1},
+            "region": {"startLine": f.line, "startColumn": f.col + 1,
+                       "endLine": f.end_line or f.line, "endColumn": f.end_col + 1},
         }}],
     } for f in findings]
     return {
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
         "version": "2.1.0",
         "runs": [{
-            "tool": {"driver": {"name": "mlaprefill-lint", "version": mlaprefill.__version__,
+            "tool": {"driver": {"name": "hostsync", "version": hostsync.__version__,
                                 "rules": rules}},
             "results": results,
         }],
@@ -137,7 +162,7 @@ def to_github(findings: Sequence[LintFinding]) -> list[str]:
 
 
 def format_findings(findings: Sequence[LintFinding], fmt: str, *, num_files: int) -> str:
-    """The whole stdout of ``mlaprefill lint`` in format ``fmt`` (one of :data:`FORMATS`)."""
+    """The whole stdout of ``hostsync lint`` in format ``fmt`` (one of :data:`FORMATS`)."""
     if fmt == "json":
         return json.dumps({"num_files": num_files, "num_findings": len(findings),
                            "findings": [f.to_dict() for f in findings]}, indent=2)

@@ -5,7 +5,7 @@ from the arguments alone (it never reads device memory), whether this call does,
 through a ``record(kind, op, tensor, devices)`` callback. Its companion function mode
 (:meth:`OpClassifier.function_mode`) names the Python call behind each aten op and sees the
 copies that ``torch.tensor``/``torch.as_tensor`` make inside C++, where the dispatch mode
-cannot. Part of :mod:`mlaprefill.audit.runtime`.
+cannot. Part of :mod:`hostsync.runtime`.
 """
 
 from __future__ import annotations

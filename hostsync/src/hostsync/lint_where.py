@@ -1,7 +1,7 @@
 """Where a value lives, as the static lint sees it: the kinds, how paths merge, and names.
 
 Pure functions over short strings, shared by the flow analysis in
-:mod:`mlaprefill.audit.lint_flow`. A *kind* is one of
+:mod:`hostsync.lint_flow`. A *kind* is one of
 
 =============  ==============================================================================
 ``pinned``     host tensor in page-locked memory (``pin_memory=True``, ``.pin_memory()``)
@@ -10,6 +10,10 @@ Pure functions over short strings, shared by the flow analysis in
 ``host``       on the host, pinnedness unknown (e.g. a name ending in ``_cpu``)
 ``device``     on an accelerator (made with ``device=`` something not known to be the CPU,
                moved with ``.cuda()`` / ``.to(dev)``, computed from device tensors, ...)
+``dev-call``   what a call the lint cannot see into returns when it is given device tensors and
+               no host ones (``self.sampler(logits_dev)``, a Triton launcher's output): a host
+               read of it (``.tolist()``) waits for the device; its truth value (``if f(x):``)
+               may be a plain bool from metadata, so it is not a device tensor for ``if``
 ``none``       the constant ``None`` (absent on that path; merges as "no information")
 ``cpu-dev``    a device *object or string* naming the CPU (``"cpu"``, ``torch.device("cpu")``)
 ``acc-dev``    a device object or string naming an accelerator (``"cuda:0"``, ...)
@@ -31,6 +35,7 @@ __all__ = [
     "ARG",
     "CPU_DEV",
     "DEVICE",
+    "DEV_CALL",
     "HOST",
     "HOST_KINDS",
     "NONE",
@@ -45,6 +50,7 @@ __all__ = [
 ]
 
 PINNED, PAGEABLE, HOST, DEVICE = "pinned", "pageable", "host", "device"
+DEV_CALL = "dev-call"
 NONE, UNKNOWN, ARG = "none", "unknown", "arg"
 CPU_DEV, ACC_DEV, SAME_DEV = "cpu-dev", "acc-dev", "same-dev"
 HOST_KINDS = frozenset({PINNED, PAGEABLE, HOST})
@@ -115,4 +121,6 @@ def op_result(kinds: list[str | None]) -> str | None:
         return DEVICE
     if any(k in HOST_KINDS for k in kinds):
         return PAGEABLE
+    if DEV_CALL in kinds:
+        return DEV_CALL
     return None

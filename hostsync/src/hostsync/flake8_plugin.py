@@ -1,6 +1,6 @@
 """flake8 plugin (entry point ``flake8.extension``, prefix ``HS``): the host-sync lint.
 
-``flake8 --select HS path/`` reports HS101/HS102/HS201 (see :mod:`mlaprefill.audit.lint`);
+``flake8 --select HS path/`` reports HS101/HS102/HS201 (see :mod:`hostsync.lint`);
 opt-in codes need ``--hostsync-enable HS103`` (or ``hostsync-enable = HS103`` in the flake8
 config). flake8 itself applies ``# noqa`` comments.
 """
@@ -11,7 +11,7 @@ import ast
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from mlaprefill.audit.lint import OPT_IN, lint_tree
+from hostsync.lint import OPT_IN, lint_tree, not_checked
 
 __all__ = ["HostSyncChecker"]
 
@@ -19,7 +19,7 @@ __all__ = ["HostSyncChecker"]
 class HostSyncChecker:
     """AST checker yielding ``(line, col, "HSxxx message", type)`` tuples."""
 
-    name = "mlaprefill-hostsync"
+    name = "hostsync"
     version = "0.1.0"
     enabled: ClassVar[tuple[str, ...]] = ()
 
@@ -39,5 +39,9 @@ class HostSyncChecker:
         cls.enabled = tuple(c.strip().upper() for c in options.hostsync_enable if c.strip())
 
     def run(self) -> Iterator[tuple[int, int, str, type[Any]]]:
-        for f in lint_tree(self.tree, self.filename, select=["HS", *self.enabled]):
+        try:
+            found = lint_tree(self.tree, self.filename, select=["HS", *self.enabled])
+        except (RecursionError, MemoryError):
+            found = [not_checked(self.filename, "is nested too deeply to analyse")]
+        for f in found:
             yield f.line, f.col, f"{f.code} {f.message}", type(self)

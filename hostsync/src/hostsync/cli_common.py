@@ -1,4 +1,4 @@
-"""What ``mlaprefill audit`` and ``mlaprefill lint`` share: user errors as one line, and reading
+"""What ``hostsync audit`` and ``hostsync lint`` share: user errors as one line, and reading
 Python source the way Python does.
 
 Every user error (a missing or unreadable path, a file that is not UTF-8 or does not parse, a
@@ -9,10 +9,16 @@ bad flag) is one ``prog: error: ...`` line on stderr naming the field and the fi
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import tokenize
 from typing import Any, NoReturn
 
-__all__ = ["UsageError", "one_line_errors", "read_python"]
+__all__ = ["MAX_SOURCE_BYTES", "UsageError", "one_line_errors", "read_python"]
+
+#: Larger than any Python file people write (the largest in torch is ~1 MB); a bigger "source"
+#: is generated data or a device, and reading it whole would exhaust memory.
+MAX_SOURCE_BYTES = 16 * 2**20
 
 
 class UsageError(Exception):
@@ -52,14 +58,22 @@ def read_python(path: str, *, field: str, skip: str) -> str:
     Raises
     ------
     UsageError
-        If the file cannot be read or decoded.
+        If the file is not a regular file (``/dev/zero``, a FIFO), is larger than
+        :data:`MAX_SOURCE_BYTES`, or cannot be read or decoded.
     """
     try:
+        # stat before open: opening a FIFO would block, reading /dev/zero would never end
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UsageError(f"{field} {path!r} is not a regular file (a device, FIFO or "
+                             f"socket) and cannot be Python source; {skip}")
         with open(path, "rb") as fh:
-            data = fh.read()
+            data = fh.read(MAX_SOURCE_BYTES + 1)
     except OSError as e:
         raise UsageError(f"{field} {path!r} cannot be read ({e.strerror or e}); fix its "
                          f"permissions or {skip}") from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise UsageError(f"{field} {path!r} is larger than {MAX_SOURCE_BYTES >> 20} MiB, not "
+                         f"Python source people write; {skip}")
     try:
         encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
         return data.decode(encoding)

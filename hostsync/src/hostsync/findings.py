@@ -1,7 +1,7 @@
 """Findings of the runtime audit: kinds, the :class:`Finding` record, grouping, what the audit
 cannot see (:func:`audit_limits`) and reports.
 
-Pure Python (no torch import), shared by :mod:`mlaprefill.audit.runtime` and the CLI.
+Pure Python (no torch import), shared by :mod:`hostsync.runtime` and the CLI.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Finding:
 
     ``nbytes`` is the size of the data moved or inspected (the source of a copy, the input of a
     data-dependent op); ``shape``/``dtype`` describe that tensor. ``filename``/``lineno``/
-    ``function`` are the first frame outside torch and ``mlaprefill.audit``; ``code`` is that
+    ``function`` are the first frame outside torch and ``hostsync``; ``code`` is that
     source line. ``count`` is 1 except for the aggregated profiler finding.
     """
 
@@ -142,7 +142,7 @@ def group_findings(findings: Iterable[Finding]) -> list[dict[str, Any]]:
 
 
 def group_by_frame(findings: Iterable[Finding]) -> list[dict[str, Any]]:
-    """Findings grouped by the first frame outside torch (and ``mlaprefill.audit``), in order
+    """Findings grouped by the first frame outside torch (and ``hostsync``), in order
     of first occurrence: ``count``, ``nbytes`` and ``kinds`` (kind -> count) per frame."""
     frames: dict[tuple[str, int], dict[str, Any]] = {}
     for f in findings:
@@ -183,7 +183,7 @@ def audit_limits(*, cuda_available: bool, devices_seen: Iterable[str],
                                "False), so no tensor lived on a device and none of them "
                                "could synchronize",
                         "fix": "run the audit on a CUDA machine, or check the code "
-                               "statically: mlaprefill lint PATH"})
+                               "statically: hostsync lint PATH"})
     elif not cuda_available:
         out.append({"scope": "this machine", "what": "whether a pageable copy really stalls",
                     "why": f"no CUDA device: the audit saw {', '.join(seen)} tensors, so it "
@@ -194,7 +194,7 @@ def audit_limits(*, cuda_available: bool, devices_seen: Iterable[str],
                 "fix": "audit each thread's work in that thread"})
     out.append({"scope": "always", "what": "syncs inside torch.compile graphs",
                 "why": "compiled graphs run unaudited (graph breaks run eagerly and are seen)",
-                "fix": "audit the eager code, or check it statically: mlaprefill lint PATH"})
+                "fix": "audit the eager code, or check it statically: hostsync lint PATH"})
     if not profiled:
         out.append({"scope": "always", "what": "pageable copies made inside C++ extensions",
                     "why": "the dispatcher does not see copies that never reach an aten op",

@@ -1,6 +1,6 @@
 """Kinds of expressions for the static lint: where the value of an expression lives.
 
-:class:`KindModel` answers "what kind (see :mod:`mlaprefill.audit.lint_where`) does this
+:class:`KindModel` answers "what kind (see :mod:`hostsync.lint_where`) does this
 expression have, in this scope?" from the flow facts of the current function (a
 :class:`Scope`), module facts gathered by earlier passes (:class:`Facts`: attributes, return
 values, module globals) and engine naming conventions. ``None`` means unknown or not a tensor.
@@ -12,10 +12,11 @@ import ast
 import dataclasses
 import re
 
-from mlaprefill.audit.lint_where import (
+from hostsync.lint_where import (
     ACC_DEV,
     ARG,
     CPU_DEV,
+    DEV_CALL,
     DEVICE,
     HOST,
     HOST_KINDS,
@@ -30,14 +31,19 @@ from mlaprefill.audit.lint_where import (
     op_result,
 )
 
-__all__ = ["LIST", "Facts", "KindModel", "Scope", "device_kind_of_str", "dotted", "is_dtype_expr",
+__all__ = ["LIST", "STRICT", "Facts", "KindModel", "Scope", "device_kind_of_str", "dotted",
+           "is_dtype_expr",
            "kwarg", "truthy_pin"]
 
 LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
+STRICT = "!"  # env prefix: the kind a binding has strictly (KindModel.strictly)
 
 _FACTORIES = frozenset({
     "arange", "range", "linspace", "logspace", "zeros", "ones", "empty", "full", "eye", "rand",
     "randn", "randint", "randperm", "tensor", "empty_strided", "frombuffer", "scalar_tensor",
+    # legacy constructors: torch.Tensor(list) is a fresh CPU tensor in pageable memory
+    "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
+    "IntTensor", "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor",
 })
 _NOT_TENSOR_TORCH = frozenset({
     "is_tensor", "numel", "finfo", "iinfo", "get_default_dtype", "is_floating_point",
@@ -68,6 +74,13 @@ _DTYPE_NAMES = frozenset({
     "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "int16",
     "short", "int32", "int", "int64", "long", "uint8", "uint16", "uint32", "uint64", "bool",
     "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+})
+# Builtins whose result is not a tensor that lives where their argument does.
+_BUILTINS = frozenset({
+    "len", "isinstance", "issubclass", "int", "float", "bool", "str", "repr", "max", "min", "sum",
+    "abs", "list", "tuple", "dict", "set", "frozenset", "range", "zip", "enumerate", "sorted",
+    "reversed", "getattr", "hasattr", "setattr", "print", "type", "id", "any", "all", "iter",
+    "next", "round", "divmod", "hash", "format", "callable", "super", "map", "filter", "vars",
 })
 _ACC_PREFIXES = ("cuda", "meta", "xpu", "mps", "hip", "npu", "xla", "hpu", "privateuseone")
 _CAMEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")
@@ -166,8 +179,25 @@ class KindModel:
         self.methods: set[tuple[str, str]] = set()
         self.identifiers: set[str] = set()
         self.hint_attrs: set[str] = set()
+        # keyword dicts written as literals (``CPU_KWARGS = {"pin_memory": True, ...}``,
+        # ``self.kw = dict(device="cpu")``) by name or attribute; None where assigned twice
+        # differently
+        self.kwarg_dicts: dict[str, dict[str, ast.expr] | None] = {}
         self.facts = Facts()
+        # Evidence of construction only (see :meth:`strictly`): no naming conventions, no
+        # module facts of return values.
+        self.strict = False
         self._scan(tree)
+
+    def strictly(self, node: ast.expr, scope: Scope) -> str | None:
+        """The kind of ``node`` from what the code does, not from names: engines name flags
+        ``has_cuda`` / ``on_device`` and devices ``device``, so a name says where a tensor lives
+        only when the value is read as data (``.item()``), not when it is a condition."""
+        self.strict = True
+        try:
+            return self.kind(node, scope)
+        finally:
+            self.strict = False
 
     # ------------------------------------------------------------------ syntax, once
 
@@ -193,6 +223,18 @@ class KindModel:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.add(node.name)
+        seen: dict[str, set[str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                key = _dict_key(node.targets[0])
+                if key is not None:
+                    lit = _dict_literal(node.value)
+                    seen.setdefault(key, set()).add(
+                        "?" if lit is None else repr({k: ast.dump(v) for k, v in lit.items()}))
+                    self.kwarg_dicts.setdefault(key, lit)
+        for key, forms in seen.items():
+            if len(forms) > 1 or "?" in forms:  # one meaning only, or none
+                self.kwarg_dicts[key] = None
         for arg in self._device_args(tree):
             if isinstance(arg, ast.Attribute) and arg.attr == "device" \
                     and isinstance(arg.value, ast.Attribute):
@@ -216,11 +258,26 @@ class KindModel:
 
     def function_hints(self, fn: ast.AST) -> frozenset[str]:
         """Names ``x`` whose ``x.device`` this function uses as a device: engines write
-        ``device=x.device`` for tensors that live on the accelerator."""
-        return frozenset(
-            a.value.id for a in self._device_args(fn)
-            if isinstance(a, ast.Attribute) and a.attr == "device"
-            and isinstance(a.value, ast.Name))
+        ``device=x.device`` for tensors that live on the accelerator, or through a local alias
+        (``device = x.device`` ... ``torch.zeros(n, device=device)``)."""
+        aliases: dict[str, str] = {}
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "device"
+                    and isinstance(node.value.value, ast.Name)):
+                name = node.targets[0].id
+                # one meaning only: a name aliased to two tensors' devices names neither
+                aliases[name] = node.value.value.id if aliases.get(name, node.value.value.id) \
+                    == node.value.value.id else ""
+        out: set[str] = set()
+        for a in self._device_args(fn):
+            if (isinstance(a, ast.Attribute) and a.attr == "device"
+                    and isinstance(a.value, ast.Name)):
+                out.add(a.value.id)
+            elif isinstance(a, ast.Name) and aliases.get(a.id):
+                out.add(aliases[a.id])
+        return frozenset(out)
 
     def _hint_sources(self, tree: ast.Module) -> None:
         """``x = obj.attr`` in a function that uses ``x.device`` as a device: ``attr`` is a
@@ -234,6 +291,22 @@ class KindModel:
                         and any(isinstance(t, ast.Name) and t.id in hinted
                                 for t in node.targets)):
                     self.hint_attrs.add(node.value.attr)
+
+    def kw(self, call: ast.Call, name: str) -> ast.expr | None:
+        """Keyword ``name`` of ``call``, written out or in a ``**`` dict literal
+        (``torch.tensor(x, **CPU_KWARGS)`` where ``CPU_KWARGS = {"pin_memory": True}``)."""
+        explicit = kwarg(call, name)
+        if explicit is not None:
+            return explicit
+        for k in call.keywords:
+            if k.arg is None:
+                lit = _dict_literal(k.value)
+                if lit is None:
+                    key = _dict_key(k.value)
+                    lit = self.kwarg_dicts.get(key) if key is not None else None
+                if lit is not None and name in lit:
+                    return lit[name]
+        return None
 
     def is_torch(self, node: ast.expr) -> bool:
         root = node
@@ -256,6 +329,8 @@ class KindModel:
     def convention(self, name: str, *, attribute: bool = False, hint: bool = False) -> str | None:
         """What the name alone says (suffixes, a ``.device`` used as a device, and for
         attributes a ``<name>_cpu`` / ``_host`` / ``_np`` twin in the module)."""
+        if self.strict:
+            return DEVICE if hint else None
         k = name_kind(name, attribute=attribute)
         if k is not None:
             return k
@@ -268,6 +343,11 @@ class KindModel:
     def name(self, ident: str, scope: Scope) -> str | None:
         if ident in self.torch_names or ident in self.numpy_names:
             return None
+        if self.strict:  # what the flow bound, judged strictly (``"!" + name``)
+            v = scope.env.get(STRICT + ident)
+            if v is None or v in (UNKNOWN, ARG, LIST):
+                return DEVICE if ident in scope.hints else None
+            return v
         v = scope.env.get(ident)
         if v == LIST:
             return _known(scope.env.get("[]" + ident))
@@ -286,6 +366,8 @@ class KindModel:
 
     def attribute(self, node: ast.Attribute, scope: Scope) -> str | None:
         a = node.attr
+        if self.strict and a == "device":
+            return None
         if a == "device":
             k = self.kind(node.value, scope)
             if k in TENSOR_KINDS:
@@ -301,10 +383,17 @@ class KindModel:
             k = self.kind(node.value, scope)
             return PAGEABLE if k == PINNED else k
         path = dotted(node)
+        if self.strict:
+            v = scope.env.get(STRICT + path) if path is not None else None
+            if v is not None and v not in (UNKNOWN, LIST):
+                return v
+            return DEVICE if a in self.hint_attrs else None
         if path is not None and path in scope.env:
             v = scope.env[path]
             if v not in (UNKNOWN, LIST):
                 return v
+        if self.kind(node.value, scope) == DEV_CALL:
+            return DEV_CALL  # a field of what a call given device tensors returned
         owner = self.type_of(node.value, scope)
         if owner is None or owner in self.classes:
             # this module's class: its own facts, else what any constructor call was given
@@ -360,7 +449,7 @@ class KindModel:
     # ------------------------------------------------------------------ expressions
 
     def kind(self, node: ast.expr, scope: Scope) -> str | None:
-        """Kind of ``node`` (see :mod:`mlaprefill.audit.lint_where`); None: unknown."""
+        """Kind of ``node`` (see :mod:`hostsync.lint_where`); None: unknown."""
         if isinstance(node, ast.Name):
             return self.name(node.id, scope)
         if isinstance(node, ast.Constant):
@@ -371,7 +460,7 @@ class KindModel:
             return self.attribute(node, scope)
         if isinstance(node, ast.Subscript):
             k = self.kind(node.value, scope)
-            return k if k in TENSOR_KINDS else None
+            return k if k in TENSOR_KINDS or k == DEV_CALL else None
         if isinstance(node, ast.Call):
             return self.call(node, scope)
         if isinstance(node, ast.BinOp):
@@ -419,9 +508,13 @@ class KindModel:
     def call(self, call: ast.Call, scope: Scope) -> str | None:
         f = call.func
         if isinstance(f, ast.Name):
-            if f.id in self.functions:
-                return _known(self.facts.returns.get((None, f.id)))
-            return None
+            if f.id in _BUILTINS or self.is_class_call(f) is not None:
+                return None
+            if f.id in self.functions and not self.strict:
+                known = _known(self.facts.returns.get((None, f.id)))
+                if known is not None:
+                    return known
+            return self.by_inputs(call, scope)
         if not isinstance(f, ast.Attribute):
             return None
         if isinstance(f.value, ast.Name) and f.value.id in self.torch_names:
@@ -435,20 +528,33 @@ class KindModel:
             return PAGEABLE
         owner = self.type_of(f.value, scope)
         if owner is not None and (owner, f.attr) in self.methods:
-            return _known(self.facts.returns.get((owner, f.attr)))
+            if self.strict:
+                return self.by_inputs(call, scope)
+            known = _known(self.facts.returns.get((owner, f.attr)))
+            return known if known is not None else self.by_inputs(call, scope)
         return self.method(f.attr, call, f.value, scope)
+
+    def by_inputs(self, call: ast.Call, scope: Scope) -> str | None:
+        """``dev-call`` for a call the lint cannot see into that is given device tensors and no
+        host tensors (see :mod:`~hostsync.lint_where`); None otherwise."""
+        if self.is_class_call(call.func) is not None:
+            return None
+        kinds = self.inputs(call, scope)
+        if any(k in HOST_KINDS for k in kinds):
+            return None
+        return DEV_CALL if DEVICE in kinds or DEV_CALL in kinds else None
 
     def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
         if m == "device":
             return self.device_kind(call, scope)
         if m in _NOT_TENSOR_TORCH:
             return None
-        if truthy_pin(kwarg(call, "pin_memory")):
+        if truthy_pin(self.kw(call, "pin_memory")):
             return PINNED
-        out = kwarg(call, "out")
+        out = self.kw(call, "out")
         if out is not None:
             return self.kind(out, scope)
-        dev = kwarg(call, "device")
+        dev = self.kw(call, "device")
         if dev is not None:
             return self.made_on(dev, scope)
         if m in _FACTORIES:
@@ -475,19 +581,19 @@ class KindModel:
             return DEVICE
         rk = self.kind(recv, scope)
         if m in ("cpu", "numpy"):
-            return PAGEABLE if rk == DEVICE else rk if rk in HOST_KINDS else HOST
+            return PAGEABLE if rk in (DEVICE, DEV_CALL) else rk if rk in HOST_KINDS else HOST
         if m == "to":
             return self.to_result(call, rk, scope)
         if m in _NEW_LIKE:
-            if truthy_pin(kwarg(call, "pin_memory")):
+            if truthy_pin(self.kw(call, "pin_memory")):
                 return PINNED
-            dev = kwarg(call, "device")
+            dev = self.kw(call, "device")
             return self.made_on(dev, scope) if dev is not None else op_result([rk])
         if m.endswith("_") and not m.startswith("_"):
             return rk  # in-place ops return self
         if m in _VIEWS:
-            return rk if rk in TENSOR_KINDS else None
-        return op_result([rk])
+            return rk if rk in TENSOR_KINDS or rk == DEV_CALL else None
+        return op_result([rk]) or self.by_inputs(call, scope)
 
     def to_result(self, call: ast.Call, rk: str | None, scope: Scope) -> str | None:
         target = self.to_target(call)
@@ -495,7 +601,7 @@ class KindModel:
             return PAGEABLE if rk == PINNED else rk
         dk = self.device_kind(target, scope)
         if dk == CPU_DEV:
-            return PAGEABLE if rk == DEVICE else rk if rk in HOST_KINDS else HOST
+            return PAGEABLE if rk in (DEVICE, DEV_CALL) else rk if rk in HOST_KINDS else HOST
         return None if dk == SAME_DEV else DEVICE
 
     # ------------------------------------------------------------------ loops
@@ -521,6 +627,27 @@ class KindModel:
                 _bind_plain(t, k if k in TENSOR_KINDS else None, scope)
         else:
             _bind_plain(target, elems if isinstance(elems, str) else None, scope)
+
+
+def _dict_key(node: ast.expr) -> str | None:
+    """Name of a keyword dict: ``NAME``, or ``.attr`` for ``obj.attr`` (any owner)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return "." + node.attr
+    return None
+
+
+def _dict_literal(node: ast.expr) -> dict[str, ast.expr] | None:
+    """``{"k": v, ...}`` or ``dict(k=v, ...)`` with every key known, as a mapping."""
+    if isinstance(node, ast.Dict):
+        if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            return {k.value: v for k, v in zip(node.keys, node.values, strict=True)}
+        return None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+            and not node.args and all(k.arg for k in node.keywords)):
+        return {k.arg: k.value for k in node.keywords}
+    return None
 
 
 def _known(kind: str | None) -> str | None:

@@ -5,7 +5,7 @@
 report each call; :func:`unwrap_synchronize` restores them when the last user leaves. The count
 of users lives on the wrapper itself, so this module holds no mutable state.
 :class:`PageableMemcpyCounter` runs ``torch.profiler`` to count the pageable host->device memcpys
-that really happened, copies inside extensions included. Part of :mod:`mlaprefill.audit.runtime`.
+that really happened, copies inside extensions included. Part of :mod:`hostsync.runtime`.
 """
 
 from __future__ import annotations

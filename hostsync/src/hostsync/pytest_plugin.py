@@ -13,7 +13,7 @@ Use either the fixture or the marker::
 
 The audit covers only the test call (not fixture setup/teardown), so device tensors built by
 fixtures do not count. Marker keyword arguments are passed to
-:func:`mlaprefill.audit.no_host_sync`. Importing this module imports neither torch nor the
+:func:`hostsync.no_host_sync`. Importing this module imports neither torch nor the
 runtime audit; tests that use neither the fixture nor the marker run exactly as without it.
 """
 
@@ -34,12 +34,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "no_host_sync(strict=False, allow=(), ...): fail the test if its call performs a host "
         "sync or host stall (pageable non_blocking H2D copy, D2H copy, .item(), nonzero, "
-        "synchronize ...); keyword arguments go to mlaprefill.audit.no_host_sync",
+        "synchronize ...); keyword arguments go to hostsync.no_host_sync",
     )
 
 
 def _make_audit(item: pytest.Item) -> Any:
-    from mlaprefill.audit.runtime import no_host_sync
+    from hostsync.runtime import no_host_sync
 
     marker = item.get_closest_marker(_MARKER)
     kwargs = dict(marker.kwargs) if marker is not None else {}
@@ -48,7 +48,7 @@ def _make_audit(item: pytest.Item) -> Any:
 
 @pytest.fixture(name=_FIXTURE)
 def no_host_sync_fixture(request: pytest.FixtureRequest) -> Any:
-    """The :class:`~mlaprefill.audit.HostSyncAudit` active during this test's call.
+    """The :class:`~hostsync.HostSyncAudit` active during this test's call.
 
     The test fails with the grouped findings if the call synchronized the host.
     """

@@ -6,7 +6,7 @@ events the profiler saw. A step passes when the sync debug mode raised nothing, 
 ``Memcpy HtoD (Pageable -> Device)`` and no ``Memcpy DtoH`` happened, and at least
 ``min_htod_per_step`` host-to-device copies per step did (the upload the step is meant to make).
 
-It complements :func:`mlaprefill.audit.no_host_sync`: the sync debug mode misses pageable
+It complements :func:`hostsync.no_host_sync`: the sync debug mode misses pageable
 ``non_blocking`` copies (the bug this project is about), and the profiler sees them only after
 they ran; the dispatch-mode audit sees them before. Used by the GPU tests and
 ``benchmarks/attention.py``, so both prove the same thing the same way.
@@ -52,11 +52,11 @@ def check_step_async(step: Callable[[], Any], *, steps: int = 3,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from mlaprefill.audit.runtime_cuda import is_pageable_memcpy
+    from hostsync.runtime_cuda import is_pageable_memcpy
 
     if not torch.cuda.is_available():
         raise ValueError("check_step_async needs CUDA (torch.cuda.is_available() is False); "
-                         "use mlaprefill.audit.no_host_sync on a CPU machine")
+                         "use hostsync.no_host_sync on a CPU machine")
     if steps < 1:
         raise ValueError(f"steps = {steps}; pass steps >= 1")
     step()  # warm-up: Triton JIT, cuDNN graph build, allocator growth

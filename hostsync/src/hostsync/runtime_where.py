@@ -1,9 +1,9 @@
 """Where a host sync came from, and whether it is allowed.
 
-A finding is attributed to the first stack frame outside torch, ``mlaprefill.audit`` and the
+A finding is attributed to the first stack frame outside torch, ``hostsync`` and the
 caller's ``internal`` globs (:class:`FrameLocator`), and then matched against the allow-list
 (:class:`AllowList`: kind names and ``path_glob[:line]`` patterns). Part of
-:mod:`mlaprefill.audit.runtime`.
+:mod:`hostsync.runtime`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import FrameType
 
 import torch
 
-from mlaprefill.audit.findings import KINDS, Finding
+from hostsync.findings import KINDS, Finding
 
 __all__ = ["AllowList", "FrameLocator", "Where", "finding_at"]
 

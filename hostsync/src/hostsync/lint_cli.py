@@ -1,11 +1,12 @@
-"""``mlaprefill lint PATH... [--format text|json|sarif|github] [--select CODES] [--exclude GLOB]``.
+"""``hostsync lint PATH... [--format text|json|sarif|github] [--select CODES] [--exclude GLOB]``.
 
-Static host-sync lint (see :mod:`mlaprefill.audit.lint` for the codes; ``--explain CODE`` prints
+Static host-sync lint (see :mod:`hostsync.lint` for the codes; ``--explain CODE`` prints
 one in full). Directories are searched recursively for ``*.py`` (hidden directories and
 ``__pycache__`` skipped). Output: one ``path:line:col: CODE message`` line per finding, a JSON
-object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. Exit status:
-0 clean, 1 findings, 2 usage error (a path that does not exist or cannot be read, a file that is
-not UTF-8 or does not parse, an unknown code), always as one line on stderr.
+object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. A file that
+cannot be read, decoded or parsed is one HS000 finding and the run goes on. Exit status: 0
+clean, 1 findings, 2 usage error (a path that does not exist, a directory that cannot be
+listed, an unknown code), always as one line on stderr.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import re
 import sys
 from typing import Any
 
-from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
-from mlaprefill.audit.lint import CODES, OPT_IN, LintFinding, lint_source
+from hostsync.cli_common import UsageError, one_line_errors
+from hostsync.lint import CODES, OPT_IN, LintFinding, lint_path
 
-__all__ = ["add_parser", "collect_files", "lint_files", "read_source", "run"]
+__all__ = ["add_parser", "collect_files", "lint_files", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip files whose path matches GLOB (repeatable)")
     p.add_argument("--explain", metavar="CODE", help="explain a code (e.g. HS101) and exit")
+    p.set_defaults(prog=p.prog)
     return one_line_errors(p)
 
 
@@ -64,17 +66,6 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
     return [f for f in files if not any(fnmatch.fnmatch(f, g) for g in exclude)]
 
 
-def read_source(path: str) -> str:
-    """Text of a Python file (see :func:`~mlaprefill.audit.cli_common.read_python`).
-
-    Raises
-    ------
-    UsageError
-        If the file cannot be read or decoded.
-    """
-    return read_python(path, field="PATH", skip="pass --exclude")
-
-
 def _parse_select(select: str) -> list[str]:
     codes = [c.strip().upper() for c in select.split(",") if c.strip()]
     if not codes:
@@ -87,7 +78,7 @@ def _parse_select(select: str) -> list[str]:
 
 
 def _explain(code: str) -> str:
-    from mlaprefill.audit.lint_report import EXPLANATIONS
+    from hostsync.lint_report import EXPLANATIONS
 
     key = code.strip().upper()
     if key not in EXPLANATIONS:
@@ -97,29 +88,18 @@ def _explain(code: str) -> str:
 
 
 def lint_files(files: list[str], select: list[str]) -> list[LintFinding]:
-    """Findings of every file, in order.
-
-    Raises
-    ------
-    UsageError
-        If a file cannot be read, decoded or parsed.
-    """
+    """Findings of every file, in order; a file that cannot be read, decoded or parsed is one
+    ``HS000`` finding and the others are still linted."""
     findings: list[LintFinding] = []
     for path in files:
-        source = read_source(path)
-        try:
-            findings.extend(lint_source(source, path, select=select))
-        except SyntaxError as e:
-            raise UsageError(f"PATH {path!r} does not parse (line {e.lineno}: {e.msg}); fix "
-                             "the syntax error or pass --exclude") from None
-        except (ValueError, RecursionError) as e:  # null bytes, absurd nesting
-            raise UsageError(f"PATH {path!r} cannot be linted ({e}); pass --exclude") from None
+        findings.extend(lint_path(path, select=select))
     return findings
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlaprefill.audit.lint_report import format_findings
+    from hostsync.lint_report import format_findings
 
+    prog = getattr(args, "prog", "hostsync lint")  # `mlaprefill lint` when run through it
     try:
         if args.explain is not None:
             print(_explain(args.explain))
@@ -131,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         files = collect_files(list(args.paths), list(args.exclude))
         findings = lint_files(files, select)
     except UsageError as e:
-        print(f"mlaprefill lint: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     out = format_findings(findings, args.format, num_files=len(files))
     if out:

@@ -1,7 +1,7 @@
-"""``mlaprefill audit [--json] [--strict] [--allow PATTERN] [--profile] SCRIPT [ARGS...]``.
+"""``hostsync audit [--json] [--strict] [--allow PATTERN] [--profile] SCRIPT [ARGS...]``.
 
 Runs a Python script (``runpy``, ``sys.argv = [SCRIPT, *ARGS]``, as ``__main__``) under
-:func:`mlaprefill.audit.no_host_sync` and prints the host syncs grouped by the first frame
+:func:`hostsync.no_host_sync` and prints the host syncs grouped by the first frame
 outside torch, with counts and bytes, one line per kind with its fix, and what the audit could
 not see (on a machine without CUDA no tensor is on a device, so no copy or read can
 synchronize: the report says so instead of an all-clear). Exit status: 0 clean, 1 host syncs
@@ -25,7 +25,7 @@ import sys
 import traceback
 from typing import Any
 
-from mlaprefill.audit.cli_common import UsageError, one_line_errors, read_python
+from hostsync.cli_common import UsageError, one_line_errors, read_python
 
 __all__ = ["add_parser", "audit_script", "run"]
 
@@ -49,6 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("script", metavar="SCRIPT", help="Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed to the script")
+    p.set_defaults(prog=p.prog)
     return one_line_errors(p)
 
 
@@ -61,10 +62,10 @@ def audit_script(
     Returns
     -------
     (audit, script_status, error)
-        The finished :class:`~mlaprefill.audit.HostSyncAudit`, the script's own exit status
+        The finished :class:`~hostsync.HostSyncAudit`, the script's own exit status
         (0 when it returned normally) and a formatted traceback if it raised.
     """
-    from mlaprefill.audit.runtime import HostSyncError, no_host_sync
+    from hostsync.runtime import HostSyncError, no_host_sync
 
     audit = no_host_sync(strict=strict, allow=allow or (), profile=profile)
     script_path = os.path.abspath(script)
@@ -93,7 +94,7 @@ def audit_script(
 
 
 def check_script(script: str) -> None:
-    """Raise :class:`~mlaprefill.audit.cli_common.UsageError` unless ``script`` is a readable
+    """Raise :class:`~hostsync.cli_common.UsageError` unless ``script`` is a readable
     Python file that decodes and parses (so that a user error is never the script's failure)."""
     if not os.path.exists(script):
         raise UsageError(f"SCRIPT {script!r} does not exist; pass the path of a Python script")
@@ -124,8 +125,9 @@ def _check_profile(profile: bool) -> None:
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
 
 
-def _drop_interpreter(script: str, script_args: list[str]) -> tuple[str, list[str]]:
-    """``mlaprefill audit -- python s.py ARGS`` (the form people type) is ``audit s.py ARGS``:
+def _drop_interpreter(script: str, script_args: list[str], prog: str = "hostsync audit",
+                      ) -> tuple[str, list[str]]:
+    """``hostsync audit -- python s.py ARGS`` (the form people type) is ``audit s.py ARGS``:
     a first word naming a Python interpreter that is not a file here is dropped."""
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -133,7 +135,7 @@ def _drop_interpreter(script: str, script_args: list[str]) -> tuple[str, list[st
             script == sys.executable):
         if not script_args:
             raise UsageError(f"SCRIPT {script!r} is the Python interpreter; pass the script "
-                             f"to audit after it (mlaprefill audit {script} s.py ARGS...)")
+                             f"to audit after it ({prog} {script} s.py ARGS...)")
         if script_args[0].startswith("-"):
             raise UsageError(f"{script} {script_args[0]} ...: the audit runs a script file, "
                              f"not interpreter options; pass the script's path "
@@ -143,12 +145,13 @@ def _drop_interpreter(script: str, script_args: list[str]) -> tuple[str, list[st
 
 
 def run(args: argparse.Namespace) -> int:
+    prog = getattr(args, "prog", "hostsync audit")  # `mlaprefill audit` when run through it
     try:
-        script, script_args = _drop_interpreter(args.script, list(args.args))
+        script, script_args = _drop_interpreter(args.script, list(args.args), prog)
         check_script(script)
         _check_profile(args.profile)
     except UsageError as e:
-        print(f"mlaprefill audit: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     as_json = args.json or args.format == "json"
     redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
@@ -161,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         out = {"script": script, "args": script_args, "script_status": status, **audit.summary()}
         print(json.dumps(out, indent=2))
     else:
-        print(f"mlaprefill audit {script}: " + audit.report())
+        print(f"{prog} {script}: " + audit.report())
     if audit.findings:
         return 1
     return status

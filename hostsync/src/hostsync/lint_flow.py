@@ -2,7 +2,7 @@
 
 Each function is walked in statement order with an environment ``name -> kind`` (also
 ``"obj.attr"`` paths assigned in the function). ``if``/``try``/``match`` branches start from the
-same environment and are merged with :func:`~mlaprefill.audit.lint_where.join`; a branch that
+same environment and are merged with :func:`~hostsync.lint_where.join`; a branch that
 returns, raises, breaks or continues does not reach the merge. Loop bodies are walked a second
 time from the merge of the entry state and the first iteration's exit state.
 
@@ -13,20 +13,25 @@ attributes, returned by functions and methods, bound at module level), the third
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Callable
 
-from mlaprefill.audit.lint_kinds import (
+from hostsync.lint_kinds import (
     LIST,
+    STRICT,
     Facts,
     KindModel,
     Scope,
+    device_kind_of_str,
     dotted,
     is_dtype_expr,
     kwarg,
 )
-from mlaprefill.audit.lint_where import (
+from hostsync.lint_where import (
+    ACC_DEV,
     ARG,
     CPU_DEV,
+    DEV_CALL,
     DEVICE,
     HOST,
     HOST_KINDS,
@@ -43,6 +48,7 @@ __all__ = ["Report", "analyze"]
 Report = Callable[[ast.AST, str, str], None]
 
 _HOST_READS = ("item", "tolist", "cpu", "numpy")
+_SCALAR_CASTS = ("bool", "int", "float", "complex")
 _TERMINATORS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 _VALUE_TYPES = frozenset({
     "None", "Tensor", "ndarray", "Parameter", "Any", "int", "float", "bool", "str", "bytes",
@@ -51,8 +57,29 @@ _VALUE_TYPES = frozenset({
 
 
 def _src(node: ast.AST, limit: int = 48) -> str:
+    """Short source of ``node`` for a message: whole if it fits, else with the argument lists
+    and subscripts of its calls written ``...`` (``torch.tensor(...).to(...)``), so that the
+    message names the whole chained call rather than a cut-off first argument."""
     text = ast.unparse(node)
+    if len(text) <= limit:
+        return text
+    text = ast.unparse(_Elide().visit(copy.deepcopy(node)))
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Elide(ast.NodeTransformer):
+    _DOTS = ast.Name(id="...")
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        node.func = self.visit(node.func)
+        if node.args or node.keywords:
+            node.args, node.keywords = [self._DOTS], []
+        return node
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+        node.value = self.visit(node.value)
+        node.slice = self._DOTS
+        return node
 
 
 def _is_true(node: ast.expr | None) -> bool:
@@ -142,7 +169,9 @@ class _Flow:
             self._loop(s, scope)
         elif isinstance(s, ast.If):
             self._expr(s.test, scope)
-            return self._branches([s.body, s.orelse], scope, fallthrough_env=False)
+            self._check_truth(s.test, "if", scope)
+            return self._branches([s.body, s.orelse], scope, fallthrough_env=False,
+                                  refine=_guarded(s.test))
         elif isinstance(s, (ast.With, ast.AsyncWith)):
             for item in s.items:
                 self._expr(item.context_expr, scope)
@@ -163,18 +192,26 @@ class _Flow:
             return False
         elif isinstance(s, ast.Expr):
             self._expr(s.value, scope)
-        elif isinstance(s, (ast.Raise, ast.Assert, ast.Delete)):
+        elif isinstance(s, ast.Assert):
+            self._expr(s.test, scope)
+            self._check_truth(s.test, "assert", scope)
+            if s.msg is not None:
+                self._expr(s.msg, scope)
+        elif isinstance(s, (ast.Raise, ast.Delete)):
             for child in ast.iter_child_nodes(s):
                 if isinstance(child, ast.expr):
                     self._expr(child, scope)
         return not isinstance(s, _TERMINATORS)
 
     def _branches(self, blocks: list[list[ast.stmt]], scope: Scope, *,
-                  fallthrough_env: bool) -> bool:
-        """Walk alternative blocks from one state and merge the ones that fall through."""
+                  fallthrough_env: bool, refine: list[str] = ()) -> bool:
+        """Walk alternative blocks from one state and merge the ones that fall through;
+        ``refine``: names the test proves to be device tensors in the first block."""
         outs: list[dict[str, str]] = [dict(scope.env)] if fallthrough_env else []
-        for block in blocks:
+        for i, block in enumerate(blocks):
             inner = scope.branch()
+            if i == 0:
+                _refine(inner, refine)
             if self._block(block, inner):
                 outs.append(inner.env)
         if not outs:
@@ -205,6 +242,8 @@ class _Flow:
     def _loop(self, s: ast.For | ast.AsyncFor | ast.While, scope: Scope) -> None:
         head = s.iter if isinstance(s, (ast.For, ast.AsyncFor)) else s.test
         self._expr(head, scope)
+        if isinstance(s, ast.While):
+            self._check_truth(s.test, "while", scope)
         entry = dict(scope.env)
         state = entry
         for _ in range(2):  # the first iteration, then any later one
@@ -265,11 +304,14 @@ class _Flow:
     def _bind(self, target: ast.expr, value: ast.expr | None, scope: Scope) -> None:
         model = self.model
         kind = model.kind(value, scope) if value is not None else None
+        strict = model.strictly(value, scope) if value is not None else None
         if isinstance(target, ast.Name):
             name = target.id
-            for key in [k for k in scope.env if k.startswith(name + ".")]:
+            for key in [k for k in scope.env
+                        if k.startswith((name + ".", STRICT + name + "."))]:
                 del scope.env[key]
             scope.env.pop("[]" + name, None)
+            scope.env[STRICT + name] = strict or UNKNOWN
             if _is_list_value(value):
                 scope.env[name] = LIST
                 scope.env["[]" + name] = kind or UNKNOWN
@@ -289,6 +331,7 @@ class _Flow:
             path = dotted(target)
             if path is not None:
                 scope.env[path] = kind or UNKNOWN
+                scope.env[STRICT + path] = strict or UNKNOWN
             owner = target.value
             if isinstance(owner, ast.Name) and owner.id == "self" and scope.cls is not None:
                 self.pending.add_attr(scope.cls, target.attr, kind)
@@ -304,6 +347,7 @@ class _Flow:
         if isinstance(target, ast.Name):
             scope.env[target.id] = kind or UNKNOWN
             scope.env.pop("[]" + target.id, None)
+            scope.env.pop(STRICT + target.id, None)
         elif isinstance(target, (ast.Tuple, ast.List)):
             for t in target.elts:
                 self._bind_kind(t, kind, scope)
@@ -340,6 +384,7 @@ class _Flow:
                 self.model.bind_loop_target(gen.target, gen.iter, inner)
                 for cond in gen.ifs:
                     self._expr(cond, inner)
+                    self._check_truth(cond, "if", inner)
             for part in ([e.key, e.value] if isinstance(e, ast.DictComp) else [e.elt]):
                 self._expr(part, inner)
             return
@@ -353,6 +398,14 @@ class _Flow:
             self._expr(e.value, scope)
             self._bind(e.target, e.value, scope)
             return
+        if isinstance(e, ast.IfExp):  # `x.cpu() if x.is_cuda else x`: x is on the device there
+            self._expr(e.test, scope)
+            self._check_truth(e.test, "if", scope)
+            body = scope.branch()
+            _refine(body, _guarded(e.test))
+            self._expr(e.body, body)
+            self._expr(e.orelse, scope)
+            return
         for child in ast.iter_child_nodes(e):
             if isinstance(child, ast.keyword):
                 self._expr(child.value, scope)
@@ -360,6 +413,11 @@ class _Flow:
                 self._expr(child, scope)
         if isinstance(e, ast.Call):
             self._call(e, scope)
+        elif isinstance(e, ast.FormattedValue) and self.model.strictly(e.value, scope) == DEVICE:
+            self._add(e.value, "HS201",
+                      f"formatting `{_src(e.value)}`, a device tensor, in an f-string copies it "
+                      "to the host and waits for the device; format a host copy (or only its "
+                      "shape and dtype)")
 
     def _call(self, call: ast.Call, scope: Scope) -> None:
         model = self.model
@@ -374,6 +432,13 @@ class _Flow:
                     self.pending.add_attr(None, kw.arg, kind)
                     if cls_name in model.classes:
                         self.pending.add_attr(cls_name, kw.arg, kind)
+        if isinstance(f, ast.Name) and f.id in _SCALAR_CASTS and len(call.args) == 1 \
+                and f.id not in scope.env and model.strictly(call.args[0], scope) == DEVICE:
+            self._add(call, "HS201",
+                      f"`{f.id}({_src(call.args[0])})` of a device tensor reads its value on the "
+                      "host, which waits for the device; keep the decision on the device "
+                      "(torch.where) or compute it from host values (e.g. in the plan)")
+            return
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
@@ -412,11 +477,32 @@ class _Flow:
     # ------------------------------------------------------------------ checks
 
     def _check_host_read(self, call: ast.Call, value: ast.expr, what: str, scope: Scope) -> None:
-        if self.model.kind(value, scope) == DEVICE:
+        kind = self.model.kind(value, scope)
+        if kind in (DEVICE, DEV_CALL):
+            what_it_is = "a device tensor" if kind == DEVICE else \
+                "the result of a call given device tensors"
             self._add(call, "HS201",
-                      f"`{what}` of `{_src(value)}`, a device tensor, makes the host wait for "
+                      f"`{what}` of `{_src(value)}`, {what_it_is}, makes the host wait for "
                       "the device; keep the value on the device, or keep a host copy of it "
                       "(compute it on the host, e.g. in the plan)")
+
+    def _check_truth(self, test: ast.expr, where: str, scope: Scope) -> None:
+        """``if``/``while``/``assert`` (and comprehension/conditional-expression) tests: the
+        truth value of a device tensor is read on the host (``bool(t)``)."""
+        if isinstance(test, ast.BoolOp):
+            for value in test.values:
+                self._check_truth(value, where, scope)
+            return
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            self._check_truth(test.operand, where, scope)
+            return
+        if isinstance(test, ast.NamedExpr):
+            test = test.value
+        if self.model.strictly(test, scope) == DEVICE:
+            self._add(test, "HS201",
+                      f"`{where} {_src(test)}` reads the truth value of a device tensor on the "
+                      "host, which waits for the device; keep the branch on the device "
+                      "(torch.where, masks) or decide from host values (e.g. in the plan)")
 
     def _check_to(self, call: ast.Call, scope: Scope) -> None:
         model = self.model
@@ -456,6 +542,32 @@ class _Flow:
                       f"non_blocking=True copy of `{_src(src)}`, {where}: if it is pageable "
                       "host memory the host can block until all queued GPU work finishes; "
                       "make sure it is pinned (or on the device)")
+
+
+def _guarded(test: ast.expr) -> list[str]:
+    """Names (or ``a.b`` paths) that ``test`` proves to be on an accelerator where it holds:
+    ``x.is_cuda``, ``x.device.type == "cuda"`` (or another accelerator), and ``and`` of them."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [n for v in test.values for n in _guarded(v)]
+    owner: ast.expr | None = None
+    if isinstance(test, ast.Attribute) and test.attr == "is_cuda":
+        owner = test.value
+    elif (isinstance(test, ast.Compare) and len(test.ops) == 1
+          and isinstance(test.ops[0], ast.Eq) and isinstance(test.left, ast.Attribute)
+          and test.left.attr == "type" and isinstance(test.left.value, ast.Attribute)
+          and test.left.value.attr == "device"
+          and isinstance(test.comparators[0], ast.Constant)
+          and isinstance(test.comparators[0].value, str)
+          and device_kind_of_str(test.comparators[0].value) == ACC_DEV):
+        owner = test.left.value.value
+    path = dotted(owner) if owner is not None else None
+    return [path] if path is not None else []
+
+
+def _refine(scope: Scope, names: list[str]) -> None:
+    for name in names:
+        scope.env[name] = DEVICE
+        scope.env[STRICT + name] = DEVICE
 
 
 def _is_list_value(value: ast.expr | None) -> bool:

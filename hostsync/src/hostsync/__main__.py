@@ -1,0 +1,5 @@
+import sys
+
+from hostsync.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""Precision and recall of the lint on real engine code (tests/lint_corpus/real/README.md).
+
+Prints one row per code and split; asserts the values reached, so that a change that loses a
+finding or adds a false positive fails here. Skipped when the corpus text is not fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from hostsync.lint import lint_source
+
+REAL = pathlib.Path(__file__).parent / "lint_corpus" / "real"
+ENTRIES = json.loads((REAL / "corpus.json").read_text())
+_LABEL = re.compile(r"^(\d+)\s+(HS\d{3})\b")
+CODES = ("HS101", "HS201")
+
+
+def _labels(name: str) -> set[tuple[int, str]]:
+    out = set()
+    for line in (REAL / "labels" / f"{name}.expected").read_text().splitlines():
+        m = _LABEL.match(line)
+        if m:
+            out.add((int(m.group(1)), m.group(2)))
+    return out
+
+
+def _in_range(entry: dict, line: int) -> bool:
+    lo, hi = entry["lines"] or (1, 10**9)
+    return lo <= line <= hi
+
+
+def _scores(split: str) -> dict[str, tuple[int, int, int]]:
+    tp = dict.fromkeys(CODES, 0)
+    fp = dict.fromkeys(CODES, 0)
+    fn = dict.fromkeys(CODES, 0)
+    for entry in ENTRIES:
+        if entry["split"] != split:
+            continue
+        path = REAL / ".cache" / f"{entry['name']}.py"
+        found = {(f.line, f.code) for f in lint_source(path.read_text(), str(path))
+                 if f.code in CODES and _in_range(entry, f.line)}
+        expected = _labels(entry["name"])
+        for _, code in found & expected:
+            tp[code] += 1
+        for _, code in found - expected:
+            fp[code] += 1
+        for _, code in expected - found:
+            fn[code] += 1
+    return {c: (tp[c], fp[c], fn[c]) for c in CODES}
+
+
+def _ratio(num: int, den: int) -> float:
+    return num / den if den else 1.0
+
+
+#: What the lint reaches today, per (split, code): (precision, recall) lower bounds. The targets
+#: of issue #29 (held-out HS101 P, R >= 0.9; HS201 P >= 0.9, R >= 0.8) are not reached: most
+#: held-out misses are tensors made in another module (uploads of helpers' fresh CPU tensors,
+#: reads of parameters and attributes), which a per-module analysis cannot place.
+REACHED = {
+    ("dev", "HS101"): (1.0, 1.0), ("dev", "HS201"): (1.0, 5 / 7),
+    ("held-out", "HS101"): (1.0, 3 / 10), ("held-out", "HS201"): (1.0, 1 / 3),
+}
+
+
+@pytest.mark.skipif(not (REAL / ".cache").is_dir() or not all(
+    (REAL / ".cache" / f"{e['name']}.py").is_file() for e in ENTRIES),
+    reason="real corpus not fetched (python tests/lint_corpus/real/fetch.py)")
+@pytest.mark.parametrize("split", ["dev", "held-out"])
+def test_precision_and_recall_on_real_engine_code(split: str) -> None:
+    scores = _scores(split)
+    rows = []
+    for code, (tp, fp, fn) in scores.items():
+        p, r = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
+        rows.append(f"{split:8} {code}  tp={tp} fp={fp} fn={fn}  precision={p:.2f} "
+                    f"recall={r:.2f}")
+        min_p, min_r = REACHED[(split, code)]
+        assert p >= min_p and r >= min_r, rows[-1]
+    print("\n" + "\n".join(rows))
