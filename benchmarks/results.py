@@ -44,6 +44,7 @@ TOPICS: list[tuple[str, str]] = [
     ("upproj", "Up-projection"),
     ("audit_gpu", "Host-sync audit on the GPU"),
     ("joined_keys", "Joined keys"),
+    ("fp8_", "FP8 latent cache"),
 ]
 
 
@@ -279,6 +280,20 @@ def ex_cudnn_padding(d: dict) -> tuple[str, str]:
     return "cuDNN kernel time, padded/masked variants vs exact shapes", res
 
 
+def ex_fp8_cache(d: dict) -> tuple[str, str]:
+    g, f = d["gather"]["rows"], d["forward"]["rows"]
+    parts = []
+    for fmt in ("fp8", "fp8_ds_mla"):
+        gr = [r[f"{fmt}_over_bf16"] for r in g]
+        fr = [r[f"{fmt}_over_bf16"] for r in f]
+        bit = all(r[f"{fmt}_bitwise"] for r in g)
+        parts.append(f"{fmt}: gather {_range(gr)}x bf16's time (rows bitwise: {bit}), whole "
+                     f"forward {_range(fr, '.3f')}x ({sum(x <= 1.0 for x in fr)}/{len(fr)} "
+                     f"shapes <= 1.0)")
+    return ("gather + dequant and the whole forward (graphs) per cache format, ratio to the "
+            "bf16 cache in the same run"), "; ".join(parts)
+
+
 EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "stallmap": ex_stallmap,
     "plan_upload": ex_plan_upload,
@@ -295,6 +310,8 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "determinism": ex_determinism,
     "audit_gpu": ex_audit_gpu,
     "cudnn_padding": ex_cudnn_padding,
+    "fp8_cache": ex_fp8_cache,
+    "fp8_bench": ex_bench,
 }
 
 
