@@ -27,6 +27,7 @@ _LAZY = {
     "DevicePlan": "mlaprefill.staging",
     "StagingRing": "mlaprefill.staging",
     "StagingStats": "mlaprefill.staging",
+    "write_kv_cache": "mlaprefill.kvcache",
     "no_host_sync": "hostsync",
     "HostSyncError": "hostsync",
 }
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from mlaprefill.api import mla_chunked_prefill
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.graphs import IterationGraphs
+    from mlaprefill.kvcache import write_kv_cache
     from mlaprefill.plan import ChunkPlan, ChunkPlanner
     from mlaprefill.prefill import IOBuffers, MLAChunkedPrefill
     from mlaprefill.reference import mla_prefill_reference
@@ -65,5 +67,6 @@ __all__ = [
     "mla_chunked_prefill",
     "mla_prefill_reference",
     "no_host_sync",
+    "write_kv_cache",
 ]
 __version__ = "0.1.0"
