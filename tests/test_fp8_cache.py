@@ -308,3 +308,86 @@ def test_triton_kernels_in_the_interpreter():
     from conftest import run_interpreter_tests
 
     run_interpreter_tests("test_interp_fp8.py", passed=2)
+
+
+# -- fuzz: every combination of cache dtype, record width, format and scale is either a
+#    result (finite, for a finite cache) or a ValueError/TypeError naming the cache field.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SCALES = st.one_of(
+    st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3),
+    st.sampled_from([1e-50, 1e39, 2**1100, True, "1.0", [1.0]]),
+    st.builds(lambda shape, dtype, v: torch.full(shape, v, dtype=dtype),
+              st.sampled_from([(), (1,), (2,), (1, 1)]),
+              st.sampled_from([torch.float32, torch.float64, torch.float16]),
+              st.sampled_from([0.5, 2.0])))
+_CACHES = st.tuples(st.sampled_from([torch.float32, torch.bfloat16, E4M3, torch.float8_e5m2,
+                                     torch.uint8, torch.int8]),
+                    st.sampled_from([576, 656, 600, 575]))
+_FORMATS = st.sampled_from([None, "fp8_ds_mla", "fp8", "auto", "", 3, b"fp8_ds_mla"])
+_FUZZ = None
+
+
+def _fuzz_inputs():
+    global _FUZZ
+    if _FUZZ is None:
+        x = paged_mla_inputs([2, 1], [20, 0], heads=2, rank=512, nope=8, rope=64, v=8,
+                             page_size=16, dtype=torch.float32, seed=9)
+        plan = ChunkPlanner(16, 16).plan(PrefillBatch([2, 1], [20, 0], page_size=16))
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=8, v_head_dim=8)
+        _FUZZ = x, op, StagingRing("cpu").upload(plan)
+    return _FUZZ
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cache=_CACHES, fmt=_FORMATS, scale=_SCALES)
+def test_fuzz_cache_format_and_scale_outcomes(cache, fmt, scale):
+    x, op, dp = _fuzz_inputs()
+    dtype, width = cache
+    nb = x["kv_cache"].shape[0]
+    raw = torch.randint(0, 120, (nb, 16, width), dtype=torch.uint8)  # finite e4m3 bytes
+    kv = raw.view(dtype) if dtype in (E4M3, torch.float8_e5m2, torch.int8) else (
+        raw if dtype == torch.uint8 else torch.randn(nb, 16, width).to(dtype))
+    if dtype == torch.uint8 and width == 656:  # finite scales and rope in the records
+        kv.view(-1, 656)[:, 512:528] = torch.full((1, 4), 0.5).view(torch.uint8)
+        kv.view(-1, 656)[:, 528:] = torch.zeros(1, 64, dtype=torch.bfloat16).view(torch.uint8)
+    try:
+        out = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], kv, x["block_table"], dp,
+                         kv_cache_scale=scale, kv_cache_format=fmt)
+    except (ValueError, TypeError) as exc:
+        assert "kv_cache" in str(exc), exc
+        return
+    # only the valid combinations get here
+    ok_fp8 = dtype == E4M3 and width == 576 and fmt is None
+    ok_ds = dtype == torch.uint8 and width == 656 and fmt == "fp8_ds_mla" and scale is None
+    ok_plain = dtype == torch.float32 and width == 576 and fmt is None and scale is None
+    assert ok_fp8 or ok_ds or ok_plain, (dtype, width, fmt, scale)
+    assert bool(out.isfinite().all())
+
+
+@settings(max_examples=120, deadline=None)
+@given(fmt=st.sampled_from(["bf16", "fp8", "fp8_ds_mla"]),
+       slots=st.lists(st.integers(-3, 70), max_size=6),
+       width=st.sampled_from([576, 575]),
+       rows_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int32]),
+       scale=st.sampled_from([None, 0.5, -1.0, float("nan")]))
+def test_fuzz_write_kv_cache_outcomes(fmt, slots, width, rows_dtype, scale):
+    last = 656 if fmt == "fp8_ds_mla" else 576
+    dtype = {"bf16": torch.bfloat16, "fp8": E4M3, "fp8_ds_mla": torch.uint8}[fmt]
+    cache = torch.zeros(4, 16, last, dtype=dtype)
+    before = cache.clone()
+    rows = (torch.randn(len(slots), width) * 3).to(rows_dtype)
+    try:
+        write_kv_cache(cache, torch.tensor(slots, dtype=torch.int64), rows,
+                       kv_cache_scale=scale, **({"kv_cache_format": "fp8_ds_mla"}
+                                                if fmt == "fp8_ds_mla" else {}))
+    except (ValueError, TypeError) as exc:
+        assert any(k in str(exc) for k in ("kv_cache", "slots", "rows")), exc
+        assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # untouched
+        return
+    assert all(0 <= s < 64 for s in slots) and width == 576 and rows_dtype != torch.int32
+    if len(set(slots)) == len(slots) and slots:  # read back what was written
+        back = decode(cache, fmt, 1.0 if scale is None else scale).reshape(64, 576)
+        err = (back[torch.tensor(slots)] - rows.float()).abs()
+        assert bool((err <= rows.float().abs().amax() / 8 + 1e-2).all())

@@ -207,7 +207,8 @@ def dequantize_rows(records: torch.Tensor, spec: KVCacheSpec, dtype: torch.dtype
     scales = records[:, _DS_SCALES_AT:_DS_ROPE_AT].view(torch.float32)  # [n, 4]
     rope = records[:, _DS_ROPE_AT:].view(torch.bfloat16)  # [n, 64]
     out = torch.empty(n, spec.latent_dim, dtype=dtype, device=records.device)
-    grouped = values.to(torch.float32).view(n, -1, DS_MLA_GROUP) * scales[:, :, None]
+    groups = DS_MLA_RANK // DS_MLA_GROUP
+    grouped = values.to(torch.float32).view(n, groups, DS_MLA_GROUP) * scales[:, :, None]
     out[:, :DS_MLA_RANK] = grouped.view(n, DS_MLA_RANK)
     out[:, DS_MLA_RANK:] = rope
     return out
@@ -274,7 +275,7 @@ def write_kv_cache(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tens
         flat.view(torch.uint8).index_copy_(0, slots.long(), _to_fp8(x / scale).view(torch.uint8))
         return
     n = rows.shape[0]
-    latent = x[:, :DS_MLA_RANK].view(n, -1, DS_MLA_GROUP)  # [n, 4, 128]
+    latent = x[:, :DS_MLA_RANK].view(n, DS_MLA_RANK // DS_MLA_GROUP, DS_MLA_GROUP)  # [n, 4, 128]
     amax = latent.abs().amax(dim=2).clamp_min(1e-4)  # NaN amax stays NaN
     scales = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))  # [n, 4] powers of two
     values = _to_fp8(latent / scales[:, :, None]).view(n, DS_MLA_RANK)
