@@ -125,6 +125,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=90.0,
                    help="seconds; cases starting after this are skipped (and listed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma list of latent cache formats, each case run once per format: "
+                        "auto (the compute dtype), fp8 (float8_e4m3fn, scale FP8_SCALE), "
+                        "fp8_ds_mla (656-byte records; kv_lora_rank 512 + rope 64 only)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="CPU, gloo, world 2 (spawned here when not under torchrun), one tiny "
                         "scenario, 2 reps: the same plan / shard / forward / check path")
@@ -206,6 +210,30 @@ def _inputs(cfg: MLAConfig, query_lens: list[int], context_lens: list[int], page
     }
 
 
+FP8_SCALE = 0.05  # the e4m3 cache's scale (rows ~N(0, 1): |x / scale| stays below 448)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
+
+
+def _cache_kwargs(fmt: str) -> dict[str, Any]:
+    return {"kv_cache_scale": FP8_SCALE if fmt == "fp8" else None,
+            "kv_cache_format": "fp8_ds_mla" if fmt == "fp8_ds_mla" else None}
+
+
+def _quantized(cache: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``cache`` (compute dtype) stored in ``fmt`` (write_kv_cache), same pages."""
+    if fmt == "auto":
+        return cache
+    from mlaprefill.kvcache import FP8_DS_MLA_RECORD_BYTES, write_kv_cache
+
+    nb, page, latent = cache.shape
+    record = FP8_DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else latent
+    out = torch.empty(nb, page, record, device=cache.device,
+                      dtype=torch.uint8 if fmt == "fp8_ds_mla" else torch.float8_e4m3fn)
+    write_kv_cache(out, torch.arange(nb * page, device=cache.device),
+                   cache.reshape(-1, latent), **_cache_kwargs(fmt))
+    return out
+
+
 def _all_min_max(values: list[float], group: Any, device: torch.device) -> tuple[list, list]:
     t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
@@ -217,8 +245,10 @@ def _all_min_max(values: list[float], group: Any, device: torch.device) -> tuple
 def _run_case(name: str, query_lens: list[int], context_lens: list[int], interleave: int,
               policy: str, data: dict[str, torch.Tensor], shard: tuple, *, args: Any,
               cfg: MLAConfig, page_size: int, workspace: int, rank: int, world: int,
-              group: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+              group: Any, device: torch.device, dtype: torch.dtype,
+              fmt: str = "auto") -> dict[str, Any]:
     local_cache, local_table = shard
+    kw = _cache_kwargs(fmt)
     batch = PrefillBatch(query_lens, context_lens, page_size=page_size)
     single_plan = ChunkPlanner(workspace, page_size, policy).plan(batch)
     dcp_plan = DCPChunkPlanner(workspace, page_size, world=world, interleave=interleave,
@@ -237,16 +267,17 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     dcp_dp = ring.upload(dcp_plan)
     mla = MLAChunkedPrefill(data["weight"], qk_nope_head_dim=cfg.qk_nope_head_dim,
                             v_head_dim=cfg.v_head_dim, backend=args.backend)
-    source = DCPContextSource(local_cache, local_table, dcp_dp, group)
+    source = DCPContextSource(local_cache, local_table, dcp_dp, group, **kw)
     q, kv_c_new, k_pe_new = data["q"], data["kv_c_new"], data["k_pe_new"]
     cache, table = data["kv_cache"], data["block_table"]
 
     def single() -> Any:
-        return mla.forward(q, kv_c_new, k_pe_new, cache, table, single_dp, return_lse=True)
+        return mla.forward(q, kv_c_new, k_pe_new, cache, table, single_dp, return_lse=True,
+                           **kw)
 
     def dcp() -> Any:
         return mla.forward(q, kv_c_new, k_pe_new, local_cache, local_table, dcp_dp,
-                           return_lse=True, context_source=source)
+                           return_lse=True, context_source=source, **kw)
 
     # -- check ---------------------------------------------------------------------------------
     out_s, lse_s = single()
@@ -292,7 +323,7 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
         for i in iters:
             gather_context_rows(cache, table, single_dp["cu_seq_lens"][i],
                                 single_dp["chunk_starts"][i], ws,
-                                single_plan.iteration_tokens[i])
+                                single_plan.iteration_tokens[i], **kw)
 
     dcp_iters = range(dcp_plan.base.num_iterations)
 
@@ -304,12 +335,15 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
         for i in dcp_iters:
             source.gather_local(i)
 
-    gathered = torch.empty(max(dcp_plan.max_gathered_tokens, 1), cfg.latent_dim, dtype=dtype,
+    # what travels: the cache's records (FP8 ones as bytes)
+    record = local_cache.shape[2]
+    rec_dtype = torch.uint8 if local_cache.element_size() == 1 else local_cache.dtype
+    gathered = torch.empty(max(dcp_plan.max_gathered_tokens, 1), record, dtype=rec_dtype,
                            device=device)
 
     # the all-gather alone, on a buffer of the local rows' shape (its time does not depend on
     # their values)
-    local = torch.zeros(max(dcp_plan.max_rank_capacity, 1), cfg.latent_dim, dtype=dtype,
+    local = torch.zeros(max(dcp_plan.max_rank_capacity, 1), record, dtype=rec_dtype,
                         device=device)
 
     def dcp_allgather() -> None:
@@ -334,13 +368,17 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
     if "context_single" in timings:
         per_iteration["single"] = (timings["context_single"]["max_rank_median_ms"]
                                    / single_plan.num_iterations)
-    elt = torch.empty((), dtype=dtype).element_size()
-    gather_bytes = sum(world * c for c in dcp_plan.rank_capacity) * cfg.latent_dim * elt
+    elt = local_cache.element_size()
+    gather_bytes = sum(world * c for c in dcp_plan.rank_capacity) * record * elt
+    before = source.all_gather_bytes
+    dcp_ctx()
+    counted = source.all_gather_bytes - before  # what the source's own calls moved
     ag = timings.get("context_dcp_all_gather")
     busbw = (gather_bytes * (world - 1) / world / (ag["median_ms"] * 1e-3) / 1e9
              if ag and ag["median_ms"] > 0 else None)
     return {
-        "name": name, "interleave": interleave, "policy": policy,
+        "name": name, "interleave": interleave, "policy": policy, "kv_cache_dtype": fmt,
+        "all_gather_bytes_counted_by_source": int(counted),
         "query_lens": query_lens, "context_lens": context_lens,
         "num_iterations": dcp_plan.base.num_iterations,
         "single_num_iterations": single_plan.num_iterations,
@@ -364,7 +402,8 @@ def _run_case(name: str, query_lens: list[int], context_lens: list[int], interle
 
 
 def _table(doc: dict[str, Any]) -> str:
-    head = (f"{'case':<12} {'I':>4} {'policy':<6} {'it':>3} {'match':<5} {'max|d|':>8} "
+    head = (f"{'case':<12} {'cache':<10} {'I':>4} {'policy':<6} {'it':>3} {'match':<5} "
+            f"{'max|d|':>8} "
             f"{'fwd 1gpu':>9} {'fwd dcp':>9} {'ratio':>6} {'ctx/it 1':>9} {'ctx/it dcp':>10} "
             f"{'ag/it':>8} {'ag GB/s':>8} {'syncs':>5} {'plan 1/dcp':>11}")
     cfg = doc["config"]
@@ -380,7 +419,8 @@ def _table(doc: dict[str, Any]) -> str:
         hs = c["host_syncs_in_dcp_forward"]
         syncs = str(len(hs)) if isinstance(hs, list) else "err"
         lines.append(
-            f"{c['name']:<12} {c['interleave']:>4} {c['policy']:<6} {c['num_iterations']:>3} "
+            f"{c['name']:<12} {c.get('kv_cache_dtype', 'auto'):<10} {c['interleave']:>4} "
+            f"{c['policy']:<6} {c['num_iterations']:>3} "
             f"{'yes' if c['check']['match'] else 'NO':<5} {c['check']['max_abs_diff_out']:>8.1e} "
             f"{med('forward_single'):>9.3f} {med('forward_dcp'):>9.3f} {ratio:>6.2f} "
             f"{med('context_single') / n:>9.3f} {med('context_dcp') / n:>10.3f} "
@@ -401,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.cpu_smoke:
         args.device, args.scenarios, args.interleaves = "cpu", "mixed", "16"
+        args.kv_cache_dtype = "auto,fp8"
         args.reps, args.warmup = 2, 1
         if "WORLD_SIZE" not in os.environ:
             return _spawn_smoke(sys.argv[1:] if argv is None else argv)
@@ -430,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     interleaves = ([int(x) for x in args.interleaves.split(",")] if args.interleaves
                    else [1, page_size])
     names = args.scenarios.split(",") if args.scenarios else list(SCENARIOS[size])
+    formats = [f.strip() for f in args.kv_cache_dtype.split(",")]
+    bad = [f for f in formats if f not in KV_CACHE_DTYPES]
+    if bad or ("fp8_ds_mla" in formats and cfg.latent_dim != 576):
+        print(f"--kv-cache-dtype {args.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES} "
+              f"(fp8_ds_mla needs the 576-wide latent of deepseek-v3 / kimi-k2)",
+              file=sys.stderr)
+        return 2
     t_start = time.time()
     cases, skipped = [], []
     # No try/finally around the collectives: a rank that raises just exits and torchrun stops
@@ -437,9 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, name in enumerate(names):
         query_lens, context_lens = SCENARIOS[size][name]
         policies = ["packed", "equal"] if name.startswith("mixed") else ["packed"]
-        data = _inputs(cfg, query_lens, context_lens, page_size, dtype, device,
+        base = _inputs(cfg, query_lens, context_lens, page_size, dtype, device,
                        args.seed + k)
-        for interleave in interleaves:
+        for interleave, fmt in ((i, f) for i in interleaves for f in formats):
+            data = {**base, "kv_cache": _quantized(base["kv_cache"], fmt)}
             shard = shard_paged_cache(data["kv_cache"], data["block_table"],
                                       np.array(context_lens), world=world,
                                       interleave=interleave)[rank]
@@ -456,14 +505,14 @@ def main(argv: list[str] | None = None) -> int:
                 case = _run_case(name, query_lens, context_lens, interleave, policy, data,
                                  shard, args=args, cfg=cfg, page_size=page_size,
                                  workspace=workspace, rank=rank, world=world, group=group,
-                                 device=device, dtype=dtype)
+                                 device=device, dtype=dtype, fmt=fmt)
                 cases.append(case)
                 if rank == 0:
-                    print(f"[dcp] {name} I={interleave} {policy}: match="
+                    print(f"[dcp] {name} I={interleave} {policy} {fmt}: match="
                           f"{case['check']['match']} ({time.time() - t_start:.0f} s)",
                           flush=True)
-            del shard
-        del data
+            del shard, data
+        del base
         if use_cuda:
             torch.cuda.empty_cache()
     dist.barrier(group=group)
@@ -489,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                    "workspace_tokens": workspace, "interleaves": interleaves,
                    "reps": args.reps, "warmup": args.warmup, "backend": args.backend},
         "formulas": {
-            "all_gather_busbw_gbps": "sum_i(world*rank_capacity[i]) * latent_dim * elt_bytes "
-                                     "* (world-1)/world / median(all_gather time)",
+            "all_gather_busbw_gbps": "sum_i(world*rank_capacity[i]) * record_bytes "
+                                     "* (world-1)/world / median(all_gather time); "
+                                     "record_bytes: 1152 bf16, 576 fp8, 656 fp8_ds_mla",
             "ratio": "forward_dcp / forward_single (slowest-rank medians)",
         },
         "cases": cases,
