@@ -526,6 +526,7 @@ def test_stand_ins():
     from conftest import paged_mla_inputs
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.graphs import IterationGraphs, pow2_at_least, row_bucket
+    from mlaprefill.kvcache import resolve_kv_cache
     from mlaprefill.plan import ChunkPlanner
     from mlaprefill.prefill import MLAChunkedPrefill
     from mlaprefill.reference import mla_prefill_reference
@@ -549,7 +550,9 @@ def test_stand_ins():
             continue
         tokens = row_bucket(plan.num_query_tokens)
         rows = [row_bucket(t) for t in plan.iteration_tokens]
-        replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+        spec = resolve_kv_cache(x["kv_cache"], latent_dim=x["kv_cache"].shape[2],
+                                dtype=x["q"].dtype)
+        replay = _ArenaReplay(op, x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], spec,
                               x["block_table"], dp, 8, 24 ** -0.5,
                               2 * tokens, 2 * max(tokens, *rows))  # room for the bigger
         arena = replay.arena
@@ -561,7 +564,7 @@ def test_stand_ins():
         for i, r in enumerate(rows):
             if plan.iteration_tokens[i]:
                 arena.counter.fill_(i)
-                _PaddedIteration(op, arena, x["kv_cache"], seqs, max_q, 2 * r, 1, 8, scale,
+                _PaddedIteration(op, arena, x["kv_cache"], spec, seqs, max_q, 2 * r, 1, 8, scale,
                                  None)()
         out, lse = replay.result(torch.float32, True, None, None)
         ref_out, ref_lse = mla_prefill_reference(
