@@ -68,6 +68,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mlaprefill.batch import INT32_MAX, PrefillBatch
+from mlaprefill.prefix import SharedTree, host_block_table, neighbour_shared_tokens, shared_tree
 
 __all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner", "StagedPlan"]
 
@@ -133,6 +134,15 @@ class ChunkPlan:
         Longest piece of each iteration.
     max_iteration_tokens : int
         ``max(iteration_tokens)`` (0 without iterations).
+    iteration_cu_query_lens : int32 [num_iterations, num_reqs + 1] or None
+        Only in a plan that shares prefixes (:mod:`mlaprefill.prefix`; None otherwise: every
+        iteration's queries are ``cu_query_lens``): the query offsets of each iteration's
+        sequences. A shared run of requests ``[a, b)`` is sequence ``a`` with queries
+        ``[cu_query_lens[a], cu_query_lens[b])`` and the rows of request ``a`` at ``chunk_starts``;
+        sequences ``a+1 .. b-1`` have no queries and no rows.
+    iteration_max_query_lens : tuple[int, ...]
+        Longest query run of each iteration's sequences (``()`` when
+        ``iteration_cu_query_lens`` is None: ``max_query_len`` for every iteration).
     """
 
     policy: str
@@ -151,6 +161,8 @@ class ChunkPlan:
     iteration_tokens: tuple[int, ...]
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
+    iteration_cu_query_lens: np.ndarray | None = None
+    iteration_max_query_lens: tuple[int, ...] = ()
 
     @property
     def chunk_plan(self) -> ChunkPlan:
@@ -159,8 +171,26 @@ class ChunkPlan:
 
     @property
     def num_context_tokens(self) -> int:
-        """Total context tokens gathered over all iterations."""
+        """Total context tokens of the batch, ``sum(context_lens)``."""
+        return int(self.context_lens.sum())
+
+    @property
+    def num_gathered_rows(self) -> int:
+        """Latent rows the forward gathers and up-projects over all iterations
+        (``sum(iteration_tokens)``): ``num_context_tokens`` less the rows that prefix sharing
+        reads once for several requests."""
         return int(sum(self.iteration_tokens))
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether some iteration attends shared rows with several requests' queries."""
+        return self.iteration_cu_query_lens is not None
+
+    def iteration_queries(self, i: int) -> tuple[np.ndarray, int]:
+        """``(cu_query_lens [num_reqs + 1], longest query run)`` of iteration ``i``'s sequences."""
+        if self.iteration_cu_query_lens is None:
+            return self.cu_query_lens, self.max_query_len
+        return self.iteration_cu_query_lens[i], self.iteration_max_query_lens[i]
 
     @property
     def token_to_seq(self) -> np.ndarray:
@@ -174,13 +204,16 @@ class ChunkPlan:
     def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]:
         """Ordered ``name -> int32 array`` that staging ships to the device.
 
-        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` -- O(num_iterations x
+        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` (and
+        ``iteration_cu_query_lens`` in a plan that shares prefixes) -- O(num_iterations x
         num_reqs) integers, independent of the context length. With ``token_tables=True`` also
         ``token_to_seq`` (vLLM-shaped, 4 bytes per context token: what engines that build it on
         the host ship; the benchmarks use it as the baseline). The arrays are the plan's own
         (read-only) arrays, not copies; staging copies them.
         """
         out = {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
+        if self.iteration_cu_query_lens is not None:
+            out["iteration_cu_query_lens"] = self.iteration_cu_query_lens
         if token_tables:
             out["token_to_seq"] = self.token_to_seq
         return out
@@ -207,7 +240,11 @@ class ChunkPlan:
             "iteration_tokens": list(self.iteration_tokens),
             "max_chunk_lens": list(self.max_chunk_lens),
             "max_iteration_tokens": self.max_iteration_tokens,
+            "num_gathered_rows": self.num_gathered_rows,
         }
+        if self.iteration_cu_query_lens is not None:
+            out["iteration_cu_query_lens"] = self.iteration_cu_query_lens.tolist()
+            out["iteration_max_query_lens"] = list(self.iteration_max_query_lens)
         if token_tables:
             out["token_to_seq"] = self.token_to_seq.tolist()
         return out
@@ -262,11 +299,18 @@ class ChunkPlanner:
         ``batch.page_size``.
     policy : {"packed", "equal", "balanced"}
         See the module docstring.
+    share_prefixes : bool
+        Default True: when the batch carries a **host** block table (numpy or a CPU tensor:
+        the engine's CPU copy), rows that consecutive requests share (same leading block ids)
+        are gathered and up-projected once and attended by all their queries
+        (:mod:`mlaprefill.prefix`); ``plan.num_gathered_rows`` tells the saving. A block table on
+        a device is never read (no sharing). False plans every request's context on its own.
     """
 
-    __slots__ = ("page_size", "policy", "workspace_tokens")
+    __slots__ = ("page_size", "policy", "share_prefixes", "workspace_tokens")
 
-    def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed") -> None:
+    def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed", *,
+                 share_prefixes: bool = True) -> None:
         self.workspace_tokens = _check_positive_int("workspace_tokens", workspace_tokens)
         self.page_size = _check_positive_int("page_size", page_size)
         if policy not in POLICIES:
@@ -274,6 +318,10 @@ class ChunkPlanner:
                 f"ChunkPlanner.policy must be one of {list(POLICIES)}, got {policy!r}."
             )
         self.policy = policy
+        if not isinstance(share_prefixes, bool):
+            raise TypeError(f"ChunkPlanner.share_prefixes must be a bool, got "
+                            f"{type(share_prefixes).__name__}")
+        self.share_prefixes = share_prefixes
         if self.workspace_tokens < self.page_size:
             raise ValueError(
                 f"ChunkPlanner.workspace_tokens={self.workspace_tokens} is smaller than one page "
@@ -282,7 +330,8 @@ class ChunkPlanner:
 
     def __repr__(self) -> str:
         return (f"ChunkPlanner(workspace_tokens={self.workspace_tokens}, "
-                f"page_size={self.page_size}, policy={self.policy!r})")
+                f"page_size={self.page_size}, policy={self.policy!r}, "
+                f"share_prefixes={self.share_prefixes})")
 
     def plan(self, batch: PrefillBatch) -> ChunkPlan:
         """Plan ``batch``; returns a :class:`ChunkPlan` (host numpy only, never synchronizes).
@@ -306,12 +355,56 @@ class ChunkPlanner:
                 f"page_size={self.page_size}; build the planner with the cache's page size."
             )
         ctx = batch.context_lens
+        if self.share_prefixes and ctx.shape[0] > 1:
+            table = host_block_table(batch.block_table)
+            if table is not None:
+                shared = neighbour_shared_tokens(table, ctx, self.page_size)
+                if shared.any():
+                    return self._plan_shared(batch, shared_tree(shared, ctx))
+        return self._assemble(batch, *self._pieces(ctx))
+
+    def _plan_shared(self, batch: PrefillBatch, tree: SharedTree) -> ChunkPlan:
+        """Each depth of the shared tree planned as a batch of its own, iterations concatenated.
+
+        A node's rows sit at sequence slot ``tree.first`` (its pieces read that request's block
+        table, offset by ``tree.lo``); its queries, in every iteration of its depth, are those of
+        requests ``[first, end)``: slot ``first`` gets ``[cu_q[first], cu_q[end])``, the slots
+        inside the run none (and no keys). Loops over depths (a handful), never requests.
+        """
+        r = batch.num_reqs
+        cu_q = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(batch.query_lens, out=cu_q[1:])
+        slots = np.arange(r + 1)
+        all_starts, all_lens, all_cu_q = [], [], []
+        for d in range(tree.num_levels):
+            at = tree.depth == d
+            first, end, lo = tree.first[at], tree.end[at], tree.lo[at]
+            ctx = np.zeros(r, dtype=np.int64)
+            ctx[first] = tree.hi[at] - lo
+            offset = np.zeros(r, dtype=np.int64)
+            offset[first] = lo
+            starts, lens = self._pieces(ctx)                                        # [K_d, R]
+            # Query offsets of this depth: a slot inside a run [first, end) starts (and ends)
+            # at cu_q[end], so slot `first` spans the whole run's queries.
+            cover = np.zeros(r + 2, dtype=np.int64)
+            np.add.at(cover, first + 1, end)
+            np.add.at(cover, end, -end)
+            inside = np.cumsum(cover)[:r + 1]
+            level_cu_q = cu_q[np.where(inside > 0, inside, slots)]                 # [R + 1]
+            all_starts.append(starts + offset)
+            all_lens.append(lens)
+            all_cu_q.append(np.broadcast_to(level_cu_q, (lens.shape[0], r + 1)))
+        return self._assemble(batch, np.concatenate(all_starts), np.concatenate(all_lens),
+                              np.concatenate(all_cu_q))
+
+    def _pieces(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The policy's pieces of contexts ``ctx`` int64 [R]: (starts, lens), int [K, R]."""
         w = self.workspace_tokens
         r = ctx.shape[0]
         max_ctx = int(ctx.max())
         if max_ctx == 0:
             empty = np.zeros((0, r), np.int32)
-            return self._assemble(batch, empty, empty)
+            return empty, empty
         if self.policy == "equal":
             chunk = equal_chunk_size(ctx, w, self.page_size)
             if chunk == 0:
@@ -321,27 +414,27 @@ class ChunkPlanner:
                     f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
                     f"workspace_tokens or lower concurrency."
                 )
-            return self._strided(batch, chunk, -(-max_ctx // chunk))
+            return self._strided(ctx, chunk, -(-max_ctx // chunk))
         if self.policy == "balanced":
             chunks = self._balanced_chunks(ctx)
             if chunks is not None:
                 num_chunks = int((-(-ctx // np.maximum(chunks, 1))).max())
-                return self._strided(batch, chunks, num_chunks)
+                return self._strided(ctx, chunks, num_chunks)
         end = np.cumsum(ctx)
         total = int(end[-1])
         if total <= w:  # everything fits one iteration: each request is one whole piece
-            return self._assemble(batch, np.zeros((1, r), np.int64), ctx.reshape(1, r))
+            return np.zeros((1, r), np.int64), ctx.reshape(1, r)
         cuts = self._stream_cuts(end, ctx, total)
         k = cuts.shape[0] - 1
         if r == 1:
             starts = cuts[:-1].reshape(k, 1)
-            return self._assemble(batch, starts, cuts[1:].reshape(k, 1) - starts)
+            return starts, cuts[1:].reshape(k, 1) - starts
         # Piece of request r in iteration i: the stream segment [cuts[i], cuts[i+1]) clipped to
         # the request's stream range [begin_r, end_r).
         begin = end - ctx
         lo = np.clip(cuts[:-1, None], begin, end)  # [K, R]
         hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
-        return self._assemble(batch, lo - begin, hi - lo)
+        return lo - begin, hi - lo
 
     def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int) -> np.ndarray:
         """Greedy furthest-reach cut positions in the context stream, int64 [K + 1].
@@ -407,19 +500,24 @@ class ChunkPlanner:
         per = -(-ctx // lo)  # ceil(ctx / K)
         return -(-per // ps) * ps  # rounded up to a page
 
-    def _strided(self, batch: PrefillBatch, chunk: int | np.ndarray,
-               num_chunks: int) -> ChunkPlan:
+    def _strided(self, ctx: np.ndarray, chunk: int | np.ndarray,
+                 num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``i`` advances by ``chunk`` (an int, or int64 [R] per request) each iteration."""
-        ctx = batch.context_lens
         starts = np.empty((num_chunks, ctx.shape[0]), dtype=np.int64)                # [K, R]
         # (np.clip / np.broadcast_to cost microseconds of Python wrapper each; a small plan is
         # a handful of ufunc calls, so they are avoided on this hot path)
         starts[:] = np.arange(num_chunks, dtype=np.int64)[:, None] * chunk
         lens = np.minimum(np.maximum(ctx - starts, 0), chunk)                       # [K, R]
-        return self._assemble(batch, starts, lens)
+        return starts, lens
 
-    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray) -> ChunkPlan:
+    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
+                  iteration_cu_q: np.ndarray | None = None) -> ChunkPlan:
         k, r = lens.shape
+        iteration_max_q: tuple[int, ...] = ()
+        if iteration_cu_q is not None:
+            iteration_cu_q = _readonly(iteration_cu_q.astype(np.int32))
+            iteration_max_q = tuple(
+                np.maximum.reduce(np.diff(iteration_cu_q, axis=1), axis=1).tolist())
         # np.add.accumulate, not np.cumsum: the same prefix sum without ~3 us of Python wrapper
         # per call (a small plan is a handful of microsecond-scale numpy calls)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
@@ -448,4 +546,6 @@ class ChunkPlanner:
             iteration_tokens=iteration_tokens,
             max_chunk_lens=tuple(np.maximum.reduce(lens, axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
+            iteration_cu_query_lens=iteration_cu_q,
+            iteration_max_query_lens=iteration_max_q,
         )

@@ -79,6 +79,9 @@ def check_device_plan(device_plan: Any) -> ChunkPlan:
               "iteration_tokens", "max_chunk_lens", "max_query_len", "cu_query_lens")
     chunk_plan = getattr(device_plan.plan, "chunk_plan", None)
     missing += [f"plan.chunk_plan.{n}" for n in needed if not hasattr(chunk_plan, n)]
+    if (getattr(chunk_plan, "iteration_cu_query_lens", None) is not None
+            and "iteration_cu_query_lens" not in device_plan.tensors):
+        missing.append("iteration_cu_query_lens")
     if missing:
         raise ValueError(f"device_plan lacks {missing}; pass StagingRing(device).upload(plan) "
                          f"of a ChunkPlanner plan")
@@ -123,10 +126,14 @@ _PLAN_TENSORS = ("cu_query_lens", "chunk_starts", "cu_seq_lens")
 
 
 def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
-    """The device tensors of a DevicePlan the forward reads (validation helper)."""
+    """The device tensors of a DevicePlan the forward reads (validation helper); with
+    ``iteration_cu_query_lens`` when the plan shares prefixes."""
     if device_plan is None:
         return {}
-    return {name: device_plan.tensors[name] for name in _PLAN_TENSORS}
+    names = _PLAN_TENSORS
+    if getattr(plan, "iteration_cu_query_lens", None) is not None:
+        names = (*names, "iteration_cu_query_lens")
+    return {name: device_plan.tensors[name] for name in names}
 
 
 def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: torch.Tensor,

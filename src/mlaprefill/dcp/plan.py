@@ -420,7 +420,11 @@ class DCPChunkPlanner:
         gathered = 0
         for _ in range(_MAX_REPLANS):
             try:
-                base = ChunkPlanner(base_w, self.page_size, policy=self.policy).plan(batch)
+                # No prefix sharing under DCP: each rank sees only its own local block table, so
+                # sharing found on one rank need not hold on another, and every rank must plan
+                # the same iterations (a mismatch would hang the all-gather).
+                base = ChunkPlanner(base_w, self.page_size, policy=self.policy,
+                                    share_prefixes=False).plan(batch)
             except ValueError as exc:
                 if base_w == w:
                     raise
