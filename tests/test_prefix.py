@@ -1,0 +1,231 @@
+"""Prefix sharing (mlaprefill.prefix and the planner's sharing path): the shared tree, the plan's
+invariants on shared trees (every cached row of every request attended exactly once), and the
+forward against the float64 reference (output and LSE). The Triton kernel path, the iteration
+graphs' padded launches and the static I/O run in tests/interpreter/test_interp_prefix.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import paged_mla_inputs, run_interpreter_tests
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.plan import POLICIES, ChunkPlanner
+from mlaprefill.prefill import MLAChunkedPrefill
+from mlaprefill.prefix import host_block_table, neighbour_shared_tokens, shared_tree
+from mlaprefill.reference import mla_prefill_reference
+from mlaprefill.staging import StagingRing
+
+
+def shared_table(context_lens, copy_from, page_size):
+    """int32 [R, max_blocks]: request r's first ``copy_from[r] = (src, pages)`` pages are request
+    ``src``'s (``src < r``; pages 0 = nothing shared), its other pages fresh ids."""
+    pages = [-(-c // page_size) for c in context_lens]
+    width = max(max(pages), 1) + 1
+    table = np.zeros((len(pages), width), dtype=np.int32)
+    nxt = 0
+    for r, need in enumerate(pages):
+        src, n = copy_from[r]
+        n = min(n, need, pages[src]) if r else 0
+        table[r, :n] = table[src, :n]
+        table[r, n:need] = np.arange(nxt, nxt + need - n)
+        nxt += need - n
+    return table, nxt
+
+
+@st.composite
+def shared_batches(draw, max_reqs=7):
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    r = draw(st.integers(1, max_reqs))
+    ctx = draw(st.lists(st.integers(0, 8 * page_size + 3), min_size=r, max_size=r))
+    query = draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
+    copy_from = [(0, 0)] + [
+        (draw(st.integers(max(0, i - 2), i - 1)), draw(st.integers(0, 9))) for i in range(1, r)]
+    table, _ = shared_table(ctx, copy_from, page_size)
+    workspace = draw(st.integers(page_size, 12 * page_size))
+    return query, ctx, page_size, table, workspace
+
+
+def physical_rows(table, r, tokens, page_size):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return table[r, tokens // page_size].astype(np.int64) * page_size + tokens % page_size
+
+
+def check_plan_covers_every_row_once(plan, table, query, ctx, page_size, workspace):
+    """What each request's queries attend, over all iterations, is exactly its context's
+    physical cache rows, each once; per iteration every sequence's rows fit, its query range is
+    request-aligned, and no query is in two sequences."""
+    r = len(ctx)
+    cu = np.concatenate([[0], np.cumsum(query)])
+    attended = [[] for _ in range(r)]
+    for i in range(plan.num_iterations):
+        assert plan.iteration_tokens[i] <= workspace
+        cu_q, max_q = plan.iteration_queries(i)
+        assert cu_q[0] == 0 and cu_q[-1] == cu[-1] and np.all(np.diff(cu_q) >= 0)
+        assert max_q == int(np.diff(cu_q).max())
+        for s in range(r):
+            n = int(plan.chunk_lens[i, s])
+            lo, hi = int(cu_q[s]), int(cu_q[s + 1])
+            if hi == lo:
+                assert n == 0, (i, s)  # rows with no queries would be wasted
+                continue
+            members = np.flatnonzero((cu[:-1] >= lo) & (cu[1:] <= hi))
+            assert cu[members[0]] == lo and cu[members[-1] + 1] == hi  # whole requests
+            start = int(plan.chunk_starts[i, s])
+            rows = physical_rows(table, s, np.arange(start, start + n), page_size)
+            for m in members:
+                attended[m].append(rows)
+    for m in range(r):
+        got = np.sort(np.concatenate(attended[m])) if attended[m] else np.zeros(0, np.int64)
+        want = np.sort(physical_rows(table, m, np.arange(ctx[m]), page_size))
+        np.testing.assert_array_equal(got, want, err_msg=f"request {m}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_batches(), st.sampled_from(POLICIES))
+def test_shared_plans_attend_every_row_of_every_request_once(case, policy):
+    query, ctx, page_size, table, workspace = case
+    batch = PrefillBatch(query, ctx, page_size=page_size, block_table=table)
+    try:
+        plan = ChunkPlanner(workspace, page_size, policy=policy).plan(batch)
+    except ValueError as exc:  # equal's chunk: a depth of the tree has too many requests
+        assert policy == "equal" and workspace < np.count_nonzero(ctx) * page_size, exc
+        assert "smaller than one page per request" in str(exc)
+        return
+    check_plan_covers_every_row_once(plan, table, query, ctx, page_size, workspace)
+    if policy == "equal" and workspace < np.count_nonzero(ctx) * page_size:
+        return  # the plain plan is infeasible (sharing put fewer requests in each depth)
+    alone = ChunkPlanner(workspace, page_size, policy=policy, share_prefixes=False).plan(batch)
+    assert not alone.shares_prefixes and alone.num_gathered_rows == sum(ctx)
+    assert plan.num_context_tokens == sum(ctx)
+    shared = neighbour_shared_tokens(table, np.asarray(ctx), page_size)
+    tree = shared_tree(shared, ctx)
+    # the rows gathered: each node's once
+    assert plan.num_gathered_rows == int((tree.hi - tree.lo).sum())
+    if not shared.any():  # nothing shared: the plan is the plain one, array for array
+        assert not plan.shares_prefixes and plan.to_json() == alone.to_json()
+    else:
+        assert plan.num_gathered_rows == sum(ctx) - int(
+            (tree.hi - tree.lo)[tree.end - tree.first > 1].dot(
+                (tree.end - tree.first - 1)[tree.end - tree.first > 1]))
+        assert set(plan.device_arrays()) == {*alone.device_arrays(), "iteration_cu_query_lens"}
+
+
+def test_shared_tree_of_a_small_example():
+    # 0, 1, 2 share 2 pages; 0 and 1 a third; 3 shares nothing; 2 ends mid-page
+    table = np.array([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [9, 8, 10, 11]], np.int32)
+    ctx = np.array([256, 250, 200, 100])
+    shared = neighbour_shared_tokens(table, ctx, 64)
+    assert shared.tolist() == [192, 128, 0]
+    tree = shared_tree(shared, ctx)
+    nodes = sorted(zip(tree.first.tolist(), tree.end.tolist(), tree.lo.tolist(),
+                       tree.hi.tolist(), tree.depth.tolist(), strict=True))
+    assert nodes == [(0, 1, 192, 256, 2), (0, 2, 128, 192, 1), (0, 3, 0, 128, 0),
+                     (1, 2, 192, 250, 2), (2, 3, 128, 200, 1), (3, 4, 0, 100, 0)]
+    assert tree.num_levels == 3
+    plan = ChunkPlanner(4096, 64).plan(PrefillBatch([1, 2, 3, 4], ctx, page_size=64,
+                                                    block_table=table))
+    assert plan.num_gathered_rows == 128 + 64 + 64 + 58 + 72 + 100 < plan.num_context_tokens
+    assert plan.iteration_cu_query_lens.tolist() == [
+        [0, 6, 6, 6, 10], [0, 3, 3, 6, 10], [0, 1, 3, 6, 10]]  # one iteration per depth
+    assert plan.iteration_max_query_lens == (6, 4, 4)  # request 3 too (no keys there)
+    # a shared run that is not contiguous in batch order (0 and 2 share, 1 between) is not
+    # deduplicated; sharing with a neighbour that ends earlier stops at its context
+    table2 = np.array([[1, 2], [3, 4], [1, 2]], np.int32)
+    assert neighbour_shared_tokens(table2, np.array([128, 128, 128]), 64).tolist() == [0, 0]
+    assert neighbour_shared_tokens(table, np.array([70, 250, 30, 0]), 64).tolist() == [70, 30, 0]
+
+
+def test_only_a_host_block_table_is_read():
+    table = np.zeros((3, 2), np.int32)  # every request the same pages
+    args = ([1, 1, 1], [100, 100, 128])
+    host = ChunkPlanner(256, 64).plan(PrefillBatch(*args, page_size=64, block_table=table))
+    assert host.shares_prefixes and host.num_gathered_rows == 128
+    cpu = ChunkPlanner(256, 64).plan(
+        PrefillBatch(*args, page_size=64, block_table=torch.from_numpy(table)))
+    assert cpu.to_json() == host.to_json()
+    # a table on a device (meta stands in for CUDA: it has no values to read) is never read
+    dev = torch.zeros(3, 2, dtype=torch.int32, device="meta")
+    assert host_block_table(dev) is None
+    plan = ChunkPlanner(256, 64).plan(PrefillBatch(*args, page_size=64, block_table=dev))
+    assert not plan.shares_prefixes and plan.num_gathered_rows == 328
+    off = ChunkPlanner(256, 64, share_prefixes=False)
+    assert not off.plan(PrefillBatch(*args, page_size=64, block_table=table)).shares_prefixes
+    assert "share_prefixes=False" in repr(off)
+    with pytest.raises(TypeError, match="share_prefixes must be a bool"):
+        ChunkPlanner(256, 64, share_prefixes=1)
+
+
+def _forward(x, query, ctx, page_size, workspace, policy, backend="math", **planner):
+    plan = ChunkPlanner(workspace, page_size, policy=policy, **planner).plan(
+        PrefillBatch(query, ctx, page_size=page_size, block_table=x["block_table"]))
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"],
+                           backend=backend)
+    out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                          x["block_table"], StagingRing("cpu").upload(plan), return_lse=True)
+    return plan, out, lse
+
+
+def _with_table(query, ctx, copy_from, page_size, dtype, seed=0):
+    table, used = shared_table(ctx, copy_from, page_size)
+    x = paged_mla_inputs(query, [used * page_size], page_size=page_size, dtype=dtype, seed=seed)
+    x["block_table"] = torch.from_numpy(table)
+    return x
+
+
+# (query_lens, context_lens, copy_from, page_size, workspace): what each case holds
+CASES = [
+    # a tree: 0-3 share 2 pages, 0-1 share 3, 2-3 a third page; 4 shares nothing
+    ([3, 1, 5, 2, 4], [20, 18, 13, 16, 9], [(0, 0), (0, 9), (1, 2), (2, 3), (3, 0)], 4, 8),
+    # one request (nothing to share) and page-unaligned tails ending inside the shared pages
+    ([4], [13], [(0, 0)], 4, 8),
+    ([2, 3, 1], [7, 5, 7], [(0, 0), (0, 2), (1, 2)], 4, 4),
+    # everything shared (identical contexts); the shared run ends mid-iteration, one page
+    # workspace: many iterations per depth
+    ([1, 2, 3, 4], [33, 33, 33, 33], [(0, 0), (0, 9), (1, 9), (2, 9)], 4, 4),
+    ([5, 1, 2, 6], [30, 41, 29, 35], [(0, 0), (0, 7), (1, 7), (2, 5)], 4, 12),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_forward_on_shared_trees_matches_the_float64_reference(case, policy):
+    query, ctx, copy_from, page_size, workspace = CASES[case]
+    x = _with_table(query, ctx, copy_from, page_size, torch.float64, seed=case)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query, ctx,
+        x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
+    if policy == "equal" and workspace < np.count_nonzero(ctx) * page_size:
+        workspace = np.count_nonzero(ctx) * page_size
+    plan, out, lse = _forward(x, query, ctx, page_size, workspace, policy)
+    assert plan.shares_prefixes == (len(query) > 1)
+    assert plan.num_gathered_rows < sum(ctx) or len(query) == 1
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shared_batches(max_reqs=5), st.sampled_from(POLICIES))
+def test_forward_on_random_shared_trees_float32(case, policy):
+    query, ctx, page_size, table, workspace = case
+    if policy == "equal":
+        workspace = max(workspace, np.count_nonzero(ctx) * page_size)
+    x = paged_mla_inputs(query, [int(table.max() + 1) * page_size], page_size=page_size)
+    x["block_table"] = torch.from_numpy(table)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query, ctx,
+        x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
+    _, out, lse = _forward(x, query, ctx, page_size, workspace, policy)
+    assert (out.double() - ref_out).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_prefix_sharing_in_interpreter():
+    """The Triton path (gather, kernel, epilogue merge), the iteration graphs' padded launches
+    and static I/O on shared trees: tests/interpreter/test_interp_prefix.py, in a process of its
+    own under Triton's interpreter."""
+    run_interpreter_tests("test_interp_prefix.py", passed=1)
