@@ -229,3 +229,18 @@ def test_prefix_sharing_in_interpreter():
     and static I/O on shared trees: tests/interpreter/test_interp_prefix.py, in a process of its
     own under Triton's interpreter."""
     run_interpreter_tests("test_interp_prefix.py", passed=1)
+
+
+def test_plan_cli_prints_gathered_rows_beside_the_context(capsys):
+    from mlaprefill.cli import main
+
+    rc = main(["plan", "--context-lens", "16384,16384,9000,700", "--query-lens",
+               "256,256,256,100", "--shared-with-next", "16384,8192,0",
+               "--workspace-tokens", "16384"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "context_tokens=42468 gathered_rows=17892 (42.1%: prefix sharing)" in out
+    assert "0-2:[0,8192) 3:[0,700)" in out and "0-1:[8192,16384) 2:[8192,9000)" in out
+    rc = main(["plan", "--context-lens", "64,64", "--query-lens", "1,1", "--shared-with-next",
+               "64,0"])
+    assert rc == 2 and "needs num_reqs - 1 = 1 entries" in capsys.readouterr().err
