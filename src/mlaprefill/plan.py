@@ -379,11 +379,14 @@ class ChunkPlanner:
         for d in range(tree.num_levels):
             at = tree.depth == d
             first, end, lo = tree.first[at], tree.end[at], tree.lo[at]
-            ctx = np.zeros(r, dtype=np.int64)
-            ctx[first] = tree.hi[at] - lo
-            offset = np.zeros(r, dtype=np.int64)
-            offset[first] = lo
-            starts, lens = self._pieces(ctx)                                        # [K_d, R]
+            # The policy plans the depth's nodes alone (a batch of len(first) contexts), then
+            # their pieces go to the nodes' slots.
+            node_starts, node_lens = self._pieces(tree.hi[at] - lo)                # [K_d, N]
+            k = node_lens.shape[0]
+            starts = np.zeros((k, r), dtype=np.int64)
+            lens = np.zeros((k, r), dtype=np.int64)
+            starts[:, first] = node_starts + lo
+            lens[:, first] = node_lens
             # Query offsets of this depth: a slot inside a run [first, end) starts (and ends)
             # at cu_q[end], so slot `first` spans the whole run's queries.
             cover = np.zeros(r + 2, dtype=np.int64)
@@ -391,9 +394,9 @@ class ChunkPlanner:
             np.add.at(cover, end, -end)
             inside = np.cumsum(cover)[:r + 1]
             level_cu_q = cu_q[np.where(inside > 0, inside, slots)]                 # [R + 1]
-            all_starts.append(starts + offset)
+            all_starts.append(starts)
             all_lens.append(lens)
-            all_cu_q.append(np.broadcast_to(level_cu_q, (lens.shape[0], r + 1)))
+            all_cu_q.append(np.broadcast_to(level_cu_q, (k, r + 1)))
         return self._assemble(batch, np.concatenate(all_starts), np.concatenate(all_lens),
                               np.concatenate(all_cu_q))
 

@@ -139,8 +139,9 @@ def shared_tree(shared: np.ndarray, context_lens: np.ndarray) -> SharedTree:
         right = np.where(lower & (j[None, :] > pairs[:, None]), j[None, :],
                          s.shape[0]).min(axis=1) - 1
         # The run of pair i has min shared[i]: pairs of one run with equal values give it once.
-        runs, once = np.unique(np.stack([left, right], axis=1), axis=0, return_index=True)
-        pl, pr = runs[:, 0], runs[:, 1]                      # [N] pair ranges
+        # (one key per run: np.unique of 1-D ints, much cheaper than of rows)
+        keys, once = np.unique(left * s.shape[0] + right, return_index=True)
+        pl, pr = keys // s.shape[0], keys % s.shape[0]       # [N] pair ranges
         firsts.append(pl)
         ends.append(pr + 2)
         los.append(np.maximum(padded[pl], padded[pr + 2]))  # shared[pl - 1], shared[pr + 1]
