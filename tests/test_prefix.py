@@ -54,30 +54,46 @@ def physical_rows(table, r, tokens, page_size):
     return table[r, tokens // page_size].astype(np.int64) * page_size + tokens % page_size
 
 
+def workspace_rows(plan, i, table, page_size):
+    """int64 [iteration_tokens[i]]: the physical cache row the gather puts in each workspace row
+    of iteration i (slot s reads request s's block table from chunk_starts[i, s])."""
+    out = []
+    for s in range(plan.num_reqs):
+        start, n = int(plan.chunk_starts[i, s]), int(plan.chunk_lens[i, s])
+        assert plan.cu_seq_lens[i, s + 1] - plan.cu_seq_lens[i, s] == n
+        out.append(physical_rows(table, s, np.arange(start, start + n), page_size))
+    return np.concatenate(out)
+
+
 def check_plan_covers_every_row_once(plan, table, query, ctx, page_size, workspace):
-    """What each request's queries attend, over all iterations, is exactly its context's
-    physical cache rows, each once; per iteration every sequence's rows fit, its query range is
-    request-aligned, and no query is in two sequences."""
+    """What each request's queries attend, over all iterations (the attention's sequences over
+    the gathered workspace rows), is exactly its context's physical cache rows, each once; per
+    iteration the rows fit, every sequence's query range is whole requests, every query is in
+    exactly one sequence, and no row is gathered that no query attends."""
     r = len(ctx)
     cu = np.concatenate([[0], np.cumsum(query)])
     attended = [[] for _ in range(r)]
     for i in range(plan.num_iterations):
         assert plan.iteration_tokens[i] <= workspace
-        cu_q, max_q = plan.iteration_queries(i)
-        assert cu_q[0] == 0 and cu_q[-1] == cu[-1] and np.all(np.diff(cu_q) >= 0)
-        assert max_q == int(np.diff(cu_q).max())
-        for s in range(r):
-            n = int(plan.chunk_lens[i, s])
-            lo, hi = int(cu_q[s]), int(cu_q[s + 1])
+        rows = workspace_rows(plan, i, table, page_size)
+        seq_q, seq_k, n, max_q = plan.iteration_sequences(i)
+        assert seq_q.shape == seq_k.shape == (n + 1,) and 1 <= n <= r
+        assert seq_q[0] == 0 and seq_q[-1] == cu[-1] and np.all(np.diff(seq_q) >= 0)
+        assert seq_k[0] == 0 and seq_k[-1] == rows.shape[0] and np.all(np.diff(seq_k) >= 0)
+        assert max_q == int(np.diff(seq_q).max())
+        if plan.shares_prefixes:  # the padding past n: empty sequences
+            assert (plan.iteration_cu_query_lens[i, n:] == cu[-1]).all()
+            assert (plan.iteration_cu_seq_lens[i, n:] == rows.shape[0]).all()
+        for j in range(n):
+            lo, hi = int(seq_q[j]), int(seq_q[j + 1])
+            keys = rows[seq_k[j]:seq_k[j + 1]]
             if hi == lo:
-                assert n == 0, (i, s)  # rows with no queries would be wasted
+                assert keys.size == 0, (i, j)  # rows with no queries would be wasted
                 continue
             members = np.flatnonzero((cu[:-1] >= lo) & (cu[1:] <= hi))
             assert cu[members[0]] == lo and cu[members[-1] + 1] == hi  # whole requests
-            start = int(plan.chunk_starts[i, s])
-            rows = physical_rows(table, s, np.arange(start, start + n), page_size)
             for m in members:
-                attended[m].append(rows)
+                attended[m].append(keys)
     for m in range(r):
         got = np.sort(np.concatenate(attended[m])) if attended[m] else np.zeros(0, np.int64)
         want = np.sort(physical_rows(table, m, np.arange(ctx[m]), page_size))
@@ -111,7 +127,8 @@ def test_shared_plans_attend_every_row_of_every_request_once(case, policy):
         assert plan.num_gathered_rows == sum(ctx) - int(
             (tree.hi - tree.lo)[tree.end - tree.first > 1].dot(
                 (tree.end - tree.first - 1)[tree.end - tree.first > 1]))
-        assert set(plan.device_arrays()) == {*alone.device_arrays(), "iteration_cu_query_lens"}
+        assert set(plan.device_arrays()) == {*alone.device_arrays(), "iteration_cu_query_lens",
+                                             "iteration_cu_seq_lens"}
 
 
 def test_shared_tree_of_a_small_example():
@@ -129,9 +146,14 @@ def test_shared_tree_of_a_small_example():
     plan = ChunkPlanner(4096, 64).plan(PrefillBatch([1, 2, 3, 4], ctx, page_size=64,
                                                     block_table=table))
     assert plan.num_gathered_rows == 128 + 64 + 64 + 58 + 72 + 100 < plan.num_context_tokens
+    # one iteration per depth; its attention's sequences are request runs: [0, 3) and 3;
+    # [0, 2), 2 and 3 (no rows); 0, 1 and 2-3 (no rows)
+    assert plan.iteration_num_seqs == (2, 3, 3)
     assert plan.iteration_cu_query_lens.tolist() == [
-        [0, 6, 6, 6, 10], [0, 3, 3, 6, 10], [0, 1, 3, 6, 10]]  # one iteration per depth
-    assert plan.iteration_max_query_lens == (6, 4, 4)  # request 3 too (no keys there)
+        [0, 6, 10, 10, 10], [0, 3, 6, 10, 10], [0, 1, 3, 10, 10]]
+    assert plan.iteration_cu_seq_lens.tolist() == [
+        [0, 128, 228, 228, 228], [0, 64, 136, 136, 136], [0, 64, 122, 122, 122]]
+    assert plan.iteration_max_query_lens == (6, 4, 7)  # keyless runs too
     # a shared run that is not contiguous in batch order (0 and 2 share, 1 between) is not
     # deduplicated; sharing with a neighbour that ends earlier stops at its context
     table2 = np.array([[1, 2], [3, 4], [1, 2]], np.int32)

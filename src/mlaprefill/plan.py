@@ -134,15 +134,20 @@ class ChunkPlan:
         Longest piece of each iteration.
     max_iteration_tokens : int
         ``max(iteration_tokens)`` (0 without iterations).
-    iteration_cu_query_lens : int32 [num_iterations, num_reqs + 1] or None
+    iteration_cu_query_lens, iteration_cu_seq_lens : int32 [num_iterations, num_reqs + 1] or None
         Only in a plan that shares prefixes (:mod:`mlaprefill.prefix`; None otherwise: every
-        iteration's queries are ``cu_query_lens``): the query offsets of each iteration's
-        sequences. A shared run of requests ``[a, b)`` is sequence ``a`` with queries
-        ``[cu_query_lens[a], cu_query_lens[b])`` and the rows of request ``a`` at ``chunk_starts``;
-        sequences ``a+1 .. b-1`` have no queries and no rows.
+        iteration's attention runs the requests as sequences, ``cu_query_lens`` over
+        ``cu_seq_lens[i]``): the query and key (workspace row) offsets of iteration ``i``'s
+        attention sequences, the first ``iteration_num_seqs[i] + 1`` entries (the rest repeat
+        the totals: empty sequences). A sequence is a run of requests ``[a, b)``, queries
+        ``[cu_query_lens[a], cu_query_lens[b])``: a shared run over its rows (gathered at slot
+        ``a`` of ``chunk_starts`` / ``cu_seq_lens``, from request ``a``'s block table), or
+        requests without rows in that iteration.
+    iteration_num_seqs : tuple[int, ...]
+        Attention sequences of each iteration (``()`` without prefix sharing).
     iteration_max_query_lens : tuple[int, ...]
-        Longest query run of each iteration's sequences (``()`` when
-        ``iteration_cu_query_lens`` is None: ``max_query_len`` for every iteration).
+        Longest query run of each iteration's sequences (``()`` without prefix sharing:
+        ``max_query_len`` for every iteration).
     """
 
     policy: str
@@ -162,6 +167,8 @@ class ChunkPlan:
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
     iteration_cu_query_lens: np.ndarray | None = None
+    iteration_cu_seq_lens: np.ndarray | None = None
+    iteration_num_seqs: tuple[int, ...] = ()
     iteration_max_query_lens: tuple[int, ...] = ()
 
     @property
@@ -186,11 +193,15 @@ class ChunkPlan:
         """Whether some iteration attends shared rows with several requests' queries."""
         return self.iteration_cu_query_lens is not None
 
-    def iteration_queries(self, i: int) -> tuple[np.ndarray, int]:
-        """``(cu_query_lens [num_reqs + 1], longest query run)`` of iteration ``i``'s sequences."""
+    def iteration_sequences(self, i: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Iteration ``i``'s attention sequences: ``(cu_q [n + 1], cu_k [n + 1], n, longest
+        query run)`` (host int32 views; ``n = num_reqs`` without prefix sharing)."""
         if self.iteration_cu_query_lens is None:
-            return self.cu_query_lens, self.max_query_len
-        return self.iteration_cu_query_lens[i], self.iteration_max_query_lens[i]
+            return (self.cu_query_lens, self.cu_seq_lens[i], self.num_reqs,
+                    self.max_query_len)
+        n = self.iteration_num_seqs[i]
+        return (self.iteration_cu_query_lens[i, :n + 1], self.iteration_cu_seq_lens[i, :n + 1],
+                n, self.iteration_max_query_lens[i])
 
     @property
     def token_to_seq(self) -> np.ndarray:
@@ -205,7 +216,8 @@ class ChunkPlan:
         """Ordered ``name -> int32 array`` that staging ships to the device.
 
         Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` (and
-        ``iteration_cu_query_lens`` in a plan that shares prefixes) -- O(num_iterations x
+        ``iteration_cu_query_lens, iteration_cu_seq_lens`` in a plan that shares prefixes) --
+        O(num_iterations x
         num_reqs) integers, independent of the context length. With ``token_tables=True`` also
         ``token_to_seq`` (vLLM-shaped, 4 bytes per context token: what engines that build it on
         the host ship; the benchmarks use it as the baseline). The arrays are the plan's own
@@ -214,6 +226,7 @@ class ChunkPlan:
         out = {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
         if self.iteration_cu_query_lens is not None:
             out["iteration_cu_query_lens"] = self.iteration_cu_query_lens
+            out["iteration_cu_seq_lens"] = self.iteration_cu_seq_lens
         if token_tables:
             out["token_to_seq"] = self.token_to_seq
         return out
@@ -244,6 +257,8 @@ class ChunkPlan:
         }
         if self.iteration_cu_query_lens is not None:
             out["iteration_cu_query_lens"] = self.iteration_cu_query_lens.tolist()
+            out["iteration_cu_seq_lens"] = self.iteration_cu_seq_lens.tolist()
+            out["iteration_num_seqs"] = list(self.iteration_num_seqs)
             out["iteration_max_query_lens"] = list(self.iteration_max_query_lens)
         if token_tables:
             out["token_to_seq"] = self.token_to_seq.tolist()
@@ -366,16 +381,21 @@ class ChunkPlanner:
     def _plan_shared(self, batch: PrefillBatch, tree: SharedTree) -> ChunkPlan:
         """Each depth of the shared tree planned as a batch of its own, iterations concatenated.
 
-        A node's rows sit at sequence slot ``tree.first`` (its pieces read that request's block
-        table, offset by ``tree.lo``); its queries, in every iteration of its depth, are those of
-        requests ``[first, end)``: slot ``first`` gets ``[cu_q[first], cu_q[end])``, the slots
-        inside the run none (and no keys). Loops over depths (a handful), never requests.
+        A node's rows sit at slot ``tree.first`` of ``chunk_starts`` / ``chunk_lens`` (its
+        pieces read that request's block table, offset by ``tree.lo``). The attention of each
+        iteration runs over *sequences* that are request runs: a node with rows there is one
+        sequence, the queries of requests ``[first, end)`` over its rows; the requests between
+        such runs form keyless sequences (their queries must belong to some sequence); so an
+        iteration of one shared run has 1-3 sequences, not ``num_reqs`` (an attention grid of
+        ``num_reqs`` sequences would launch programs for every empty one). Loops over depths
+        (a handful), never over requests.
         """
         r = batch.num_reqs
         cu_q = np.zeros(r + 1, dtype=np.int64)
         np.cumsum(batch.query_lens, out=cu_q[1:])
-        slots = np.arange(r + 1)
-        all_starts, all_lens, all_cu_q = [], [], []
+        total_q = int(cu_q[-1])
+        col = np.arange(r + 1)
+        parts: list[tuple[np.ndarray, ...]] = []
         for d in range(tree.num_levels):
             at = tree.depth == d
             first, end, lo = tree.first[at], tree.end[at], tree.lo[at]
@@ -387,18 +407,24 @@ class ChunkPlanner:
             lens = np.zeros((k, r), dtype=np.int64)
             starts[:, first] = node_starts + lo
             lens[:, first] = node_lens
-            # Query offsets of this depth: a slot inside a run [first, end) starts (and ends)
-            # at cu_q[end], so slot `first` spans the whole run's queries.
-            cover = np.zeros(r + 2, dtype=np.int64)
-            np.add.at(cover, first + 1, end)
-            np.add.at(cover, end, -end)
-            inside = np.cumsum(cover)[:r + 1]
-            level_cu_q = cu_q[np.where(inside > 0, inside, slots)]                 # [R + 1]
-            all_starts.append(starts)
-            all_lens.append(lens)
-            all_cu_q.append(np.broadcast_to(level_cu_q, (k, r + 1)))
-        return self._assemble(batch, np.concatenate(all_starts), np.concatenate(all_lens),
-                              np.concatenate(all_cu_q))
+            # Sequence boundaries (request indices) of each iteration: 0, R, and both ends of
+            # every run with rows in it; kept in order by a stable argsort of the marks.
+            has = node_lens > 0
+            mark = np.zeros((k, r + 1), dtype=bool)
+            mark[:, [0, r]] = True
+            mark[:, first] |= has
+            mark[:, end] |= has
+            order = np.argsort(~mark, axis=1, kind="stable")                        # [K_d, R+1]
+            num_seqs = mark.sum(axis=1) - 1                                          # [K_d]
+            past = col[None, :] > num_seqs[:, None]  # padding: empty sequences at the end
+            cu_k = np.zeros((k, r + 1), dtype=np.int64)
+            np.cumsum(lens, axis=1, out=cu_k[:, 1:])
+            seq_q = np.where(past, total_q, cu_q[order])
+            seq_k = np.where(past, cu_k[:, -1:], np.take_along_axis(cu_k, order, axis=1))
+            parts.append((starts, lens, seq_q, seq_k, num_seqs))
+        starts, lens, seq_q, seq_k, num_seqs = (np.concatenate(p) for p in zip(*parts,
+                                                                                strict=True))
+        return self._assemble(batch, starts, lens, (seq_q, seq_k, num_seqs))
 
     def _pieces(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The policy's pieces of contexts ``ctx`` int64 [R]: (starts, lens), int [K, R]."""
@@ -514,13 +540,18 @@ class ChunkPlanner:
         return starts, lens
 
     def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
-                  iteration_cu_q: np.ndarray | None = None) -> ChunkPlan:
+                  sequences: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                  ) -> ChunkPlan:
         k, r = lens.shape
-        iteration_max_q: tuple[int, ...] = ()
-        if iteration_cu_q is not None:
-            iteration_cu_q = _readonly(iteration_cu_q.astype(np.int32))
-            iteration_max_q = tuple(
-                np.maximum.reduce(np.diff(iteration_cu_q, axis=1), axis=1).tolist())
+        shared: dict[str, Any] = {}
+        if sequences is not None:  # prefix sharing: the attention's sequences per iteration
+            seq_q, seq_k, num_seqs = sequences
+            shared = {
+                "iteration_cu_query_lens": _readonly(seq_q.astype(np.int32)),
+                "iteration_cu_seq_lens": _readonly(seq_k.astype(np.int32)),
+                "iteration_num_seqs": tuple(num_seqs.tolist()),
+                "iteration_max_query_lens": tuple(
+                    np.maximum.reduce(np.diff(seq_q, axis=1), axis=1).tolist())}
         # np.add.accumulate, not np.cumsum: the same prefix sum without ~3 us of Python wrapper
         # per call (a small plan is a handful of microsecond-scale numpy calls)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
@@ -549,6 +580,5 @@ class ChunkPlanner:
             iteration_tokens=iteration_tokens,
             max_chunk_lens=tuple(np.maximum.reduce(lens, axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
-            iteration_cu_query_lens=iteration_cu_q,
-            iteration_max_query_lens=iteration_max_q,
+            **shared,
         )

@@ -127,10 +127,12 @@ def format_plan(plan: ChunkPlan) -> str:
     for i in range(plan.num_iterations):
         lens = plan.chunk_lens[i]
         reqs = lens.nonzero()[0]
-        cu_q = plan.iteration_queries(i)[0]
+        seq_q, seq_k = plan.iteration_sequences(i)[:2]
         # a shared piece: the requests whose queries its sequence spans ("0-31:")
-        last = np.searchsorted(plan.cu_query_lens, cu_q[1:]) - 1
-        who = [f"{r}" if last[r] == r else f"{r}-{last[r]}" for r in reqs[:_MAX_PIECES_SHOWN]]
+        seq = np.searchsorted(seq_k, plan.cu_seq_lens[i, reqs], side="right") - 1
+        last = np.searchsorted(plan.cu_query_lens, seq_q[seq + 1]) - 1
+        who = [f"{r}" if b == r else f"{r}-{b}"
+               for r, b in zip(reqs[:_MAX_PIECES_SHOWN], last, strict=False)]
         pieces = [f"{w}:[{plan.chunk_starts[i, r]},{plan.chunk_starts[i, r] + lens[r]})"
                   for w, r in zip(who, reqs[:_MAX_PIECES_SHOWN], strict=True)]
         if len(reqs) > _MAX_PIECES_SHOWN:

@@ -36,18 +36,19 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
     first sight, the same launches run eagerly); see :class:`_ArenaReplay`. The result is
     written into ``out`` / ``lse`` (copied, unless they are the arena's own: ``io_buffers``)."""
     backend, h, plan = op.backend, op.num_heads, device_plan.chunk_plan
-    cu_q_host, cu_k_host = plan.cu_query_lens, plan.cu_seq_lens
-    # (i, row bucket, host offsets of joined keys or None, query bucket) of every iteration
-    # with rows; the query bucket differs per iteration only in a plan that shares prefixes
+    cu_q_host = plan.cu_query_lens
+    # (i, row bucket, host offsets of joined keys or None, (attention sequences bucket, query
+    # bucket)) of every iteration with rows; the last differs per iteration only in a plan
+    # that shares prefixes (its attention runs over request runs: ChunkPlan.iteration_sequences)
     units = []
     for i, num_rows in enumerate(plan.iteration_tokens):
         if num_rows:
-            cu_q_i, max_q_i = plan.iteration_queries(i)
+            seq_q, seq_k, n, max_q_i = plan.iteration_sequences(i)
             host = VarlenSeqs(None, None, max_q_i, plan.max_chunk_lens[i],
-                              cu_seqlens_q_host=cu_q_i, cu_seqlens_k_host=cu_k_host[i])
+                              cu_seqlens_q_host=seq_q, cu_seqlens_k_host=seq_k)
             joined = host if backend.wants_joined_keys(host, h, False) else None
             units.append((i, row_bucket(num_rows), joined,
-                          pow2_at_least(max_q_i, MIN_QUERY_BUCKET)))
+                          (pow2_at_least(n), pow2_at_least(max_q_i, MIN_QUERY_BUCKET))))
     new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
                      cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
     tokens = row_bucket(plan.num_query_tokens)
@@ -57,18 +58,18 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
     replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
     k = 0
     while k < len(units):  # a run of consecutive split-key iterations: one launch
-        i, rows, joined, max_q = units[k]
+        i, rows, joined, grid = units[k]
         if joined is not None:  # cuDNN rectangles: sized on the host, one iteration
-            replay.run(i, rows, 1, joined, max_q=max_q)
+            replay.run(i, rows, 1, joined, grid=grid)
             k += 1
             continue
         run = 1  # of one row bucket (and one query bucket)
         while (k + run < len(units) and units[k + run][0] == i + run
                and units[k + run][2] is None and units[k + run][1] == rows
-               and units[k + run][3] == max_q):
+               and units[k + run][3] == grid):
             run += 1
         run = 1 << (run.bit_length() - 1)  # a power of two: few keys
-        replay.run(i, rows, run, max_q=max_q)
+        replay.run(i, rows, run, grid=grid)
         k += run
     return replay.result(lse_dtype, return_lse, out, lse)
 
@@ -127,15 +128,16 @@ class _PaddedIteration:
     ``rows``: the iterations' row bucket (the gather's and ``torch.mm``'s size). ``host``
     (joined keys, ``count`` 1): the iteration's host offsets ``(cu_q, cu_k)``,
     from which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
-    ``shared`` (a plan that shares prefixes): the queries' offsets are the arena's per-iteration
-    ``cu_q_iter`` row ``counter``, not ``cu_q``.
+    ``shared`` (a plan that shares prefixes): the attention runs over ``shared`` sequences
+    (a bucket) whose offsets are the arena's per-iteration ``seq_q`` / ``seq_k`` rows
+    ``counter`` (``ChunkPlan.iteration_sequences``), not ``cu_q`` and the gather's offsets.
     """
 
     __slots__ = ("arena", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
                  max_q: int, rows: int, count: int, rope: int, scale: float,
-                 host: tuple[Any, Any] | None, *, shared: bool = False) -> None:
+                 host: tuple[Any, Any] | None, *, shared: int = 0) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
         self.launch = (seqs, max_q, rows, count, rope, scale, shared)
 
@@ -148,14 +150,17 @@ class _PaddedIteration:
         for _ in range(count):
             cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
-            cu_q = (arena.cu_q_iter[:, :seqs + 1].index_select(0, arena.counter)[0] if shared
-                    else arena.cu_q[:seqs + 1])
+            if shared:
+                cu_q = arena.seq_q[:, :shared + 1].index_select(0, arena.counter)[0]
+                cu_att = arena.seq_k[:, :shared + 1].index_select(0, arena.counter)[0]
+            else:
+                cu_q, cu_att = arena.cu_q[:seqs + 1], cu
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
                                          arena.workspace, rows, use_kernel=True)
             k_i, v_i = op.upproj.project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
                                          rope, joined=joined, v_padded=v_padded)
             op.backend.attend_and_merge(arena.q, k_i, v_i,
-                                        VarlenSeqs(cu_q, cu, max_q, rows,
+                                        VarlenSeqs(cu_q, cu_att, max_q, rows,
                                                    cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
                                         arena.out, arena.lse, causal=False, softmax_scale=scale,
                                         k_rope=None if joined else latent[:, rank:])
@@ -184,7 +189,8 @@ class _ArenaReplay:
     graphs the padded launches always run eagerly.
     """
 
-    #: The plan shares prefixes: iterations read their own query offsets (``arena.cu_q_iter``).
+    #: The plan shares prefixes: iterations' attention reads its own sequences (``arena.seq_q``,
+    #: ``arena.seq_k``).
     shared_plan = False
 
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
@@ -223,11 +229,14 @@ class _ArenaReplay:
                 arena.cu_k[:num_iters, num_seqs + 1:].copy_(
                     cu_k[:, num_seqs:].expand(num_iters, cap - num_seqs))
             arena.starts[:num_iters, :num_seqs].copy_(starts)
-            if plan.shares_prefixes:
-                arena.cu_q_iter[:num_iters, :num_seqs + 1].copy_(
-                    staged["iteration_cu_query_lens"])
+            if plan.shares_prefixes:  # padded as cu_q / cu_k: empty sequences at the end
+                seq_k = staged["iteration_cu_seq_lens"]
+                arena.seq_q[:num_iters, :num_seqs + 1].copy_(staged["iteration_cu_query_lens"])
+                arena.seq_k[:num_iters, :num_seqs + 1].copy_(seq_k)
                 if cap > num_seqs:
-                    arena.cu_q_iter[:num_iters, num_seqs + 1:].fill_(num_tokens)
+                    arena.seq_q[:num_iters, num_seqs + 1:].fill_(num_tokens)
+                    arena.seq_k[:num_iters, num_seqs + 1:].copy_(
+                        seq_k[:, num_seqs:].expand(num_iters, cap - num_seqs))
         # A caller's block table may have changed since; a DevicePlan's tensors do not.
         staged_table = any(t is block_table for t in staged.values())
         if not staged_table or arena.table_from is not device_plan:
@@ -253,23 +262,26 @@ class _ArenaReplay:
                                              host), stand_in=joined is None)
 
     def run(self, i: int, rows: int, count: int = 1, joined: VarlenSeqs | None = None, *,
-            max_q: int | None = None) -> None:
+            grid: tuple[int, int] | None = None) -> None:
         """Iterations ``i .. i + count - 1`` of split keys padded to ``rows`` rows each; or
         iteration ``i`` with ``joined``, its VarlenSeqs (with the plan's host offsets), when the
-        backend wants joined keys for it. ``max_q``: the iterations' query bucket (default the
-        new tokens'; a plan that shares prefixes has one per iteration)."""
+        backend wants joined keys for it. ``grid``: the iterations' attention (sequences,
+        queries) buckets, in a plan that shares prefixes (default the new tokens')."""
         arena, op = self.arena, self.op
-        seqs, step_q, rope, scale = self.launch
-        max_q = step_q if max_q is None else max_q
-        shared = self.shared_plan
-        base = self.key if not shared else (seqs, max_q, *self.key[2:], "shared")
+        seqs, max_q, rope, scale = self.launch
+        shared = 0
+        base = self.key
+        if self.shared_plan and grid is not None:
+            shared, max_q = grid
+            # the attention's buckets lead (stand-ins compare them); the gather's seqs stay
+            base = (shared, max_q, *self.key[2:], ("shared", seqs))
         key = (*base, rows, count) if joined is None else (
             *base, rows, count, "joined", op.backend.launch_key(joined, op.num_heads, False))
         host = None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host)
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
-        extra = {"shared": True} if shared else {}  # (the non-sharing launch as it was)
+        extra = {"shared": shared} if shared else {}  # (the non-sharing launch as it was)
         self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, seqs, max_q, rows,
                                                    count, rope, scale, host, **extra),
                      stand_in=joined is None)

@@ -69,4 +69,5 @@ def test_shared_tree_through_the_kernel_graphs_and_static_io():
             assert shared.warm_runs >= 2 and shared.captures == shared.replays == 0
             (arena,) = shared._arenas.values()
             k, r = plan.num_iterations, plan.num_reqs
-            assert arena.cu_q_iter[:k, :r + 1].tolist() == plan.iteration_cu_query_lens.tolist()
+            assert arena.seq_q[:k, :r + 1].tolist() == plan.iteration_cu_query_lens.tolist()
+            assert arena.seq_k[:k, :r + 1].tolist() == plan.iteration_cu_seq_lens.tolist()
