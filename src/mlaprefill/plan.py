@@ -54,6 +54,12 @@ Policies
     * When not even one page per request fits (``sum(min(page_size, ctx_i)) > W``), it returns
       ``packed``'s pieces (the plan's ``policy`` still says ``balanced``).
 
+Prefix sharing (``share_prefixes=True``, the default, with a host block table in the batch):
+rows that consecutive requests share are gathered and up-projected once and attended by all
+their queries; each depth of the tree of shared runs (:mod:`mlaprefill.prefix`) is planned with
+the policy as a batch of its own, and the attention of each iteration runs over request runs
+(``ChunkPlan.iteration_sequences``). A batch without shared blocks gets the plain plan.
+
 All policies: every context token is covered exactly once, a request's pieces appear in
 increasing order over iterations, each request has at most one contiguous piece per iteration,
 and no iteration exceeds ``W`` tokens. A batch without context has zero iterations (fast path).

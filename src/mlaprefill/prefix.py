@@ -23,10 +23,10 @@ requests with a token range ``[lo, hi)`` that exactly those requests share and n
 does; a leaf is one request's unshared tail. For every request the nodes that contain it tile
 its context ``[0, context_lens[r])`` exactly once (property-tested). Nodes of one **depth**
 (number of nodes that contain them) are disjoint runs, so their pieces can share one iteration:
-each node's rows sit at sequence slot ``first`` of the iteration, whose query range is widened to
-``[cu_query_lens[first], cu_query_lens[end])``; the slots inside the run get no queries and no
-keys. :class:`mlaprefill.plan.ChunkPlanner` plans each depth as a batch of its own with its
-policy and concatenates the iterations.
+:class:`mlaprefill.plan.ChunkPlanner` plans each depth as a batch of its own with its policy,
+puts a node's pieces at slot ``first`` (that request's block table, from ``lo``) and runs the
+iteration's attention over request runs: the node's sequence has the queries ``[cu_query_lens[
+first], cu_query_lens[end])``, the requests between runs are keyless sequences.
 
 Cost: one vectorized compare of neighbouring block-table rows over the pages both contexts use
 (64 requests x 2,048 blocks: see ``benchmarks/prefix_sharing.py``), then O(num_reqs^2) boolean
