@@ -50,6 +50,7 @@ from mlaprefill import IterationGraphs, MLAChunkedPrefill
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.plan import ChunkPlanner
+from mlaprefill.prefix import MIN_SAVED_ROWS
 from mlaprefill.staging import StagingRing
 
 GRAPHS = "+graphs"
@@ -114,16 +115,18 @@ def make_inputs(heads: int, reqs: int, shared: int, unique: int, new: int, group
             "query_lens": [new] * reqs, "context_lens": ctx.tolist(), "group": group}
 
 
-def forward_fn(x: dict[str, Any], backend: str, share: bool, device: str) -> tuple[Any, Any]:
+def forward_fn(x: dict[str, Any], backend: str, share: bool, device: str,
+               min_saved_rows: int = MIN_SAVED_ROWS) -> tuple[Any, Any, Any]:
     """``(plan, fwd)``: the forward of ``x`` on ``backend`` (``NAME+graphs``: with
     ``IterationGraphs`` and its ``io_buffers``), planned with the backend's policy from the host
-    block table, sharing prefixes or not; ``fwd()`` runs it (plan uploaded once)."""
+    block table, sharing prefixes or not; ``fwd()`` runs it (plan uploaded once),
+    ``warm()`` runs it and captures the graphs it queued."""
     base = backend.removesuffix(GRAPHS)
     graphs = IterationGraphs() if backend.endswith(GRAPHS) else None
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=VDIM, backend=base,
                            qk_rope_head_dim=ROPE, graphs=graphs)
-    plan = ChunkPlanner(WORKSPACE, PAGE, policy=op.preferred_policy,
-                        share_prefixes=share).plan(
+    plan = ChunkPlanner(WORKSPACE, PAGE, policy=op.preferred_policy, share_prefixes=share,
+                        min_saved_rows=min_saved_rows).plan(
         PrefillBatch(x["query_lens"], x["context_lens"], page_size=PAGE,
                      block_table=x["table_host"]))
     dplan = StagingRing(device).upload(plan)
@@ -189,7 +192,8 @@ def bound_ms(heads: int, reqs: int, shared: int, unique: int, new: int, groups: 
     return {**parts, "bound_ms": sum(parts.values())}
 
 
-def bench_shapes(device: str, backends: list[str], shapes: list[tuple], rep: int) -> dict:
+def bench_shapes(device: str, backends: list[str], shapes: list[tuple], rep: int,
+                 min_saved_rows: int) -> dict:
     rows = []
     for name, heads, reqs, shared, unique, new, groups, doc in shapes:
         shape = {"shape": name, "heads": heads, "requests": reqs, "shared": shared,
@@ -203,7 +207,7 @@ def bench_shapes(device: str, backends: list[str], shapes: list[tuple], rep: int
             outs = {}
             for share in (True, False):
                 key = "share" if share else "noshare"
-                plan, fwd, warm = forward_fn(x, backend, share, device)
+                plan, fwd, warm = forward_fn(x, backend, share, device, min_saved_rows)
                 for _ in range(3):  # first sights, captures (graphs), compiles
                     warm()
                 sync()
@@ -235,7 +239,7 @@ def bench_shapes(device: str, backends: list[str], shapes: list[tuple], rep: int
                      "unique rest + one batched causal SDPA of the new tokens; no merges",
             "targets": "share_over_bound <= 1.3; speedup_share_vs_noshare >= 2.5 on the 16-head "
                        "issue rows; >= 1 (within noise) everywhere",
-            "rows": rows}
+            "min_saved_rows": min_saved_rows, "rows": rows}
 
 
 def plan_host(repeats: int) -> dict:
@@ -295,12 +299,16 @@ def main() -> int:
     parser.add_argument("--shapes", default="",
                         help="comma list of shape names to run (default: all of SHAPES)")
     parser.add_argument("--rep", type=int, default=60, help="do_bench time budget (ms)")
+    parser.add_argument("--min-saved-rows", type=int, default=MIN_SAVED_ROWS,
+                        help="ChunkPlanner(min_saved_rows=): least rows a shared run must save "
+                             f"to be planned apart (default {MIN_SAVED_ROWS}; --cpu-smoke: 0)")
     parser.add_argument("--run-context", default="",
                         help="free text for the JSON's run_context (commit, machine, call)")
     add_cpu_smoke(parser)
     args = parser.parse_args()
     if args.cpu_smoke:
         device, backends, shapes, plan_repeats = "cpu", ["math"], SMOKE_SHAPES, 5
+        args.min_saved_rows = 0  # the smoke shapes are tiny
     elif not torch.cuda.is_available():
         print("needs CUDA (or --cpu-smoke)", file=sys.stderr)
         return 2
@@ -317,7 +325,8 @@ def main() -> int:
     results["plan_host"] = plan_host(plan_repeats)
     write_json(args.out, results)
     with torch.inference_mode():
-        results["shapes"] = bench_shapes(device, backends, shapes, args.rep)
+        results["shapes"] = bench_shapes(device, backends, shapes, args.rep,
+                                         args.min_saved_rows)
     write_json(args.out, results)
     print(table(results))
     return 0

@@ -257,11 +257,13 @@ def test_deadline_stops_a_wait_for_a_late_arrival():
 def test_shared_prefix_first_tokens_equal_plain_forward_with_and_without_sharing():
     # one system prompt for all, two documents for contiguous groups, unique tails; the
     # prefixes are prefilled into pages of their own that every request's block table starts with
+    # (the system prompt saves 5 x 512 rows, past MIN_SAVED_ROWS; the documents, 2 requests
+    # each, save too little to be planned apart)
     engine = PrefillEngine(EngineConfig(
         **BASE, prompt_len=20, prompt_len_spread=0.5, num_requests=6, max_concurrent=6,
-        token_budget=24, workspace_tokens=64, page_size=8, share="fair", shared_prefix_len=32,
-        doc_groups=2, doc_len=16))
-    assert engine.prefix_lens.tolist() == [32, 32, 48, 48, 48, 48]
+        token_budget=48, workspace_tokens=256, page_size=16, share="fair",
+        shared_prefix_len=512, doc_groups=2, doc_len=64))
+    assert engine.prefix_lens.tolist() == [512, 512, 576, 576, 576, 576]
     expected = reference_first_tokens(engine)
     assert len(set(expected.values())) > 1
     gathered = {}

@@ -101,12 +101,13 @@ def check_plan_covers_every_row_once(plan, table, query, ctx, page_size, workspa
 
 
 @settings(max_examples=150, deadline=None)
-@given(shared_batches(), st.sampled_from(POLICIES))
-def test_shared_plans_attend_every_row_of_every_request_once(case, policy):
+@given(shared_batches(), st.sampled_from(POLICIES), st.sampled_from([0, 0, 0, 4, 16, 64]))
+def test_shared_plans_attend_every_row_of_every_request_once(case, policy, min_saved):
     query, ctx, page_size, table, workspace = case
     batch = PrefillBatch(query, ctx, page_size=page_size, block_table=table)
     try:
-        plan = ChunkPlanner(workspace, page_size, policy=policy).plan(batch)
+        plan = ChunkPlanner(workspace, page_size, policy=policy,
+                            min_saved_rows=min_saved).plan(batch)
     except ValueError as exc:  # equal's chunk: a depth of the tree has too many requests
         assert policy == "equal" and workspace < np.count_nonzero(ctx) * page_size, exc
         assert "smaller than one page per request" in str(exc)
@@ -118,10 +119,12 @@ def test_shared_plans_attend_every_row_of_every_request_once(case, policy):
     assert not alone.shares_prefixes and alone.num_gathered_rows == sum(ctx)
     assert plan.num_context_tokens == sum(ctx)
     shared = neighbour_shared_tokens(table, np.asarray(ctx), page_size)
-    tree = shared_tree(shared, ctx)
+    tree = shared_tree(shared, ctx, min_saved_rows=min_saved)
     # the rows gathered: each node's once
     assert plan.num_gathered_rows == int((tree.hi - tree.lo).sum())
-    if not shared.any():  # nothing shared: the plan is the plain one, array for array
+    saved = (tree.end - tree.first - 1) * (tree.hi - tree.lo)
+    assert (saved[tree.end - tree.first > 1] >= min_saved).all()
+    if not tree.shares:  # nothing shared: the plan is the plain one, array for array
         assert not plan.shares_prefixes and plan.to_json() == alone.to_json()
     else:
         assert plan.num_gathered_rows == sum(ctx) - int(
@@ -129,6 +132,29 @@ def test_shared_plans_attend_every_row_of_every_request_once(case, policy):
                 (tree.end - tree.first - 1)[tree.end - tree.first > 1]))
         assert set(plan.device_arrays()) == {*alone.device_arrays(), "iteration_cu_query_lens",
                                              "iteration_cu_seq_lens"}
+
+
+def test_small_runs_are_not_planned_apart():
+    # 0-3 share 64 tokens (saves 192 rows), 0-1 another 256 (saves 256), 2-3 nothing more
+    table = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 6, 7, 8, 9], [1, 10, 11, 12, 13]],
+                     np.int32)
+    ctx = np.array([320, 300, 200, 64])
+    shared = neighbour_shared_tokens(table, ctx, 64)
+    assert shared.tolist() == [300, 64, 64]
+
+    def nodes(tree):
+        return sorted(zip(tree.first.tolist(), tree.end.tolist(), tree.lo.tolist(),
+                          tree.hi.tolist(), strict=True))
+
+    assert nodes(shared_tree(shared, ctx)) == [
+        (0, 1, 300, 320), (0, 2, 64, 300), (0, 4, 0, 64), (2, 3, 64, 200)]
+    # the root saves 192 < 200: its 64 tokens go to [0, 2) and to request 2's leaf; request 3
+    # (all of its context in the root) gets a leaf of its own
+    assert nodes(shared_tree(shared, ctx, min_saved_rows=200)) == [
+        (0, 1, 300, 320), (0, 2, 0, 300), (2, 3, 0, 200), (3, 4, 0, 64)]
+    assert nodes(shared_tree(shared, ctx, min_saved_rows=1000)) == [
+        (0, 1, 0, 320), (1, 2, 0, 300), (2, 3, 0, 200), (3, 4, 0, 64)]
+    assert not shared_tree(shared, ctx, min_saved_rows=1000).shares
 
 
 def test_shared_tree_of_a_small_example():
@@ -143,8 +169,8 @@ def test_shared_tree_of_a_small_example():
     assert nodes == [(0, 1, 192, 256, 2), (0, 2, 128, 192, 1), (0, 3, 0, 128, 0),
                      (1, 2, 192, 250, 2), (2, 3, 128, 200, 1), (3, 4, 0, 100, 0)]
     assert tree.num_levels == 3
-    plan = ChunkPlanner(4096, 64).plan(PrefillBatch([1, 2, 3, 4], ctx, page_size=64,
-                                                    block_table=table))
+    plan = ChunkPlanner(4096, 64, min_saved_rows=0).plan(
+        PrefillBatch([1, 2, 3, 4], ctx, page_size=64, block_table=table))
     assert plan.num_gathered_rows == 128 + 64 + 64 + 58 + 72 + 100 < plan.num_context_tokens
     # one iteration per depth; its attention's sequences are request runs: [0, 3) and 3;
     # [0, 2), 2 and 3 (no rows); 0, 1 and 2-3 (no rows)
@@ -164,9 +190,10 @@ def test_shared_tree_of_a_small_example():
 def test_only_a_host_block_table_is_read():
     table = np.zeros((3, 2), np.int32)  # every request the same pages
     args = ([1, 1, 1], [100, 100, 128])
-    host = ChunkPlanner(256, 64).plan(PrefillBatch(*args, page_size=64, block_table=table))
+    host = ChunkPlanner(256, 64, min_saved_rows=0).plan(
+        PrefillBatch(*args, page_size=64, block_table=table))
     assert host.shares_prefixes and host.num_gathered_rows == 128
-    cpu = ChunkPlanner(256, 64).plan(
+    cpu = ChunkPlanner(256, 64, min_saved_rows=0).plan(
         PrefillBatch(*args, page_size=64, block_table=torch.from_numpy(table)))
     assert cpu.to_json() == host.to_json()
     # a table on a device (meta stands in for CUDA: it has no values to read) is never read
@@ -179,10 +206,18 @@ def test_only_a_host_block_table_is_read():
     assert "share_prefixes=False" in repr(off)
     with pytest.raises(TypeError, match="share_prefixes must be a bool"):
         ChunkPlanner(256, 64, share_prefixes=1)
+    with pytest.raises(ValueError, match="min_saved_rows must be an int >= 0"):
+        ChunkPlanner(256, 64, min_saved_rows=-1)
+    # the default: a run saving fewer than MIN_SAVED_ROWS rows is not planned apart
+    assert not ChunkPlanner(256, 64).plan(
+        PrefillBatch(*args, page_size=64, block_table=table)).shares_prefixes
+    many = ([1] * 40, [128] * 40)  # 39 x 128 = 4992 rows saved
+    assert ChunkPlanner(8192, 64).plan(PrefillBatch(*many, page_size=64, block_table=np.zeros(
+        (40, 2), np.int32))).shares_prefixes
 
 
-def _forward(x, query, ctx, page_size, workspace, policy, backend="math", **planner):
-    plan = ChunkPlanner(workspace, page_size, policy=policy, **planner).plan(
+def _forward(x, query, ctx, page_size, workspace, policy, backend="math"):
+    plan = ChunkPlanner(workspace, page_size, policy=policy, min_saved_rows=0).plan(
         PrefillBatch(query, ctx, page_size=page_size, block_table=x["block_table"]))
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"],
                            backend=backend)

@@ -74,7 +74,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mlaprefill.batch import INT32_MAX, PrefillBatch
-from mlaprefill.prefix import SharedTree, host_block_table, neighbour_shared_tokens, shared_tree
+from mlaprefill.prefix import (
+    MIN_SAVED_ROWS,
+    SharedTree,
+    host_block_table,
+    neighbour_shared_tokens,
+    shared_tree,
+)
 
 __all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner", "StagedPlan"]
 
@@ -326,12 +332,15 @@ class ChunkPlanner:
         are gathered and up-projected once and attended by all their queries
         (:mod:`mlaprefill.prefix`); ``plan.num_gathered_rows`` tells the saving. A block table on
         a device is never read (no sharing). False plans every request's context on its own.
+    min_saved_rows : int
+        A shared run is planned apart only if it saves at least this many gathered rows
+        (``(requests - 1) * shared tokens``); default :data:`mlaprefill.prefix.MIN_SAVED_ROWS`.
     """
 
-    __slots__ = ("page_size", "policy", "share_prefixes", "workspace_tokens")
+    __slots__ = ("min_saved_rows", "page_size", "policy", "share_prefixes", "workspace_tokens")
 
     def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed", *,
-                 share_prefixes: bool = True) -> None:
+                 share_prefixes: bool = True, min_saved_rows: int = MIN_SAVED_ROWS) -> None:
         self.workspace_tokens = _check_positive_int("workspace_tokens", workspace_tokens)
         self.page_size = _check_positive_int("page_size", page_size)
         if policy not in POLICIES:
@@ -343,6 +352,11 @@ class ChunkPlanner:
             raise TypeError(f"ChunkPlanner.share_prefixes must be a bool, got "
                             f"{type(share_prefixes).__name__}")
         self.share_prefixes = share_prefixes
+        if (isinstance(min_saved_rows, bool) or not isinstance(min_saved_rows, int | np.integer)
+                or min_saved_rows < 0):
+            raise ValueError(f"ChunkPlanner.min_saved_rows must be an int >= 0, got "
+                             f"{min_saved_rows!r}")
+        self.min_saved_rows = int(min_saved_rows)
         if self.workspace_tokens < self.page_size:
             raise ValueError(
                 f"ChunkPlanner.workspace_tokens={self.workspace_tokens} is smaller than one page "
@@ -381,7 +395,9 @@ class ChunkPlanner:
             if table is not None:
                 shared = neighbour_shared_tokens(table, ctx, self.page_size)
                 if shared.any():
-                    return self._plan_shared(batch, shared_tree(shared, ctx))
+                    tree = shared_tree(shared, ctx, min_saved_rows=self.min_saved_rows)
+                    if tree.shares:  # else every run saved too little: the plain plan
+                        return self._plan_shared(batch, tree)
         return self._assemble(batch, *self._pieces(ctx))
 
     def _plan_shared(self, batch: PrefillBatch, tree: SharedTree) -> ChunkPlan:

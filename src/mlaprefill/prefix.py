@@ -40,7 +40,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SharedTree", "host_block_table", "neighbour_shared_tokens", "shared_tree"]
+__all__ = ["MIN_SAVED_ROWS", "SharedTree", "host_block_table", "neighbour_shared_tokens",
+           "shared_tree"]
+
+#: ``ChunkPlanner``'s default ``min_saved_rows``: a shared run that saves fewer gathered and
+#: up-projected rows than this is not planned apart (each of its requests reads those rows on
+#: its own). Why: a run planned apart can add an iteration (a depth of the tree), whose fixed
+#: cost -- a gather, a GEMM and an attention launch, ~15 us on the H200 -- is about what 1,500
+#: rows of gather + up-projection cost at 16 heads (~10 ns a row: 2.3 KB gathered, 8 KB of
+#: K/V written, 4 MFLOP). An estimate from that cost model, not a measured optimum:
+#: ``benchmarks/prefix_sharing.py --min-saved-rows`` times other values.
+MIN_SAVED_ROWS = 2048
 
 
 def host_block_table(block_table: Any) -> np.ndarray | None:
@@ -111,8 +121,14 @@ class SharedTree:
     def num_nodes(self) -> int:
         return int(self.first.shape[0])
 
+    @property
+    def shares(self) -> bool:
+        """Whether some node is a run of several requests."""
+        return bool((self.end - self.first > 1).any())
 
-def shared_tree(shared: np.ndarray, context_lens: np.ndarray) -> SharedTree:
+
+def shared_tree(shared: np.ndarray, context_lens: np.ndarray, *,
+                min_saved_rows: int = 0) -> SharedTree:
     """The runs of :func:`neighbour_shared_tokens`' ``shared [num_reqs - 1]`` as a tree.
 
     Internal nodes: for each pair ``i`` with ``shared[i] > 0``, the maximal run of pairs around
@@ -121,6 +137,11 @@ def shared_tree(shared: np.ndarray, context_lens: np.ndarray) -> SharedTree:
     the array count 0); equal runs found from several pairs are one node. Leaves: each request's
     tail ``[max(shared[r - 1], shared[r]), context_lens[r])`` when not empty. Array work over
     ``[pairs, pairs]`` and ``[nodes, nodes]`` booleans; no Python loop.
+
+    ``min_saved_rows``: a run whose sharing saves fewer gathered rows (``(members - 1) * (hi -
+    lo)``) than this is not a node: its tokens go to the nearest node below it for each member
+    (its child runs start lower, a member without one gets a leaf). Decided once, on the runs
+    as found (a run whose parent is dropped is judged on its own tokens).
     """
     ctx = np.asarray(context_lens, dtype=np.int64)
     r = ctx.shape[0]
@@ -150,9 +171,31 @@ def shared_tree(shared: np.ndarray, context_lens: np.ndarray) -> SharedTree:
     end = np.concatenate(ends)
     lo = np.concatenate(los)
     hi = np.concatenate(his)
+    if min_saved_rows > 0 and pairs.size:
+        first, end, lo, hi = _drop_small_runs(first, end, lo, hi, ctx, min_saved_rows)
     # Depth: nodes whose run contains this node's (a laminar family: nested or disjoint).
     contains = (first[None, :] <= first[:, None]) & (end[:, None] <= end[None, :])
     depth = contains.sum(axis=1) - 1
     order = np.lexsort((first, depth))
     return SharedTree(first=first[order], end=end[order], lo=lo[order], hi=hi[order],
                       depth=depth[order], num_levels=int(depth.max()) + 1 if depth.size else 0)
+
+
+def _drop_small_runs(first: np.ndarray, end: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     ctx: np.ndarray, min_saved_rows: int) -> tuple[np.ndarray, ...]:
+    """The nodes without the runs that save fewer than ``min_saved_rows`` rows, re-tiled: a
+    kept run starts at the end of its nearest kept ancestor (its ``hi``: ancestors' ``hi`` grow
+    with depth), every request's leaf at the end of its deepest kept run."""
+    internal = end - first > 1
+    keep = internal & ((end - first - 1) * (hi - lo) >= min_saved_rows)
+    first, end, hi = first[keep], end[keep], hi[keep]
+    # kept run j strictly contains run i (distinct runs of a laminar family)
+    inside = ((first[None, :] <= first[:, None]) & (end[:, None] <= end[None, :])
+              & ((first[None, :] != first[:, None]) | (end[None, :] != end[:, None])))
+    lo = np.where(inside, hi[None, :], 0).max(axis=1, initial=0)
+    reqs = np.arange(ctx.shape[0])
+    covers = (first[None, :] <= reqs[:, None]) & (reqs[:, None] < end[None, :])  # [R, N]
+    leaf_lo = np.where(covers, hi[None, :], 0).max(axis=1, initial=0)
+    leaf = np.flatnonzero(ctx > leaf_lo)
+    return (np.concatenate([leaf, first]), np.concatenate([leaf + 1, end]),
+            np.concatenate([leaf_lo[leaf], lo]), np.concatenate([ctx[leaf], hi]))

@@ -44,7 +44,7 @@ def test_shared_tree_through_the_kernel_graphs_and_static_io():
     for policy, workspace, graphs, static in [("balanced", 64, False, False),
                                               ("packed", 48, True, False),
                                               ("equal", 96, True, True)]:
-        plan = ChunkPlanner(workspace, page, policy=policy).plan(batch)
+        plan = ChunkPlanner(workspace, page, policy=policy, min_saved_rows=0).plan(batch)
         assert plan.shares_prefixes and plan.num_iterations >= 3, policy
         assert plan.num_gathered_rows < sum(ctx)
         shared = IterationGraphs()
