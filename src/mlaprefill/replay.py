@@ -128,7 +128,7 @@ class _PaddedIteration:
     ``rows``: the iterations' row bucket (the gather's and ``torch.mm``'s size). ``host``
     (joined keys, ``count`` 1): the iteration's host offsets ``(cu_q, cu_k)``,
     from which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
-    ``shared`` (a plan that shares prefixes): the attention runs over ``shared`` sequences
+    ``att_seqs`` (a plan that shares prefixes): the attention runs over ``att_seqs`` sequences
     (a bucket) whose offsets are the arena's per-iteration ``seq_q`` / ``seq_k`` rows
     ``counter`` (``ChunkPlan.iteration_sequences``), not ``cu_q`` and the gather's offsets.
     """
@@ -137,22 +137,22 @@ class _PaddedIteration:
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor, seqs: int,
                  max_q: int, rows: int, count: int, rope: int, scale: float,
-                 host: tuple[Any, Any] | None, *, shared: int = 0) -> None:
+                 host: tuple[Any, Any] | None, *, att_seqs: int = 0) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
-        self.launch = (seqs, max_q, rows, count, rope, scale, shared)
+        self.launch = (seqs, max_q, rows, count, rope, scale, att_seqs)
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
-        seqs, max_q, rows, count, rope, scale, shared = self.launch
+        seqs, max_q, rows, count, rope, scale, att_seqs = self.launch
         joined = self.host is not None
         rank, v_padded = op.kv_lora_rank, op.backend.needs_v_padded
         cq, ck = self.host if joined else (None, None)
         for _ in range(count):
             cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
-            if shared:
-                cu_q = arena.seq_q[:, :shared + 1].index_select(0, arena.counter)[0]
-                cu_att = arena.seq_k[:, :shared + 1].index_select(0, arena.counter)[0]
+            if att_seqs:
+                cu_q = arena.seq_q[:, :att_seqs + 1].index_select(0, arena.counter)[0]
+                cu_att = arena.seq_k[:, :att_seqs + 1].index_select(0, arena.counter)[0]
             else:
                 cu_q, cu_att = arena.cu_q[:seqs + 1], cu
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
@@ -269,19 +269,19 @@ class _ArenaReplay:
         queries) buckets, in a plan that shares prefixes (default the new tokens')."""
         arena, op = self.arena, self.op
         seqs, max_q, rope, scale = self.launch
-        shared = 0
+        att_seqs = 0
         base = self.key
         if self.shared_plan and grid is not None:
-            shared, max_q = grid
+            att_seqs, max_q = grid
             # the attention's buckets lead (stand-ins compare them); the gather's seqs stay
-            base = (shared, max_q, *self.key[2:], ("shared", seqs))
+            base = (att_seqs, max_q, *self.key[2:], ("shared", seqs))
         key = (*base, rows, count) if joined is None else (
             *base, rows, count, "joined", op.backend.launch_key(joined, op.num_heads, False))
         host = None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host)
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
-        extra = {"shared": shared} if shared else {}  # (the non-sharing launch as it was)
+        extra = {"att_seqs": att_seqs} if att_seqs else {}  # (the plain launch as it was)
         self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, seqs, max_q, rows,
                                                    count, rope, scale, host, **extra),
                      stand_in=joined is None)
