@@ -430,22 +430,23 @@ class ChunkPlanner:
             starts[:, first] = node_starts + lo
             lens[:, first] = node_lens
             # Sequence boundaries (request indices) of each iteration: 0, R, and both ends of
-            # every run with rows in it; kept in order by a stable argsort of the marks.
+            # every run with rows in it.
             has = node_lens > 0
             mark = np.zeros((k, r + 1), dtype=bool)
             mark[:, [0, r]] = True
             mark[:, first] |= has
             mark[:, end] |= has
-            order = np.argsort(~mark, axis=1, kind="stable")                        # [K_d, R+1]
-            num_seqs = mark.sum(axis=1) - 1                                          # [K_d]
-            past = col[None, :] > num_seqs[:, None]  # padding: empty sequences at the end
-            cu_k = np.zeros((k, r + 1), dtype=np.int64)
-            np.cumsum(lens, axis=1, out=cu_k[:, 1:])
-            seq_q = np.where(past, total_q, cu_q[order])
-            seq_k = np.where(past, cu_k[:, -1:], np.take_along_axis(cu_k, order, axis=1))
-            parts.append((starts, lens, seq_q, seq_k, num_seqs))
-        starts, lens, seq_q, seq_k, num_seqs = (np.concatenate(p) for p in zip(*parts,
-                                                                                strict=True))
+            parts.append((starts, lens, mark))
+        starts, lens, mark = (np.concatenate(p) for p in zip(*parts, strict=True))
+        # Every iteration at once: the boundaries in order (a stable argsort of the marks), the
+        # sequences' query and workspace-row offsets, empty sequences past the last.
+        order = np.argsort(~mark, axis=1, kind="stable")                            # [K, R+1]
+        num_seqs = mark.sum(axis=1) - 1                                              # [K]
+        past = col[None, :] > num_seqs[:, None]
+        cu_k = np.zeros((lens.shape[0], r + 1), dtype=np.int64)
+        np.cumsum(lens, axis=1, out=cu_k[:, 1:])
+        seq_q = np.where(past, total_q, cu_q[order])
+        seq_k = np.where(past, cu_k[:, -1:], np.take_along_axis(cu_k, order, axis=1))
         return self._assemble(batch, starts, lens, (seq_q, seq_k, num_seqs))
 
     def _pieces(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
