@@ -32,9 +32,11 @@ __all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile", "scenario_steps"]
 STALL_THRESHOLD_BYTES = 2120 * 2**10
 
 
-def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
+def metadata_profile(config: EngineConfig, policy: str, *,
+                     share_prefixes: bool = True) -> dict[str, Any]:
     """Schedule and plan the whole workload of ``config`` (all requests at once; each finishes
-    as soon as its last token is scheduled).
+    as soon as its last token is scheduled), with prefix sharing or not (``ChunkPlanner``'s
+    ``share_prefixes``).
 
     Returns
     -------
@@ -47,7 +49,8 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
     vLLM-shaped tables (``steps_over_threshold_fraction``) and compact ones
     (``compact_steps_over_threshold_fraction``).
     """
-    planner = ChunkPlanner(config.workspace_tokens, config.page_size, policy=policy)
+    planner = ChunkPlanner(config.workspace_tokens, config.page_size, policy=policy,
+                           share_prefixes=share_prefixes)
     meta, plan_b, t2s, iters, largest, largest_vllm = [], [], [], [], [], []
     for batch, arrays in scenario_steps(config):
         plan = planner.plan(batch)
