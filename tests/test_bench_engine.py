@@ -267,7 +267,7 @@ def test_shared_prefix_first_tokens_equal_plain_forward_with_and_without_sharing
     expected = reference_first_tokens(engine)
     assert len(set(expected.values())) > 1
     gathered = {}
-    for name in ("ring+balanced", "ring+balanced+noshare", "ring+packed"):
+    for name in ("ring+balanced", "ring+balanced+noshare"):
         variant = Variant.parse(name)
         assert variant.share_prefixes == ("noshare" not in name) and variant.name == name
         res = engine.run(variant)
