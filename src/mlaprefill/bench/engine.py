@@ -639,6 +639,9 @@ class PrefillEngine:
                 self._launch(ring.upload(StepPlan(plan, arrays)), 0, slot, layers,
                              getattr(layers[0], "graphs", None) is not None)
                 done += n
+        graphs = getattr(layers[0], "graphs", None)
+        if graphs is not None and self.cuda:  # their first sights' captures: untimed too
+            graphs.capture_pending()
         return pages
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
