@@ -252,3 +252,29 @@ def test_deadline_stops_a_wait_for_a_late_arrival():
     result = engine.run(Variant.parse("ring+packed"), deadline=time.perf_counter() + 0.5)
     assert time.perf_counter() - t < 20
     assert result.truncated
+
+
+def test_shared_prefix_first_tokens_equal_plain_forward_with_and_without_sharing():
+    # one system prompt for all, two documents for contiguous groups, unique tails; the
+    # prefixes are prefilled into pages of their own that every request's block table starts with
+    # (the system prompt saves 5 x 512 rows, past MIN_SAVED_ROWS; the documents, 2 requests
+    # each, save too little to be planned apart)
+    engine = PrefillEngine(EngineConfig(
+        **BASE, prompt_len=20, prompt_len_spread=0.5, num_requests=6, max_concurrent=6,
+        token_budget=48, workspace_tokens=256, page_size=16, share="fair",
+        shared_prefix_len=512, doc_groups=2, doc_len=64))
+    assert engine.prefix_lens.tolist() == [512, 512, 576, 576, 576, 576]
+    expected = reference_first_tokens(engine)
+    assert len(set(expected.values())) > 1
+    gathered = {}
+    for name in ("ring+balanced", "ring+balanced+noshare"):
+        variant = Variant.parse(name)
+        assert variant.share_prefixes == ("noshare" not in name) and variant.name == name
+        res = engine.run(variant)
+        assert res.first_tokens == expected, name
+        # only the tails are prefilled in the run: the prefixes were cached before it
+        assert res.prompt_tokens == int((engine.prompt_lens - engine.prefix_lens).sum())
+        gathered[name] = sum(s.num_gathered_rows for s in res.steps)
+        context = sum(s.num_context_tokens for s in res.steps)
+        assert gathered[name] < context if variant.share_prefixes else gathered[name] == context
+    assert gathered["ring+balanced"] < gathered["ring+balanced+noshare"] / 2

@@ -25,6 +25,7 @@ SMOKE = {
     "audit_gpu.py": ("checks", "overhead", "command"),
     "triton_attention.py": ("rows", "flops_formula"),
     "plan_upload.py": ("section_a_plan_upload_gpu_idle", "section_d_dcp_reorder"),
+    "prefix_sharing.py": ("shapes", "plan_host"),
 }
 COMMON_KEYS = ("date_utc", "machine")
 

@@ -132,6 +132,39 @@ def _run_case(rank, world, case, seed, device, check_delegation):
     torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=tol, atol=tol)
 
 
+def _run_shared_case(rank, world, device):
+    """Prefix sharing under DCP (``share_prefixes=True``, one global host table on every rank):
+    a tree of shared runs, page-unaligned tails; the rows a shared run needs are gathered by
+    each rank once, all-gathered once, and the result equals the float64 reference."""
+    from mlaprefill.prefill import MLAChunkedPrefill
+    from test_prefix import shared_table
+
+    query_lens, context_lens, page, interleave = [3, 1, 4, 2, 2], [40, 37, 50, 20, 9], 8, 8
+    table, used = shared_table(context_lens, [(0, 0), (0, 9), (1, 3), (2, 2), (3, 0)], page)
+    x = paged_mla_inputs(query_lens, [used * page], heads=NUM_HEADS, rank=KV_LORA_RANK,
+                         nope=QK_NOPE, rope=QK_ROPE, v=V_HEAD, page_size=page, seed=7)
+    cache, weight = x["kv_cache"].to(device), x["weight"].to(device)
+    q, kv_c_new, k_pe_new = (x[k].to(device) for k in ("q", "kv_c_new", "k_pe_new"))
+    global_table = torch.from_numpy(table)
+    local_cache, local_table = shard_paged_cache(cache, global_table.to(device),
+                                                 np.array(context_lens), world=world,
+                                                 interleave=interleave, seed=3)[rank]
+    batch = PrefillBatch(query_lens, context_lens, page_size=page, block_table=table)
+    plan = DCPChunkPlanner(64, page, world=world, interleave=interleave, policy="balanced",
+                           share_prefixes=True, min_saved_rows=0).plan(batch, rank=rank)
+    assert plan.base.shares_prefixes and plan.base.num_gathered_rows < sum(context_lens)
+    device_plan = StagingRing(device).upload(plan)
+    mla = MLAChunkedPrefill(weight, qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD, backend="math")
+    source = DCPContextSource(local_cache, local_table, device_plan, dist.group.WORLD)
+    out, lse = mla.forward(q, kv_c_new, k_pe_new, local_cache, local_table, device_plan,
+                           return_lse=True, context_source=source)
+    ref, ref_lse = mla_prefill_reference(
+        q, kv_c_new, k_pe_new, cache, global_table.to(device), query_lens, context_lens,
+        weight, qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD)
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=1e-4, atol=1e-4)
+
+
 def _run_errors(rank, world, device):
     q, kv_c_new, k_pe_new, cache, table, weight = _inputs([2, 1], [40, 9], 16, 5, device)
     local_cache, local_table = shard_paged_cache(cache, table, np.array([40, 9]), world=world,
@@ -274,6 +307,8 @@ def _worker(rank: int, world: int, store_path: str, error_dir: str, device_kind:
                       check_delegation=k == 0)
         _run_errors(rank, world, device)
         _run_fp8(rank, world, device)
+        if world <= 3:
+            _run_shared_case(rank, world, device)
         dist.barrier()
     except BaseException:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:

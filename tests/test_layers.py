@@ -20,7 +20,7 @@ HOSTSYNC_SRC = Path(__file__).resolve().parents[1] / "hostsync" / "src"
 #: name a package and everything in it; the longest matching prefix wins.
 LAYERS = {
     "mlaprefill": 0, "mlaprefill._env": 0, "mlaprefill.config": 0, "mlaprefill.batch": 0,
-    "mlaprefill.plan": 1, "mlaprefill.dcp": 1, "mlaprefill.dcp.layout": 1,
+    "mlaprefill.plan": 1, "mlaprefill.prefix": 1, "mlaprefill.dcp": 1, "mlaprefill.dcp.layout": 1,
     "mlaprefill.dcp.plan": 1,
     "mlaprefill.staging": 2,
     "mlaprefill.kernels": 3, "mlaprefill.backends": 3, "mlaprefill.graphs": 3,

@@ -2,7 +2,8 @@
 
 Validation never reads device memory: a CUDA tensor passed where host integers are required is
 rejected by looking at its ``.device`` before any value is touched, so constructing a batch can
-never synchronize. ``block_table`` is only inspected for shape and dtype, so it may live anywhere.
+never synchronize. ``block_table`` is only inspected for shape and dtype, so it may live anywhere
+(the planner reads the values of a host one: prefix sharing, :mod:`mlaprefill.prefix`).
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class PrefillBatch:
     page_size : int
         Tokens per cache page (block).
     block_table : int32 tensor/array [num_reqs, max_blocks], optional
-        Only its shape and dtype are read (never its values), so any device is accepted; it must
-        have ``max_blocks * page_size >= context_lens[r]`` for every request.
+        Here only its shape and dtype are read, so any device is accepted; it must have
+        ``max_blocks * page_size >= context_lens[r]`` for every request. In host memory (numpy,
+        a CPU tensor: the engine's CPU copy) the planner reads its values to find shared
+        prefixes (``ChunkPlanner(share_prefixes=True)``, the default); it must then hold the
+        same ids as the table the forward reads. A device tensor's values are never read.
 
     Raises
     ------

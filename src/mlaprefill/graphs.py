@@ -95,6 +95,8 @@ class Arena:
         generation is current (the buffers never move within one).
     q : [token_cap, H, qk]; out : [token_cap, H, v]; lse : float32 [token_cap, H]
     cu_q : int32 [seq_cap + 1]; cu_k : int32 [iter_cap, seq_cap + 1]
+    seq_q, seq_k : int32 [iter_cap, seq_cap + 1], each iteration's attention sequences (a plan
+        that shares prefixes: ``ChunkPlan.iteration_cu_query_lens`` / ``iteration_cu_seq_lens``)
     starts : int32 [iter_cap, seq_cap]; block_table : int32 [seq_cap, block_cap]
     workspace : [row_cap, latent] in the compute dtype (the new tokens' latent rows first, then
         each iteration's gathered rows, dequantized); kv_buf : [kv_cap] in q's dtype (flat)
@@ -108,6 +110,8 @@ class Arena:
     lse: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
+    seq_q: torch.Tensor
+    seq_k: torch.Tensor
     starts: torch.Tensor
     block_table: torch.Tensor
     workspace: torch.Tensor
@@ -210,6 +214,8 @@ class IterationGraphs:
         shapes = {"q": ((tokens, heads, qk), dtype), "out": ((tokens, heads, v), dtype),
                   "lse": ((tokens, heads), torch.float32), "cu_q": ((seqs + 1,), torch.int32),
                   "cu_k": ((iters, seqs + 1), torch.int32),
+                  "seq_q": ((iters, seqs + 1), torch.int32),
+                  "seq_k": ((iters, seqs + 1), torch.int32),
                   "starts": ((iters, seqs), torch.int32),
                   "block_table": ((seqs, blocks), torch.int32),
                   "workspace": ((rows, latent), kv_dtype), "kv_buf": ((kv,), dtype),
@@ -316,7 +322,8 @@ class IterationGraphs:
     def memory_bytes(self) -> int:
         """Bytes the static buffers hold (every arena)."""
         return sum(t.numel() * t.element_size() for a in self._arenas.values()
-                   for t in (a.q, a.out, a.lse, a.cu_q, a.cu_k, a.starts, a.block_table,
+                   for t in (a.q, a.out, a.lse, a.cu_q, a.cu_k, a.seq_q, a.seq_k, a.starts,
+                             a.block_table,
                              a.workspace, a.kv_buf, a.counter))
 
 

@@ -54,6 +54,12 @@ Policies
     * When not even one page per request fits (``sum(min(page_size, ctx_i)) > W``), it returns
       ``packed``'s pieces (the plan's ``policy`` still says ``balanced``).
 
+Prefix sharing (``share_prefixes=True``, the default, with a host block table in the batch):
+rows that consecutive requests share are gathered and up-projected once and attended by all
+their queries; each depth of the tree of shared runs (:mod:`mlaprefill.prefix`) is planned with
+the policy as a batch of its own, and the attention of each iteration runs over request runs
+(``ChunkPlan.iteration_sequences``). A batch without shared blocks gets the plain plan.
+
 All policies: every context token is covered exactly once, a request's pieces appear in
 increasing order over iterations, each request has at most one contiguous piece per iteration,
 and no iteration exceeds ``W`` tokens. A batch without context has zero iterations (fast path).
@@ -68,6 +74,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from mlaprefill.batch import INT32_MAX, PrefillBatch
+from mlaprefill.prefix import (
+    MIN_SAVED_ROWS,
+    SharedTree,
+    host_block_table,
+    neighbour_shared_tokens,
+    shared_tree,
+)
 
 __all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner", "StagedPlan"]
 
@@ -133,6 +146,20 @@ class ChunkPlan:
         Longest piece of each iteration.
     max_iteration_tokens : int
         ``max(iteration_tokens)`` (0 without iterations).
+    iteration_cu_query_lens, iteration_cu_seq_lens : int32 [num_iterations, num_reqs + 1] or None
+        Only in a plan that shares prefixes (:mod:`mlaprefill.prefix`; None otherwise: every
+        iteration's attention runs the requests as sequences, ``cu_query_lens`` over
+        ``cu_seq_lens[i]``): the query and key (workspace row) offsets of iteration ``i``'s
+        attention sequences, the first ``iteration_num_seqs[i] + 1`` entries (the rest repeat
+        the totals: empty sequences). A sequence is a run of requests ``[a, b)``, queries
+        ``[cu_query_lens[a], cu_query_lens[b])``: a shared run over its rows (gathered at slot
+        ``a`` of ``chunk_starts`` / ``cu_seq_lens``, from request ``a``'s block table), or
+        requests without rows in that iteration.
+    iteration_num_seqs : tuple[int, ...]
+        Attention sequences of each iteration (``()`` without prefix sharing).
+    iteration_max_query_lens : tuple[int, ...]
+        Longest query run of each iteration's sequences (``()`` without prefix sharing:
+        ``max_query_len`` for every iteration).
     """
 
     policy: str
@@ -151,6 +178,10 @@ class ChunkPlan:
     iteration_tokens: tuple[int, ...]
     max_chunk_lens: tuple[int, ...]
     max_iteration_tokens: int
+    iteration_cu_query_lens: np.ndarray | None = None
+    iteration_cu_seq_lens: np.ndarray | None = None
+    iteration_num_seqs: tuple[int, ...] = ()
+    iteration_max_query_lens: tuple[int, ...] = ()
 
     @property
     def chunk_plan(self) -> ChunkPlan:
@@ -159,8 +190,30 @@ class ChunkPlan:
 
     @property
     def num_context_tokens(self) -> int:
-        """Total context tokens gathered over all iterations."""
+        """Total context tokens of the batch, ``sum(context_lens)``."""
+        return int(self.context_lens.sum())
+
+    @property
+    def num_gathered_rows(self) -> int:
+        """Latent rows the forward gathers and up-projects over all iterations
+        (``sum(iteration_tokens)``): ``num_context_tokens`` less the rows that prefix sharing
+        reads once for several requests."""
         return int(sum(self.iteration_tokens))
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether some iteration attends shared rows with several requests' queries."""
+        return self.iteration_cu_query_lens is not None
+
+    def iteration_sequences(self, i: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Iteration ``i``'s attention sequences: ``(cu_q [n + 1], cu_k [n + 1], n, longest
+        query run)`` (host int32 views; ``n = num_reqs`` without prefix sharing)."""
+        if self.iteration_cu_query_lens is None:
+            return (self.cu_query_lens, self.cu_seq_lens[i], self.num_reqs,
+                    self.max_query_len)
+        n = self.iteration_num_seqs[i]
+        return (self.iteration_cu_query_lens[i, :n + 1], self.iteration_cu_seq_lens[i, :n + 1],
+                n, self.iteration_max_query_lens[i])
 
     @property
     def token_to_seq(self) -> np.ndarray:
@@ -174,13 +227,18 @@ class ChunkPlan:
     def device_arrays(self, *, token_tables: bool = False) -> dict[str, np.ndarray]:
         """Ordered ``name -> int32 array`` that staging ships to the device.
 
-        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` -- O(num_iterations x
+        Keys: ``cu_query_lens, chunk_starts, chunk_lens, cu_seq_lens`` (and
+        ``iteration_cu_query_lens, iteration_cu_seq_lens`` in a plan that shares prefixes) --
+        O(num_iterations x
         num_reqs) integers, independent of the context length. With ``token_tables=True`` also
         ``token_to_seq`` (vLLM-shaped, 4 bytes per context token: what engines that build it on
         the host ship; the benchmarks use it as the baseline). The arrays are the plan's own
         (read-only) arrays, not copies; staging copies them.
         """
         out = {name: getattr(self, name) for name in _DEVICE_ARRAY_NAMES}
+        if self.iteration_cu_query_lens is not None:
+            out["iteration_cu_query_lens"] = self.iteration_cu_query_lens
+            out["iteration_cu_seq_lens"] = self.iteration_cu_seq_lens
         if token_tables:
             out["token_to_seq"] = self.token_to_seq
         return out
@@ -207,7 +265,13 @@ class ChunkPlan:
             "iteration_tokens": list(self.iteration_tokens),
             "max_chunk_lens": list(self.max_chunk_lens),
             "max_iteration_tokens": self.max_iteration_tokens,
+            "num_gathered_rows": self.num_gathered_rows,
         }
+        if self.iteration_cu_query_lens is not None:
+            out["iteration_cu_query_lens"] = self.iteration_cu_query_lens.tolist()
+            out["iteration_cu_seq_lens"] = self.iteration_cu_seq_lens.tolist()
+            out["iteration_num_seqs"] = list(self.iteration_num_seqs)
+            out["iteration_max_query_lens"] = list(self.iteration_max_query_lens)
         if token_tables:
             out["token_to_seq"] = self.token_to_seq.tolist()
         return out
@@ -262,11 +326,21 @@ class ChunkPlanner:
         ``batch.page_size``.
     policy : {"packed", "equal", "balanced"}
         See the module docstring.
+    share_prefixes : bool
+        Default True: when the batch carries a **host** block table (numpy or a CPU tensor:
+        the engine's CPU copy), rows that consecutive requests share (same leading block ids)
+        are gathered and up-projected once and attended by all their queries
+        (:mod:`mlaprefill.prefix`); ``plan.num_gathered_rows`` tells the saving. A block table on
+        a device is never read (no sharing). False plans every request's context on its own.
+    min_saved_rows : int
+        A shared run is planned apart only if it saves at least this many gathered rows
+        (``(requests - 1) * shared tokens``); default :data:`mlaprefill.prefix.MIN_SAVED_ROWS`.
     """
 
-    __slots__ = ("page_size", "policy", "workspace_tokens")
+    __slots__ = ("min_saved_rows", "page_size", "policy", "share_prefixes", "workspace_tokens")
 
-    def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed") -> None:
+    def __init__(self, workspace_tokens: int, page_size: int, policy: str = "packed", *,
+                 share_prefixes: bool = True, min_saved_rows: int = MIN_SAVED_ROWS) -> None:
         self.workspace_tokens = _check_positive_int("workspace_tokens", workspace_tokens)
         self.page_size = _check_positive_int("page_size", page_size)
         if policy not in POLICIES:
@@ -274,6 +348,15 @@ class ChunkPlanner:
                 f"ChunkPlanner.policy must be one of {list(POLICIES)}, got {policy!r}."
             )
         self.policy = policy
+        if not isinstance(share_prefixes, bool):
+            raise TypeError(f"ChunkPlanner.share_prefixes must be a bool, got "
+                            f"{type(share_prefixes).__name__}")
+        self.share_prefixes = share_prefixes
+        if (isinstance(min_saved_rows, bool) or not isinstance(min_saved_rows, int | np.integer)
+                or min_saved_rows < 0):
+            raise ValueError(f"ChunkPlanner.min_saved_rows must be an int >= 0, got "
+                             f"{min_saved_rows!r}")
+        self.min_saved_rows = int(min_saved_rows)
         if self.workspace_tokens < self.page_size:
             raise ValueError(
                 f"ChunkPlanner.workspace_tokens={self.workspace_tokens} is smaller than one page "
@@ -282,7 +365,8 @@ class ChunkPlanner:
 
     def __repr__(self) -> str:
         return (f"ChunkPlanner(workspace_tokens={self.workspace_tokens}, "
-                f"page_size={self.page_size}, policy={self.policy!r})")
+                f"page_size={self.page_size}, policy={self.policy!r}, "
+                f"share_prefixes={self.share_prefixes})")
 
     def plan(self, batch: PrefillBatch) -> ChunkPlan:
         """Plan ``batch``; returns a :class:`ChunkPlan` (host numpy only, never synchronizes).
@@ -306,12 +390,73 @@ class ChunkPlanner:
                 f"page_size={self.page_size}; build the planner with the cache's page size."
             )
         ctx = batch.context_lens
+        if self.share_prefixes and ctx.shape[0] > 1:
+            table = host_block_table(batch.block_table)
+            if table is not None:
+                shared = neighbour_shared_tokens(table, ctx, self.page_size)
+                if shared.any():
+                    tree = shared_tree(shared, ctx, min_saved_rows=self.min_saved_rows)
+                    if tree.shares:  # else every run saved too little: the plain plan
+                        return self._plan_shared(batch, tree)
+        return self._assemble(batch, *self._pieces(ctx))
+
+    def _plan_shared(self, batch: PrefillBatch, tree: SharedTree) -> ChunkPlan:
+        """Each depth of the shared tree planned as a batch of its own, iterations concatenated.
+
+        A node's rows sit at slot ``tree.first`` of ``chunk_starts`` / ``chunk_lens`` (its
+        pieces read that request's block table, offset by ``tree.lo``). The attention of each
+        iteration runs over *sequences* that are request runs: a node with rows there is one
+        sequence, the queries of requests ``[first, end)`` over its rows; the requests between
+        such runs form keyless sequences (their queries must belong to some sequence); so an
+        iteration of one shared run has 1-3 sequences, not ``num_reqs`` (an attention grid of
+        ``num_reqs`` sequences would launch programs for every empty one). Loops over depths
+        (a handful), never over requests.
+        """
+        r = batch.num_reqs
+        cu_q = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(batch.query_lens, out=cu_q[1:])
+        total_q = int(cu_q[-1])
+        col = np.arange(r + 1)
+        parts: list[tuple[np.ndarray, ...]] = []
+        for d in range(tree.num_levels):
+            at = tree.depth == d
+            first, end, lo = tree.first[at], tree.end[at], tree.lo[at]
+            # The policy plans the depth's nodes alone (a batch of len(first) contexts), then
+            # their pieces go to the nodes' slots.
+            node_starts, node_lens = self._pieces(tree.hi[at] - lo)                # [K_d, N]
+            k = node_lens.shape[0]
+            starts = np.zeros((k, r), dtype=np.int64)
+            lens = np.zeros((k, r), dtype=np.int64)
+            starts[:, first] = node_starts + lo
+            lens[:, first] = node_lens
+            # Sequence boundaries (request indices) of each iteration: 0, R, and both ends of
+            # every run with rows in it.
+            has = node_lens > 0
+            mark = np.zeros((k, r + 1), dtype=bool)
+            mark[:, [0, r]] = True
+            mark[:, first] |= has
+            mark[:, end] |= has
+            parts.append((starts, lens, mark))
+        starts, lens, mark = (np.concatenate(p) for p in zip(*parts, strict=True))
+        # Every iteration at once: the boundaries in order (a stable argsort of the marks), the
+        # sequences' query and workspace-row offsets, empty sequences past the last.
+        order = np.argsort(~mark, axis=1, kind="stable")                            # [K, R+1]
+        num_seqs = mark.sum(axis=1) - 1                                              # [K]
+        past = col[None, :] > num_seqs[:, None]
+        cu_k = np.zeros((lens.shape[0], r + 1), dtype=np.int64)
+        np.cumsum(lens, axis=1, out=cu_k[:, 1:])
+        seq_q = np.where(past, total_q, cu_q[order])
+        seq_k = np.where(past, cu_k[:, -1:], np.take_along_axis(cu_k, order, axis=1))
+        return self._assemble(batch, starts, lens, (seq_q, seq_k, num_seqs))
+
+    def _pieces(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The policy's pieces of contexts ``ctx`` int64 [R]: (starts, lens), int [K, R]."""
         w = self.workspace_tokens
         r = ctx.shape[0]
         max_ctx = int(ctx.max())
         if max_ctx == 0:
             empty = np.zeros((0, r), np.int32)
-            return self._assemble(batch, empty, empty)
+            return empty, empty
         if self.policy == "equal":
             chunk = equal_chunk_size(ctx, w, self.page_size)
             if chunk == 0:
@@ -321,27 +466,27 @@ class ChunkPlanner:
                     f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
                     f"workspace_tokens or lower concurrency."
                 )
-            return self._strided(batch, chunk, -(-max_ctx // chunk))
+            return self._strided(ctx, chunk, -(-max_ctx // chunk))
         if self.policy == "balanced":
             chunks = self._balanced_chunks(ctx)
             if chunks is not None:
                 num_chunks = int((-(-ctx // np.maximum(chunks, 1))).max())
-                return self._strided(batch, chunks, num_chunks)
+                return self._strided(ctx, chunks, num_chunks)
         end = np.cumsum(ctx)
         total = int(end[-1])
         if total <= w:  # everything fits one iteration: each request is one whole piece
-            return self._assemble(batch, np.zeros((1, r), np.int64), ctx.reshape(1, r))
+            return np.zeros((1, r), np.int64), ctx.reshape(1, r)
         cuts = self._stream_cuts(end, ctx, total)
         k = cuts.shape[0] - 1
         if r == 1:
             starts = cuts[:-1].reshape(k, 1)
-            return self._assemble(batch, starts, cuts[1:].reshape(k, 1) - starts)
+            return starts, cuts[1:].reshape(k, 1) - starts
         # Piece of request r in iteration i: the stream segment [cuts[i], cuts[i+1]) clipped to
         # the request's stream range [begin_r, end_r).
         begin = end - ctx
         lo = np.clip(cuts[:-1, None], begin, end)  # [K, R]
         hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
-        return self._assemble(batch, lo - begin, hi - lo)
+        return lo - begin, hi - lo
 
     def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int) -> np.ndarray:
         """Greedy furthest-reach cut positions in the context stream, int64 [K + 1].
@@ -407,19 +552,29 @@ class ChunkPlanner:
         per = -(-ctx // lo)  # ceil(ctx / K)
         return -(-per // ps) * ps  # rounded up to a page
 
-    def _strided(self, batch: PrefillBatch, chunk: int | np.ndarray,
-               num_chunks: int) -> ChunkPlan:
+    def _strided(self, ctx: np.ndarray, chunk: int | np.ndarray,
+                 num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``i`` advances by ``chunk`` (an int, or int64 [R] per request) each iteration."""
-        ctx = batch.context_lens
         starts = np.empty((num_chunks, ctx.shape[0]), dtype=np.int64)                # [K, R]
         # (np.clip / np.broadcast_to cost microseconds of Python wrapper each; a small plan is
         # a handful of ufunc calls, so they are avoided on this hot path)
         starts[:] = np.arange(num_chunks, dtype=np.int64)[:, None] * chunk
         lens = np.minimum(np.maximum(ctx - starts, 0), chunk)                       # [K, R]
-        return self._assemble(batch, starts, lens)
+        return starts, lens
 
-    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray) -> ChunkPlan:
+    def _assemble(self, batch: PrefillBatch, starts: np.ndarray, lens: np.ndarray,
+                  sequences: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                  ) -> ChunkPlan:
         k, r = lens.shape
+        shared: dict[str, Any] = {}
+        if sequences is not None:  # prefix sharing: the attention's sequences per iteration
+            seq_q, seq_k, num_seqs = sequences
+            shared = {
+                "iteration_cu_query_lens": _readonly(seq_q.astype(np.int32)),
+                "iteration_cu_seq_lens": _readonly(seq_k.astype(np.int32)),
+                "iteration_num_seqs": tuple(num_seqs.tolist()),
+                "iteration_max_query_lens": tuple(
+                    np.maximum.reduce(np.diff(seq_q, axis=1), axis=1).tolist())}
         # np.add.accumulate, not np.cumsum: the same prefix sum without ~3 us of Python wrapper
         # per call (a small plan is a handful of microsecond-scale numpy calls)
         cu_seq = np.zeros((k, r + 1), dtype=np.int32)
@@ -448,4 +603,5 @@ class ChunkPlanner:
             iteration_tokens=iteration_tokens,
             max_chunk_lens=tuple(np.maximum.reduce(lens, axis=1).tolist()) if k else (),
             max_iteration_tokens=max_tokens,
+            **shared,
         )

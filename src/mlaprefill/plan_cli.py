@@ -4,6 +4,8 @@ Examples::
 
     mlaprefill plan --context-lens 80000,1000 --query-lens 4096,512
     mlaprefill plan --context-lens 80000,1000 --query-lens 4096,512 --policy equal --json
+    mlaprefill plan --context-lens 16384,16384,9000 --query-lens 256,256,256 \
+        --shared-with-next 16384,8192             # prefix sharing: rows gathered once
     mlaprefill plan --batches batches.jsonl      # one {"context_lens": [...], "query_lens": [...]}
                                                  # per line -> one JSON plan per line, in order
 
@@ -69,6 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --policy auto: the attention backend whose preferred policy to use "
                         "(default auto: the backend picked on this machine, bf16 on CUDA, fp32 "
                         "on CPU)")
+    p.add_argument("--shared-with-next", metavar="N,N,...",
+                   help="prefix sharing: leading context tokens request r shares with request "
+                        "r+1 (num_reqs - 1 entries; whole pages are shared: ceil(N / page_size) "
+                        "pages, capped by both contexts); the plan gathers shared rows once "
+                        "(gathered_rows)")
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON (compact: O(iterations x requests) entries)")
     p.add_argument("--token-tables", action="store_true",
@@ -101,12 +108,16 @@ def _parse_list(flag: str, text: str | None) -> list[int]:
 def format_plan(plan: ChunkPlan) -> str:
     """Human-readable summary: one header line, then one table row per iteration."""
     total = plan.num_context_tokens
-    lower = -(-total // plan.workspace_tokens)
+    gathered = plan.num_gathered_rows
+    lower = -(-gathered // plan.workspace_tokens)
     lines = [
         f"policy={plan.policy} workspace_tokens={plan.workspace_tokens} "
         f"page_size={plan.page_size} requests={plan.num_reqs} "
-        f"query_tokens={plan.num_query_tokens} context_tokens={total}",
-        f"iterations={plan.num_iterations} (lower bound ceil(context/W) = {lower})",
+        f"query_tokens={plan.num_query_tokens} context_tokens={total} "
+        f"gathered_rows={gathered}" + (f" ({100 * gathered / total:.1f}%: prefix sharing)"
+                                       if plan.shares_prefixes else ""),
+        f"iterations={plan.num_iterations} (lower bound "
+        f"ceil({'gathered' if plan.shares_prefixes else 'context'}/W) = {lower})",
     ]
     if plan.num_iterations == 0:
         lines.append("no context: nothing to gather")
@@ -116,8 +127,14 @@ def format_plan(plan: ChunkPlan) -> str:
     for i in range(plan.num_iterations):
         lens = plan.chunk_lens[i]
         reqs = lens.nonzero()[0]
-        pieces = [f"{r}:[{plan.chunk_starts[i, r]},{plan.chunk_starts[i, r] + lens[r]})"
-                  for r in reqs[:_MAX_PIECES_SHOWN]]
+        seq_q, seq_k = plan.iteration_sequences(i)[:2]
+        # a shared piece: the requests whose queries its sequence spans ("0-31:")
+        seq = np.searchsorted(seq_k, plan.cu_seq_lens[i, reqs], side="right") - 1
+        last = np.searchsorted(plan.cu_query_lens, seq_q[seq + 1]) - 1
+        who = [f"{r}" if b == r else f"{r}-{b}"
+               for r, b in zip(reqs[:_MAX_PIECES_SHOWN], last, strict=False)]
+        pieces = [f"{w}:[{plan.chunk_starts[i, r]},{plan.chunk_starts[i, r] + lens[r]})"
+                  for w, r in zip(who, reqs[:_MAX_PIECES_SHOWN], strict=True)]
         if len(reqs) > _MAX_PIECES_SHOWN:
             pieces.append(f"... +{len(reqs) - _MAX_PIECES_SHOWN} more")
         tokens = plan.iteration_tokens[i]
@@ -201,6 +218,27 @@ def _batch_from_json_line(line: str, page_size: int) -> PrefillBatch:
     return PrefillBatch(obj["query_lens"], obj["context_lens"], page_size=page_size)
 
 
+def _shared_block_table(context_lens: list[int], shared: list[int],
+                        page_size: int) -> np.ndarray:
+    """int32 [R, max_pages]: request r+1's first ``ceil(shared[r] / page_size)`` pages are request
+    r's, every other page its own."""
+    if len(shared) != len(context_lens) - 1:
+        raise _InputError(f"--shared-with-next needs num_reqs - 1 = {len(context_lens) - 1} "
+                          f"entries (request r with r+1), got {len(shared)}")
+    if any(s < 0 for s in shared):
+        raise _InputError(f"--shared-with-next entries must be >= 0, got {shared}")
+    pages = -(-np.asarray(context_lens, dtype=np.int64) // page_size)
+    width = max(int(pages.max(initial=0)), 1)
+    if width * len(context_lens) > 2**26:
+        raise _InputError(f"--shared-with-next: a block table of {len(context_lens)} x {width} "
+                          f"pages is too large to build here; raise --page-size")
+    ids = np.arange(width * len(context_lens), dtype=np.int32).reshape(-1, width)
+    for r, s in enumerate(shared):  # a loop over requests: the table is the CLI's own input
+        n = min(-(-s // page_size), int(pages[r]), int(pages[r + 1]))
+        ids[r + 1, :n] = ids[r, :n]
+    return ids
+
+
 def _error(message: str) -> int:
     print(f"mlaprefill plan: error: {message}", file=sys.stderr)
     return 2
@@ -263,7 +301,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         context_lens = _parse_list("--context-lens", args.context_lens)
         query_lens = _parse_list("--query-lens", args.query_lens)
-        batch = PrefillBatch(query_lens, context_lens, page_size=args.page_size)
+        table = None
+        if args.shared_with_next is not None:
+            table = _shared_block_table(
+                context_lens, _parse_list("--shared-with-next", args.shared_with_next),
+                args.page_size)
+        batch = PrefillBatch(query_lens, context_lens, page_size=args.page_size,
+                             block_table=table)
         plan = _plan_checked(planner, batch, args.max_iterations)
     except ValueError as exc:
         return _error(str(exc))

@@ -277,7 +277,6 @@ class MLAChunkedPrefill:
 
         # (a) new tokens over themselves, causal: the running (out, lse).
         cu_q_host = plan.cu_query_lens
-        cu_k_host = plan.cu_seq_lens  # host ints for per-sequence backends
         new_seqs = VarlenSeqs(cu_q, cu_q, plan.max_query_len, plan.max_query_len,
                               seq_ids_q=seq_ids_q, cu_seqlens_q_host=cu_q_host,
                               cu_seqlens_k_host=cu_q_host)
@@ -312,13 +311,25 @@ class MLAChunkedPrefill:
         workspace = torch.empty(max_rows, rank + rope, dtype=dtype, device=device)
         kv_buf = torch.empty(self.upproj.kv_numel(max_rows, qk, v_padded), dtype=dtype,
                              device=device)
+        # Prefix sharing: each iteration's attention has its own sequences (a shared run's
+        # spans the queries of every request under it; mlaprefill.prefix); the gather is as ever.
+        seq_q_dev = tensors.get("iteration_cu_query_lens")
+        seq_k_dev = tensors.get("iteration_cu_seq_lens")
         for i in range(plan.num_iterations):
             num_rows = plan.iteration_tokens[i]
             if not num_rows:
                 continue
-            seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], plan.max_query_len,
-                                plan.max_chunk_lens[i], seq_ids_q=seq_ids_q,
-                                cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+            seq_q, seq_k, n, max_q_i = plan.iteration_sequences(i)
+            if seq_q_dev is None:
+                seqs_i = VarlenSeqs(cu_q, cu_seq_lens[i], max_q_i, plan.max_chunk_lens[i],
+                                    seq_ids_q=seq_ids_q, cu_seqlens_q_host=seq_q,
+                                    cu_seqlens_k_host=seq_k)
+            else:
+                cu_q_i = seq_q_dev[i, :n + 1]
+                seqs_i = VarlenSeqs(
+                    cu_q_i, seq_k_dev[i, :n + 1], max_q_i, plan.max_chunk_lens[i],
+                    seq_ids_q=seq_ids_from_cu(cu_q_i, num_tokens) if backend.needs_seq_ids
+                    else None, cu_seqlens_q_host=seq_q, cu_seqlens_k_host=seq_k)
             joined = backend.wants_joined_keys(seqs_i, h, False)
             if context_source is None:
                 rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],

@@ -38,35 +38,40 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
     first sight, the same launches run eagerly); see :class:`_ArenaReplay`. The result is
     written into ``out`` / ``lse`` (copied, unless they are the arena's own: ``io_buffers``)."""
     backend, h, plan = op.backend, op.num_heads, device_plan.chunk_plan
-    cu_q_host, cu_k_host = plan.cu_query_lens, plan.cu_seq_lens
-    # (i, row bucket, host offsets of joined keys or None) of every iteration with rows
+    cu_q_host = plan.cu_query_lens
+    # (i, row bucket, host offsets of joined keys or None, (attention sequences bucket, query
+    # bucket)) of every iteration with rows; the last differs per iteration only in a plan
+    # that shares prefixes (its attention runs over request runs: ChunkPlan.iteration_sequences)
     units = []
     for i, num_rows in enumerate(plan.iteration_tokens):
         if num_rows:
-            host = VarlenSeqs(None, None, plan.max_query_len, plan.max_chunk_lens[i],
-                              cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_k_host[i])
+            seq_q, seq_k, n, max_q_i = plan.iteration_sequences(i)
+            host = VarlenSeqs(None, None, max_q_i, plan.max_chunk_lens[i],
+                              cu_seqlens_q_host=seq_q, cu_seqlens_k_host=seq_k)
             joined = host if backend.wants_joined_keys(host, h, False) else None
-            units.append((i, row_bucket(num_rows), joined))
+            units.append((i, row_bucket(num_rows), joined,
+                          (pow2_at_least(n), pow2_at_least(max_q_i, MIN_QUERY_BUCKET))))
     new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
                      cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
     tokens = row_bucket(plan.num_query_tokens)
     replay = _ArenaReplay(op, q, kv_c_new, k_pe_new, kv_cache, cache_spec, block_table,
                           device_plan, rope, scale, tokens,
-                          max([tokens, *(rows for _, rows, _ in units)]))
+                          max([tokens, *(unit[1] for unit in units)]))
     replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
     k = 0
     while k < len(units):  # a run of consecutive split-key iterations: one launch
-        i, rows, joined = units[k]
+        i, rows, joined, grid = units[k]
         if joined is not None:  # cuDNN rectangles: sized on the host, one iteration
-            replay.run(i, rows, 1, joined)
+            replay.run(i, rows, 1, joined, grid=grid)
             k += 1
             continue
-        run = 1  # of one row bucket
+        run = 1  # of one row bucket (and one query bucket)
         while (k + run < len(units) and units[k + run][0] == i + run
-               and units[k + run][2] is None and units[k + run][1] == rows):
+               and units[k + run][2] is None and units[k + run][1] == rows
+               and units[k + run][3] == grid):
             run += 1
         run = 1 << (run.bit_length() - 1)  # a power of two: few keys
-        replay.run(i, rows, run)
+        replay.run(i, rows, run, grid=grid)
         k += run
     return replay.result(lse_dtype, return_lse, out, lse)
 
@@ -125,33 +130,42 @@ class _PaddedIteration:
     ``rows``: the iterations' row bucket (the gather's and ``torch.mm``'s size). ``host``
     (joined keys, ``count`` 1): the iteration's host offsets ``(cu_q, cu_k)``,
     from which the backend places its cuDNN rectangles (part of the key: ``launch_key``).
+    ``att_seqs`` (a plan that shares prefixes): the attention runs over ``att_seqs`` sequences
+    (a bucket) whose offsets are the arena's per-iteration ``seq_q`` / ``seq_k`` rows
+    ``counter`` (``ChunkPlan.iteration_sequences``), not ``cu_q`` and the gather's offsets.
     """
 
     __slots__ = ("arena", "cache_kwargs", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor,
                  cache_spec: KVCacheSpec, seqs: int, max_q: int, rows: int, count: int,
-                 rope: int, scale: float, host: tuple[Any, Any] | None) -> None:
+                 rope: int, scale: float, host: tuple[Any, Any] | None, *,
+                 att_seqs: int = 0) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
         self.cache_kwargs = cache_spec.gather_kwargs()
-        self.launch = (seqs, max_q, rows, count, rope, scale)
+        self.launch = (seqs, max_q, rows, count, rope, scale, att_seqs)
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
-        seqs, max_q, rows, count, rope, scale = self.launch
+        seqs, max_q, rows, count, rope, scale, att_seqs = self.launch
         joined = self.host is not None
         rank, v_padded = op.kv_lora_rank, op.backend.needs_v_padded
         cq, ck = self.host if joined else (None, None)
         for _ in range(count):
             cu = arena.cu_k[:, :seqs + 1].index_select(0, arena.counter)[0]
             starts = arena.starts[:, :seqs].index_select(0, arena.counter)[0]
+            if att_seqs:
+                cu_q = arena.seq_q[:, :att_seqs + 1].index_select(0, arena.counter)[0]
+                cu_att = arena.seq_k[:, :att_seqs + 1].index_select(0, arena.counter)[0]
+            else:
+                cu_q, cu_att = arena.cu_q[:seqs + 1], cu
             latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
                                          arena.workspace, rows, use_kernel=True,
                                          **self.cache_kwargs)
             k_i, v_i = op.upproj.project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
                                          rope, joined=joined, v_padded=v_padded)
             op.backend.attend_and_merge(arena.q, k_i, v_i,
-                                        VarlenSeqs(arena.cu_q[:seqs + 1], cu, max_q, rows,
+                                        VarlenSeqs(cu_q, cu_att, max_q, rows,
                                                    cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
                                         arena.out, arena.lse, causal=False, softmax_scale=scale,
                                         k_rope=None if joined else latent[:, rank:])
@@ -179,6 +193,10 @@ class _ArenaReplay:
     ``lse``, or new tensors), unless the caller's are the arena's own. On a device without CUDA
     graphs the padded launches always run eagerly.
     """
+
+    #: The plan shares prefixes: iterations' attention reads its own sequences (``arena.seq_q``,
+    #: ``arena.seq_k``).
+    shared_plan = False
 
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
                  k_pe_new: torch.Tensor, kv_cache: torch.Tensor, cache_spec: KVCacheSpec,
@@ -216,6 +234,14 @@ class _ArenaReplay:
                 arena.cu_k[:num_iters, num_seqs + 1:].copy_(
                     cu_k[:, num_seqs:].expand(num_iters, cap - num_seqs))
             arena.starts[:num_iters, :num_seqs].copy_(starts)
+            if plan.shares_prefixes:  # padded as cu_q / cu_k: empty sequences at the end
+                seq_k = staged["iteration_cu_seq_lens"]
+                arena.seq_q[:num_iters, :num_seqs + 1].copy_(staged["iteration_cu_query_lens"])
+                arena.seq_k[:num_iters, :num_seqs + 1].copy_(seq_k)
+                if cap > num_seqs:
+                    arena.seq_q[:num_iters, num_seqs + 1:].fill_(num_tokens)
+                    arena.seq_k[:num_iters, num_seqs + 1:].copy_(
+                        seq_k[:, num_seqs:].expand(num_iters, cap - num_seqs))
         # A caller's block table may have changed since; a DevicePlan's tensors do not.
         staged_table = any(t is block_table for t in staged.values())
         if not staged_table or arena.table_from is not device_plan:
@@ -226,6 +252,7 @@ class _ArenaReplay:
         self.num_tokens = num_tokens
         self.kv_cache, self.cache_spec = kv_cache, cache_spec
         self.launch = (seqs, max_q, rope, scale)
+        self.shared_plan = plan.shares_prefixes
         self.key = (seqs, max_q, rope, scale, op.backend.name, kv_cache.data_ptr(),
                     tuple(kv_cache.shape), tuple(kv_cache.stride()), kv_cache.dtype,
                     cache_spec.key)
@@ -241,20 +268,30 @@ class _ArenaReplay:
         self._launch(key, lambda: _NewTokens(op, self.arena, seqs, max_q, tokens, rope, scale,
                                              host), stand_in=joined is None)
 
-    def run(self, i: int, rows: int, count: int = 1, joined: VarlenSeqs | None = None) -> None:
+    def run(self, i: int, rows: int, count: int = 1, joined: VarlenSeqs | None = None, *,
+            grid: tuple[int, int] | None = None) -> None:
         """Iterations ``i .. i + count - 1`` of split keys padded to ``rows`` rows each; or
         iteration ``i`` with ``joined``, its VarlenSeqs (with the plan's host offsets), when the
-        backend wants joined keys for it."""
+        backend wants joined keys for it. ``grid``: the iterations' attention (sequences,
+        queries) buckets, in a plan that shares prefixes (default the new tokens')."""
         arena, op = self.arena, self.op
         seqs, max_q, rope, scale = self.launch
-        key = (*self.key, rows, count) if joined is None else (
-            *self.key, rows, count, "joined", op.backend.launch_key(joined, op.num_heads, False))
+        att_seqs = 0
+        base = self.key
+        if self.shared_plan and grid is not None:
+            att_seqs, max_q = grid
+            # the attention's buckets lead (stand-ins compare them); the gather's seqs stay
+            base = (att_seqs, max_q, *self.key[2:], ("shared", seqs))
+        key = (*base, rows, count) if joined is None else (
+            *base, rows, count, "joined", op.backend.launch_key(joined, op.num_heads, False))
         host = None if joined is None else (joined.cu_seqlens_q_host, joined.cu_seqlens_k_host)
         if arena.next != i:
             arena.counter.fill_(i)
         arena.next = -1  # unknown, should the launches below raise
+        extra = {"att_seqs": att_seqs} if att_seqs else {}  # (the plain launch as it was)
         self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, self.cache_spec,
-                                                   seqs, max_q, rows, count, rope, scale, host),
+                                                   seqs, max_q, rows, count, rope, scale, host,
+                                                   **extra),
                      stand_in=joined is None)
         arena.next = i + count  # each iteration added one to the counter
 

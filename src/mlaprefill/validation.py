@@ -80,6 +80,8 @@ def check_device_plan(device_plan: Any) -> ChunkPlan:
               "iteration_tokens", "max_chunk_lens", "max_query_len", "cu_query_lens")
     chunk_plan = getattr(device_plan.plan, "chunk_plan", None)
     missing += [f"plan.chunk_plan.{n}" for n in needed if not hasattr(chunk_plan, n)]
+    if getattr(chunk_plan, "iteration_cu_query_lens", None) is not None:
+        missing += [n for n in _SHARED_PLAN_TENSORS if n not in device_plan.tensors]
     if missing:
         raise ValueError(f"device_plan lacks {missing}; pass StagingRing(device).upload(plan) "
                          f"of a ChunkPlanner plan")
@@ -121,13 +123,19 @@ def check_device_plan_matches(device_plan: Any) -> None:
 
 
 _PLAN_TENSORS = ("cu_query_lens", "chunk_starts", "cu_seq_lens")
+#: What the forward reads besides in a plan that shares prefixes (ChunkPlan.shares_prefixes).
+_SHARED_PLAN_TENSORS = ("iteration_cu_query_lens", "iteration_cu_seq_lens")
 
 
 def plan_tensors(plan: Any, device_plan: Any = None) -> dict[str, torch.Tensor]:
-    """The device tensors of a DevicePlan the forward reads (validation helper)."""
+    """The device tensors of a DevicePlan the forward reads (validation helper); with
+    ``iteration_cu_query_lens`` when the plan shares prefixes."""
     if device_plan is None:
         return {}
-    return {name: device_plan.tensors[name] for name in _PLAN_TENSORS}
+    names = _PLAN_TENSORS
+    if getattr(plan, "iteration_cu_query_lens", None) is not None:
+        names = (*names, *_SHARED_PLAN_TENSORS)
+    return {name: device_plan.tensors[name] for name in names}
 
 
 def infer_head_dims(q: torch.Tensor, k_pe_new: torch.Tensor, kv_b_proj_weight: torch.Tensor,

@@ -112,6 +112,18 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
                                  "prompt_len_spread": 0.9}),
         variants=("pageable+equal+vllm", "ring+equal", "ring+packed", "ring+balanced",
                   "ring+balanced@mlaprefill", "ring+balanced@fa2")),
+    "shared-prefix": Scenario(
+        note="prefix caching: 64 requests over one 16 Ki-token system prompt, 4 contiguous "
+             "groups also over a 4 Ki-token document, unique tails of 256-1792 tokens; 32 "
+             "running, fair 8192-token steps: contexts share leading blocks, planned with and "
+             "without prefix sharing (+noshare)",
+        engine=MappingProxyType({**_V3_TP8, "num_layers": 2, "workspace_tokens": 65536,
+                                 "share": "fair", "num_requests": 64, "max_concurrent": 32,
+                                 "token_budget": 8192, "prompt_len": 1024,
+                                 "prompt_len_spread": 0.75, "shared_prefix_len": 16384,
+                                 "doc_groups": 4, "doc_len": 4096}),
+        variants=("ring+balanced", "ring+balanced+noshare", "ring+balanced@mlaprefill",
+                  "ring+balanced+noshare@mlaprefill")),
     "cpu-tiny": Scenario(
         note="tiny CPU configuration (every transfer mode is a plain CPU copy here)",
         engine=MappingProxyType({
@@ -129,6 +141,7 @@ _ENGINE_OPTS: Mapping[str, str] = MappingProxyType({
     "concurrency": "max_concurrent", "token_budget": "token_budget",
     "workspace": "workspace_tokens", "page_size": "page_size", "share": "share",
     "num_blocks": "num_blocks", "seed": "seed", "backend": "backend", "dtype": "dtype",
+    "shared_prefix_len": "shared_prefix_len", "doc_groups": "doc_groups", "doc_len": "doc_len",
     "device": "device",
 })
 
@@ -163,12 +176,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--share", choices=("fcfs", "fair"),
                    help="how running prefills share the step budget")
     p.add_argument("--num-blocks", type=int, help="cache pages (default: concurrency prompts)")
+    p.add_argument("--shared-prefix-len", type=int,
+                   help="prefix caching: system-prompt tokens every prompt starts with, cached "
+                        "before the run (a page multiple; --prompt-len is then the unique tail)")
+    p.add_argument("--doc-groups", type=int,
+                   help="prefix caching: contiguous groups of requests whose prompts continue "
+                        "with a shared cached document of --doc-len tokens")
+    p.add_argument("--doc-len", type=int, help="tokens of each group's document (page multiple)")
     from mlaprefill.bench.report import MIN_MEASURED_STEPS, TABLE_WIDTH
     from mlaprefill.bench.runner import DEFAULT_VARIANTS
     p.add_argument("--variants",
-                   help="comma list of TRANSFER+POLICY[+vllm][@BACKEND[+graphs]]: "
+                   help="comma list of TRANSFER+POLICY[+vllm][+noshare][@BACKEND[+graphs]]: "
                         "TRANSFER pageable|pin|ring, POLICY equal|packed|balanced, '+vllm' "
                         "also ships vLLM's per-token token_to_seq (the pre-fix metadata layout), "
+                        "'+noshare' plans without prefix sharing, "
                         "'@BACKEND' another attention backend than --backend (e.g. "
                         "ring+balanced@fa2), '+graphs' with CUDA graphs and their I/O buffers "
                         "(e.g. ring+balanced@mlaprefill+graphs); "

@@ -13,7 +13,13 @@ import numpy as np
 
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.bench.cache import BlockAllocator
-from mlaprefill.bench.engine import EngineConfig, default_num_blocks, workload
+from mlaprefill.bench.engine import (
+    EngineConfig,
+    allocate_prefix_pages,
+    default_num_blocks,
+    prefix_lens,
+    workload,
+)
 from mlaprefill.bench.metrics import percentile
 from mlaprefill.bench.scheduler import Request, Scheduler, SchedulerConfig
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
@@ -26,9 +32,11 @@ __all__ = ["STALL_THRESHOLD_BYTES", "metadata_profile", "scenario_steps"]
 STALL_THRESHOLD_BYTES = 2120 * 2**10
 
 
-def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
+def metadata_profile(config: EngineConfig, policy: str, *,
+                     share_prefixes: bool = True) -> dict[str, Any]:
     """Schedule and plan the whole workload of ``config`` (all requests at once; each finishes
-    as soon as its last token is scheduled).
+    as soon as its last token is scheduled), with prefix sharing or not (``ChunkPlanner``'s
+    ``share_prefixes``).
 
     Returns
     -------
@@ -41,7 +49,8 @@ def metadata_profile(config: EngineConfig, policy: str) -> dict[str, Any]:
     vLLM-shaped tables (``steps_over_threshold_fraction``) and compact ones
     (``compact_steps_over_threshold_fraction``).
     """
-    planner = ChunkPlanner(config.workspace_tokens, config.page_size, policy=policy)
+    planner = ChunkPlanner(config.workspace_tokens, config.page_size, policy=policy,
+                           share_prefixes=share_prefixes)
     meta, plan_b, t2s, iters, largest, largest_vllm = [], [], [], [], [], []
     for batch, arrays in scenario_steps(config):
         plan = planner.plan(batch)
@@ -81,12 +90,17 @@ def scenario_steps(config: EngineConfig) -> Iterator[tuple[PrefillBatch, dict[st
     (token ids are zeros: only the shapes matter here)."""
     cfg = config
     prompt_lens, _ = workload(cfg)
+    allocator = BlockAllocator(default_num_blocks(cfg, prompt_lens))
     sched = Scheduler(SchedulerConfig(token_budget=cfg.token_budget,
                                       max_concurrent=cfg.max_concurrent,
-                                      page_size=cfg.page_size, share=cfg.share),
-                      BlockAllocator(default_num_blocks(cfg, prompt_lens)))
+                                      page_size=cfg.page_size, share=cfg.share), allocator)
+    # prefix caching: the engine's cached prefix pages (prefilled before a run)
+    pages = allocate_prefix_pages(cfg, allocator)
+    group, cached = prefix_lens(cfg)
     for r in range(cfg.num_requests):
-        sched.add(Request(r, int(prompt_lens[r])))
+        prefix = pages[int(group[r])]
+        sched.add(Request(r, int(prompt_lens[r]), num_scheduled=int(cached[r]),
+                          prefix_blocks=prefix if prefix.size else None))
     offsets = np.zeros(cfg.num_requests + 1, dtype=np.int64)
     np.cumsum(prompt_lens, out=offsets[1:])
     # Token ids only fill the engine arrays (sizes are what is measured): a zero-stride view
@@ -98,7 +112,8 @@ def scenario_steps(config: EngineConfig) -> Iterator[tuple[PrefillBatch, dict[st
             break
         arrays = build_engine_arrays(step, prompt_tokens=tokens, prompt_offsets=offsets,
                                      page_size=cfg.page_size)
-        yield PrefillBatch(step.query_lens, step.context_lens, page_size=cfg.page_size), arrays
+        yield PrefillBatch(step.query_lens, step.context_lens, page_size=cfg.page_size,
+                           block_table=step.block_table), arrays
         for rid in step.req_ids[step.finishing].tolist():
             sched.finish(rid)
 

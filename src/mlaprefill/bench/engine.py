@@ -14,6 +14,13 @@ the device runs step N). Finished requests are observed by ``event.query()`` on 
 and read from the pinned token buffer; ``event.synchronize()`` is called only for that
 back-pressure, or when nothing can be scheduled until a request finishes. In ``pageable`` mode the
 upload of step N+1 may block inside the copy until step N has finished: that is the bug measured.
+
+Prefix caching (``EngineConfig.shared_prefix_len``, ``doc_groups``): every prompt starts with one
+system prompt, some continue with one of a few documents, then a unique tail. Before each run
+(untimed) the engine prefills the system prompt and each document once into pages of their own
+(an earlier request's prefix cache); requests are admitted with those pages as the first entries
+of their block table and prefill only the rest, so the steps' contexts share leading blocks and
+the planner (``Variant.share_prefixes``) gathers and up-projects the shared rows once.
 """
 
 from __future__ import annotations
@@ -33,13 +40,20 @@ from mlaprefill.batch import PrefillBatch
 from mlaprefill.bench.cache import KV_CACHE_DTYPES, BlockAllocator, PagedLatentCache
 from mlaprefill.bench.metrics import RunResult, StepRecord
 from mlaprefill.bench.model import BenchModel, model_dims
-from mlaprefill.bench.scheduler import SHARE_POLICIES, Request, Scheduler, SchedulerConfig
+from mlaprefill.bench.scheduler import (
+    SHARE_POLICIES,
+    Request,
+    ScheduledStep,
+    Scheduler,
+    SchedulerConfig,
+)
 from mlaprefill.bench.step import StepPlan, build_engine_arrays
 from mlaprefill.graphs import IterationGraphs
 from mlaprefill.plan import POLICIES, ChunkPlanner
 from mlaprefill.staging import MODES, HostEvent, StagingRing
 
-__all__ = ["TABLES", "EngineConfig", "PrefillEngine", "ProgressFn", "Variant", "workload"]
+__all__ = ["TABLES", "EngineConfig", "PrefillEngine", "ProgressFn", "Variant",
+           "allocate_prefix_pages", "prefix_lens", "workload"]
 
 # progress(variant, repeat, steps_done, requests_finished, num_requests)
 ProgressFn = Callable[[str, int, int, int, int], None]
@@ -104,6 +118,7 @@ class Variant:
     policy: str
     tables: str = "compact"
     backend: str | None = None
+    share_prefixes: bool = True
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -125,6 +140,7 @@ class Variant:
     def name(self) -> str:
         base = f"{self.transfer}+{self.policy}"
         base = base if self.tables == "compact" else f"{base}+{self.tables}"
+        base = base if self.share_prefixes else f"{base}+noshare"
         base = base if self.backend is None else f"{base}@{self.backend}"
         return base if self.kv_cache_dtype == "auto" else f"{base}:{self.kv_cache_dtype}"
 
@@ -133,24 +149,32 @@ class Variant:
         """``"ring+packed"`` -> Variant("ring", "packed"); ``"pageable+equal+vllm"`` ships
         vLLM-shaped per-token tables too; ``"ring+balanced@fa2"`` runs that attention backend;
         ``"ring+balanced@mlaprefill+graphs"`` runs it with CUDA graphs (one
-        :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers); a ``:fp8`` or
+        :class:`~mlaprefill.graphs.IterationGraphs` shared by the layers); ``+noshare`` plans
+        without prefix sharing (``ChunkPlanner(share_prefixes=False)``); a ``:fp8`` or
         ``:fp8_ds_mla`` suffix keeps the latent cache in that format."""
         text, colon, kv = text.strip().partition(":")
         body, at, backend = text.partition("@")
         parts = body.split("+")
+        share = parts[-1] != "noshare"
+        if not share:
+            parts.pop()
         if len(parts) not in (2, 3) or (at and not backend) or (colon and not kv):
-            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][@BACKEND]"
-                             f"[:KV_CACHE_DTYPE], e.g. 'ring+packed', 'pageable+equal+vllm' or "
-                             f"'ring+balanced@fa2:fp8' (transfer in {MODES}, policy in "
+            raise ValueError(f"variant {text!r} must look like TRANSFER+POLICY[+vllm][+noshare]"
+                             f"[@BACKEND][:KV_CACHE_DTYPE], e.g. 'ring+packed', "
+                             f"'pageable+equal+vllm' or 'ring+balanced@fa2:fp8' (transfer in "
+                             f"{MODES}, policy in "
                              f"{POLICIES}; '+vllm' also ships vLLM's per-token token_to_seq; "
+                             f"'+noshare' (last) plans without prefix sharing; "
                              f"@BACKEND picks the attention backend for this variant, "
                              f"@BACKEND+graphs also turns on its CUDA graphs; :KV_CACHE_DTYPE "
                              f"in {KV_CACHE_DTYPES}).")
-        return cls(*parts, backend=backend or None, kv_cache_dtype=kv or "auto")
+        return cls(*parts, backend=backend or None, share_prefixes=share,
+                   kv_cache_dtype=kv or "auto")
 
     def with_kv_cache_dtype(self, kv_cache_dtype: str) -> Variant:
         """This variant with its latent cache in ``kv_cache_dtype``."""
-        return Variant(self.transfer, self.policy, self.tables, self.backend, kv_cache_dtype)
+        return Variant(self.transfer, self.policy, self.tables, self.backend,
+                       self.share_prefixes, kv_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +184,12 @@ class EngineConfig:
     ``num_blocks=None`` sizes the cache for the ``max_concurrent`` longest prompts.
     ``request_rate`` is in requests/s (``inf``: all arrive at once; else Poisson arrivals with
     ``seed``). ``prompt_len_spread`` ``s`` draws prompt lengths uniformly from
-    ``[prompt_len * (1 - s), prompt_len * (1 + s)]`` (0: all equal).
+    ``[prompt_len * (1 - s), prompt_len * (1 + s)]`` (0: all equal). Prefix caching: with
+    ``shared_prefix_len > 0`` every prompt starts with that many system-prompt tokens, and with
+    ``doc_groups = G > 0`` request ``r`` of group ``g = r * (G + 1) // num_requests`` (``g >= 1``;
+    contiguous in arrival order, group 0 has none) continues with document ``g`` of ``doc_len``
+    tokens; ``prompt_len`` (and its spread) is then the unique tail. Both lengths must be page
+    multiples (prefix caching shares whole pages).
     """
 
     preset: str = "deepseek-v3"
@@ -178,6 +207,9 @@ class EngineConfig:
     share: str = "fcfs"
     num_blocks: int | None = None
     seed: int = 0
+    shared_prefix_len: int = 0
+    doc_groups: int = 0
+    doc_len: int = 0
     backend: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -191,6 +223,18 @@ class EngineConfig:
         if self.share not in SHARE_POLICIES:
             raise ValueError(f"EngineConfig.share = {self.share!r}; choose one of "
                              f"{SHARE_POLICIES}.")
+        for name in ("shared_prefix_len", "doc_groups", "doc_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0, got {v!r}.")
+        for name in ("shared_prefix_len", "doc_len"):
+            if getattr(self, name) % self.page_size:
+                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)} must be a "
+                                 f"multiple of page_size = {self.page_size} (prefix caching "
+                                 f"shares whole pages).")
+        if (self.doc_groups > 0) != (self.doc_len > 0):
+            raise ValueError(f"EngineConfig.doc_groups = {self.doc_groups} and doc_len = "
+                             f"{self.doc_len}: give both or neither.")
         if not self.request_rate > 0:
             raise ValueError(f"EngineConfig.request_rate must be > 0 (inf = all at once), got "
                              f"{self.request_rate!r}.")
@@ -222,6 +266,7 @@ def workload(config: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
     """
     rng = np.random.default_rng([config.seed, 1])
     n, length, s = config.num_requests, config.prompt_len, config.prompt_len_spread
+    prefix = prefix_lens(config)[1]
     if s > 0:
         lens = np.rint(rng.uniform(length * (1 - s), length * (1 + s), size=n)).astype(np.int64)
         lens = np.maximum(lens, 1)
@@ -232,7 +277,30 @@ def workload(config: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
     else:
         gaps = rng.exponential(1.0 / config.request_rate, size=n)
         arrivals = np.cumsum(gaps) - gaps[0]
-    return lens, arrivals
+    return lens + prefix, arrivals
+
+
+def allocate_prefix_pages(config: EngineConfig,
+                          allocator: BlockAllocator) -> dict[int, np.ndarray]:
+    """Pages of the cached prefixes, allocated from ``allocator`` (owners -1, -2, ...: never
+    freed in a run): group -> int32 pages of its whole prefix, the system prompt's first."""
+    ps = config.page_size
+    sys_pages = allocator.allocate(-1, config.shared_prefix_len // ps)
+    pages = {0: sys_pages}
+    for g in range(1, config.doc_groups + 1):
+        pages[g] = np.concatenate([sys_pages, allocator.allocate(-1 - g, config.doc_len // ps)])
+    return pages
+
+
+def prefix_lens(config: EngineConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Document group (0 = none) and cached prefix tokens of every request, int64
+    [num_requests] each (zeros without prefix caching; see :class:`EngineConfig`)."""
+    n = config.num_requests
+    if config.doc_groups:
+        group = np.arange(n, dtype=np.int64) * (config.doc_groups + 1) // n
+    else:
+        group = np.zeros(n, dtype=np.int64)
+    return group, config.shared_prefix_len + config.doc_len * (group > 0)
 
 
 def default_num_blocks(config: EngineConfig, prompt_lens: np.ndarray) -> int:
@@ -317,6 +385,19 @@ class PrefillEngine:
         rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens = rng.integers(0, cfg.vocab_size, size=int(self.prompt_offsets[-1]),
                                           dtype=np.int32)
+        # Prefix caching: request r's prompt starts with the system prompt and its document
+        # (request 0's first tokens and the first request of its group's: one loop over requests)
+        self.prefix_group, self.prefix_lens = prefix_lens(cfg)
+        sys_len = cfg.shared_prefix_len
+        for r in range(1, cfg.num_requests if sys_len or cfg.doc_groups else 0):
+            start = int(self.prompt_offsets[r])
+            self.prompt_tokens[start:start + sys_len] = self.prompt_tokens[:sys_len]
+            g = int(self.prefix_group[r])
+            first = int(np.argmax(self.prefix_group == g))
+            if g and first != r:
+                src = int(self.prompt_offsets[first]) + sys_len
+                self.prompt_tokens[start + sys_len:start + sys_len + cfg.doc_len] = \
+                    self.prompt_tokens[src:src + cfg.doc_len]
 
     def latent_cache(self, kv_cache_dtype: str) -> PagedLatentCache:
         """The engine's pages in ``kv_cache_dtype`` (made at first use, then kept)."""
@@ -430,14 +511,19 @@ class PrefillEngine:
             SchedulerConfig(token_budget=cfg.token_budget, max_concurrent=cfg.max_concurrent,
                             page_size=cfg.page_size, share=cfg.share),
             BlockAllocator(self.num_blocks))
-        for r in range(cfg.num_requests):
-            scheduler.add(Request(r, int(self.prompt_lens[r]),
-                                  arrival_s=float(self.arrivals_s[r])))
-        planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy)
+        planner = ChunkPlanner(cfg.workspace_tokens, cfg.page_size, policy=variant.policy,
+                               share_prefixes=variant.share_prefixes)
         ring = self.ring(variant.transfer)
-        base = _staging_counters(ring)
         layers = self.attention_layers(variant.backend)
         cache = self.latent_cache(variant.kv_cache_dtype)
+        prefix_pages = self._prefill_prefixes(scheduler.allocator, ring, layers, cache)
+        for r in range(cfg.num_requests):
+            pages = prefix_pages[int(self.prefix_group[r])]
+            scheduler.add(Request(r, int(self.prompt_lens[r]),
+                                  arrival_s=float(self.arrivals_s[r]),
+                                  num_scheduled=int(self.prefix_lens[r]),
+                                  prefix_blocks=pages if pages.size else None))
+        base = _staging_counters(ring)
         builds_before = self.kernel_builds(variant.backend)
         graphs_before = self.graph_counts(variant.backend)
         iteration_graphs = getattr(layers[0], "graphs", None)
@@ -480,8 +566,10 @@ class PrefillEngine:
             arrays = build_engine_arrays(step, prompt_tokens=self.prompt_tokens,
                                          prompt_offsets=self.prompt_offsets,
                                          page_size=cfg.page_size)
+            # the scheduler's host block table: the planner finds shared prefixes in it
             chunk_plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
-                                                   page_size=cfg.page_size))
+                                                   page_size=cfg.page_size,
+                                                   block_table=step.block_table))
             if variant.tables == "vllm":  # built on the host each step, as vLLM does
                 arrays["token_to_seq"] = np.ascontiguousarray(chunk_plan.token_to_seq)
             step_plan = StepPlan(chunk_plan, arrays)
@@ -505,6 +593,7 @@ class PrefillEngine:
                 num_reqs=step.num_reqs, num_tokens=step.num_tokens,
                 num_context_tokens=int(step.context_lens.sum()),
                 num_iterations=chunk_plan.num_iterations,
+                num_gathered_rows=chunk_plan.num_gathered_rows,
                 metadata_bytes=step_plan.nbytes, plan_bytes=step_plan.plan_nbytes,
                 largest_array_bytes=step_plan.largest_array_nbytes,
                 token_to_seq_bytes=int(arrays["token_to_seq"].nbytes)
@@ -547,6 +636,39 @@ class PrefillEngine:
             # this run's share of the engine ring's counters; pinned_bytes is the ring's total
             staging={**{k: v - base[k] for k, v in _staging_counters(ring).items()},
                      "pinned_bytes": ring.stats.pinned_bytes})
+
+    def _prefill_prefixes(self, allocator: BlockAllocator, ring: StagingRing,
+                          layers: list[Any], cache: PagedLatentCache) -> dict[int, np.ndarray]:
+        """Prefill the system prompt and each document into pages of their own, in steps of at
+        most ``token_budget`` tokens (untimed: the prefix cache earlier traffic left); returns
+        group -> int32 pages of its whole prefix (group 0: the system prompt alone; empty
+        without prefix caching). The pages are never freed in the run."""
+        cfg, ps = self.config, self.config.page_size
+        pages = allocate_prefix_pages(cfg, allocator)
+        slot = torch.zeros(1, dtype=torch.int32)
+        planner = ChunkPlanner(cfg.workspace_tokens, ps, share_prefixes=False)
+        for g, table in pages.items():
+            members = np.flatnonzero(self.prefix_group == g)
+            if not members.size:
+                continue
+            done = 0 if g == 0 else cfg.shared_prefix_len  # the documents follow the prompt
+            end = cfg.shared_prefix_len + (cfg.doc_len if g else 0)
+            while done < end:
+                n = min(cfg.token_budget, end - done)
+                step = ScheduledStep(req_ids=members[:1], query_lens=np.array([n]),
+                                     context_lens=np.array([done]), block_table=table[None],
+                                     finishing=np.zeros(1, dtype=bool))
+                arrays = build_engine_arrays(step, prompt_tokens=self.prompt_tokens,
+                                             prompt_offsets=self.prompt_offsets, page_size=ps)
+                plan = planner.plan(PrefillBatch(step.query_lens, step.context_lens,
+                                                 page_size=ps))
+                self._launch(ring.upload(StepPlan(plan, arrays)), 0, slot, layers, cache,
+                             getattr(layers[0], "graphs", None) is not None)
+                done += n
+        graphs = getattr(layers[0], "graphs", None)
+        if graphs is not None and self.cuda:  # their first sights' captures: untimed too
+            graphs.capture_pending()
+        return pages
 
     def _launch(self, dplan: Any, num_sampled: int, token_slot: torch.Tensor,
                 attention: list[Any], cache: PagedLatentCache,

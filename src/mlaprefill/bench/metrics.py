@@ -60,6 +60,9 @@ class StepRecord:
     # launches run eagerly at a graph key's first sight in this step (all layers; a stand-in
     # replay does not count); None without +graphs
     graph_first_sights: int | None = None
+    # latent rows the step's plan gathers and up-projects (below num_context_tokens where prefix
+    # sharing reads shared rows once); None where not recorded
+    num_gathered_rows: int | None = None
     device_start_ms: float = float("nan")  # on the run's device timeline
     device_end_ms: float = float("nan")
 
@@ -116,6 +119,7 @@ METRIC_KEYS = (
     "metadata_bytes_p50", "metadata_bytes_max", "plan_bytes_p50", "plan_bytes_max",
     "token_to_seq_bytes_max",
     "steps_over_3mib_fraction", "iterations_p50", "iterations_max", "iterations_total_per_run",
+    "gathered_rows_per_context_token",
     "num_steps_per_run", "num_requests_per_run", "prompt_tokens_per_run", "repeats",
     "staging_arenas_grown", "staging_stalls", "truncated_runs",
 )
@@ -201,6 +205,10 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "iterations_p50": percentile(col("num_iterations"), 50),
         "iterations_max": float(col("num_iterations").max()),
         "iterations_total_per_run": float(col("num_iterations").sum() / n),
+        # rows gathered + up-projected over the steps' context tokens (< 1: prefix sharing)
+        "gathered_rows_per_context_token": float(
+            col("num_gathered_rows").sum() / max(col("num_context_tokens").sum(), 1))
+        if all(s.num_gathered_rows is not None for s in steps) else None,
         "num_steps_per_run": len(steps) / n,
         "num_requests_per_run": float(np.mean([r.ttft_ms.size for r in runs])),
         "prompt_tokens_per_run": float(np.mean([r.prompt_tokens for r in runs])),

@@ -13,6 +13,11 @@ Running requests share the budget by one of two policies:
     out in admission order. Every step then carries the long contexts of all running requests,
     which is what makes the chunk metadata large (see the ``stall`` scenario in ``bench.cli``).
 
+Prefix caching: a request may arrive with ``prefix_blocks``, cache pages that already hold its
+first ``num_scheduled`` prompt tokens (a system prompt or document shared with other requests,
+prefilled earlier). It is admitted with those pages first in its block table and allocates pages
+only for the rest, so requests over one prefix hold the same leading block ids.
+
 A request is *scheduled out* once its last prompt token is in a step; it keeps its pages and its
 concurrency slot until :meth:`Scheduler.finish` is called (when the engine has observed its first
 token), like a real engine that reads the sampled token before retiring the request.
@@ -67,8 +72,10 @@ class SchedulerConfig:
 class Request:
     """One prefill request (host bookkeeping only).
 
-    ``num_scheduled`` counts prompt tokens already put into some step; the next step's context
-    length for this request is exactly that number.
+    ``num_scheduled`` counts prompt tokens already put into some step (or, at arrival, already
+    in the cache: ``prefix_blocks``); the next step's context length for this request is exactly
+    that number. ``prefix_blocks`` (int32, optional): shared cache pages holding the first
+    ``num_scheduled`` tokens (a multiple of the page size), owned by nobody the scheduler frees.
     """
 
     req_id: int
@@ -76,6 +83,7 @@ class Request:
     arrival_s: float = 0.0
     num_scheduled: int = 0
     blocks: np.ndarray | None = field(default=None, repr=False)
+    prefix_blocks: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def remaining(self) -> int:
@@ -174,11 +182,14 @@ class Scheduler:
             req = self._waiting[0]
             if req.arrival_s > now_s:
                 break
-            need = blocks_needed(req.prompt_len, cfg.page_size)
+            prefix = req.prefix_blocks
+            num_prefix = 0 if prefix is None else int(prefix.shape[0])
+            need = blocks_needed(req.prompt_len, cfg.page_size) - num_prefix
             if not self.allocator.can_allocate(need):
                 break  # FCFS admission: never let a younger request overtake the head
             self._waiting.popleft()
-            req.blocks = self.allocator.allocate(req.req_id, need)
+            own = self.allocator.allocate(req.req_id, need)
+            req.blocks = own if prefix is None else np.concatenate([prefix, own])
             self._running.append(req)
 
     def schedule(self, now_s: float = float("inf")) -> ScheduledStep | None:

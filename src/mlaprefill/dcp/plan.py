@@ -41,6 +41,7 @@ import numpy as np
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.dcp.layout import check_dcp_config, dcp_local_context_lens, dcp_local_count
 from mlaprefill.plan import ChunkPlan, ChunkPlanner, _token_to_seq
+from mlaprefill.prefix import MIN_SAVED_ROWS
 
 __all__ = ["DCPChunkPlan", "DCPChunkPlanner", "dcp_config_digest", "derive_dcp_arrays"]
 
@@ -375,6 +376,15 @@ class DCPChunkPlanner:
         included); default ``workspace_tokens``. A larger bound (e.g. ``2 * workspace_tokens``)
         trades a bigger gather buffer for never replanning: the iterations are then always the
         single-rank ones.
+    share_prefixes : bool
+        Default False. True: prefix sharing (:mod:`mlaprefill.prefix`) from the batch's host
+        ``block_table``, which must then be **the same table on every rank** (the global one,
+        or local tables whose ids the engine allocates alike on every rank): the ranks must plan
+        the same iterations, and each sees only its own local table otherwise. Shared rows are
+        then gathered (each rank its share), all-gathered and up-projected once. Not checked by
+        ``validate`` (a table that differs across ranks hangs the all-gather).
+    min_saved_rows : int
+        As :class:`~mlaprefill.plan.ChunkPlanner`'s (with ``share_prefixes``).
 
     Raises
     ------
@@ -384,10 +394,14 @@ class DCPChunkPlanner:
     """
 
     def __init__(self, workspace_tokens: int, page_size: int, *, world: int, interleave: int,
-                 policy: str = "packed", max_gathered_tokens: int | None = None) -> None:
+                 policy: str = "packed", max_gathered_tokens: int | None = None,
+                 share_prefixes: bool = False, min_saved_rows: int = MIN_SAVED_ROWS) -> None:
         check_dcp_config(world, interleave)
+        # (checks share_prefixes and min_saved_rows with the base planner's messages below)
+        self.share_prefixes, self.min_saved_rows = share_prefixes, min_saved_rows
         # Validates workspace_tokens/page_size/policy with the base planner's own messages.
-        ChunkPlanner(workspace_tokens, page_size, policy=policy)
+        ChunkPlanner(workspace_tokens, page_size, policy=policy, share_prefixes=share_prefixes,
+                     min_saved_rows=min_saved_rows)
         limit = workspace_tokens if max_gathered_tokens is None else max_gathered_tokens
         if isinstance(limit, bool) or not isinstance(limit, int | np.integer) or limit <= 0:
             raise ValueError(f"max_gathered_tokens must be a positive int or None, got "
@@ -420,7 +434,12 @@ class DCPChunkPlanner:
         gathered = 0
         for _ in range(_MAX_REPLANS):
             try:
-                base = ChunkPlanner(base_w, self.page_size, policy=self.policy).plan(batch)
+                # Prefix sharing only on request: each rank sees its own local block table, so
+                # sharing found on one rank need not hold on another, and every rank must plan
+                # the same iterations (a mismatch would hang the all-gather).
+                base = ChunkPlanner(base_w, self.page_size, policy=self.policy,
+                                    share_prefixes=self.share_prefixes,
+                                    min_saved_rows=self.min_saved_rows).plan(batch)
             except ValueError as exc:
                 if base_w == w:
                     raise
