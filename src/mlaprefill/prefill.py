@@ -23,6 +23,7 @@ Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens`
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -344,7 +345,8 @@ class MLAChunkedPrefill:
         tensors, which the forward reads and writes where they are.
 
         ``dtype`` / ``device`` default to the weight's; ``qk_rope_head_dim`` to the one given
-        at construction (64 if none). Host-only: never synchronizes.
+        at construction (64 if none). Host-only: never synchronizes. Buffers larger than the
+        device's (or the host's) memory are a ``ValueError`` before anything is allocated.
         """
         if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                 or not 0 <= num_tokens <= INT32_MAX):
@@ -358,9 +360,31 @@ class MLAChunkedPrefill:
             device, "io_buffers device")
         h, qk, v = self.num_heads, self.qk_nope_head_dim + rope, self.v_head_dim
         lse_dtype = lse_dtype_for(dtype)
+        rows = num_tokens if self.graphs is None else row_bucket(num_tokens)
+        _check_fits(rows * h * ((qk + v) * dtype.itemsize + lse_dtype.itemsize), device,
+                    f"io_buffers(num_tokens={num_tokens:,}) ({num_tokens:,} x {h} heads x "
+                    f"({qk} + {v}) dims of q and out, plus lse)")
         if self.graphs is None or lse_dtype != torch.float32:
             return IOBuffers(torch.empty(num_tokens, h, qk, dtype=dtype, device=device),
                              torch.empty(num_tokens, h, v, dtype=dtype, device=device),
                              torch.empty(num_tokens, h, dtype=lse_dtype, device=device))
         arena = layer_arena(self, {"tokens": row_bucket(num_tokens)}, device, dtype, rope)
         return IOBuffers(arena.q[:num_tokens], arena.out[:num_tokens], arena.lse[:num_tokens])
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """``ValueError`` if ``nbytes`` exceed ``device``'s whole memory (host metadata only).
+
+    A bound, not a promise: it turns sizes that can never fit (``io_buffers(2**31 - 1)``) into
+    an error naming the argument instead of the allocator's ``RuntimeError``/``MemoryError``.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:  # meta allocates nothing; other devices: the allocator decides
+        return
+    if nbytes > total:
+        raise ValueError(f"{what} needs {nbytes / 2**30:,.1f} GiB, more than the "
+                         f"{total / 2**30:,.1f} GiB of {device}; lower num_tokens (one step's "
+                         f"query tokens)")

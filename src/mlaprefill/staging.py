@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mlaprefill.plan import ChunkPlan, StagedPlan
+from mlaprefill.plan import ChunkPlan, StagedPlan, check_token_table_size
 
 __all__ = ["ALIGN_BYTES", "MAX_VALID_UPLOADS", "MODES", "DevicePlan", "HostEvent", "StagingRing",
            "StagingStats", "layout", "rows_to_requests"]
@@ -231,6 +231,8 @@ class DevicePlan:
         shipped = self.tensors.get("token_to_seq")
         if shipped is not None:
             return shipped
+        plan = self.chunk_plan
+        check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)
         return rows_to_requests(self.cu_seq_lens,
                                 self.chunk_plan.max_iteration_tokens).to(torch.int32)
 
