@@ -261,6 +261,16 @@ def test_gpu_forward_nan_stays_in_request(backend, where):
         else:
             assert torch.isnan(out[A_ROWS]).any(-1).all() and torch.isnan(lse[A_ROWS]).all()
         assert not torch.isneginf(lse).any()
+        # the README's rule against the float64 reference (tests/test_contract.py)
+        y = _poison(x, where)
+        ref_out, ref_lse = mla_prefill_reference(
+            *(y[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")),
+            QUERY_LENS, CONTEXT_LENS, x["weight"], qk_nope_head_dim=x["nope"],
+            v_head_dim=x["v"])
+        out_nan, lse_nan = out.isnan().cpu(), lse.isnan().cpu()
+        assert torch.equal(out_nan, ref_out.isnan()), (backend, policy, where)
+        assert not (ref_lse.isnan() & ~lse_nan).any(), (backend, policy, where)
+        assert not (lse_nan & ~out_nan.any(-1)).any(), (backend, policy, where)
 
 
 
