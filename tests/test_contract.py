@@ -53,7 +53,8 @@ CONTRACT: dict[str, list[str]] = {
         F + "test_fuzz_plan_and_token_table_bounds",
         F + "test_fuzz_plan_of_many_requests_refused_before_allocating",
         F + "test_fuzz_io_buffers_bounded_by_device_memory",
-        F + "test_fuzz_cli_plan_pathological_batches"],
+        F + "test_fuzz_cli_plan_pathological_batches",
+        "tests/test_bench_cli.py::test_step_plan_beyond_the_planner_bound_is_refused_up_front"],
     "`softmax_scale` finite > 0": [V + "test_softmax_scale_checked_up_front",
                                    F + "test_fuzz_forward_and_one_call"],
     "head dims the backend's kernel runs (at construction; the rope dim of `k_pe_new` at the "
