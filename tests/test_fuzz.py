@@ -1147,6 +1147,8 @@ def _plan_and_token_table_bounds(monkeypatch, ctx, page, workspace, policy, plan
         plan = planner.plan(batch)
     except ValueError as exc:
         assert entries > plan_limit, (entries, plan_limit)
+        assert isinstance(exc, plan_mod.PlanTooLargeError) and exc.num_reqs == len(ctx)
+        assert exc.num_iterations * (len(ctx) + 1) > plan_limit  # its numbers are the limit's
         clear_error("plan bounds", exc, "MAX_PLAN_ENTRIES")
         return
     assert entries <= plan_limit and plan.to_json() == full.to_json()

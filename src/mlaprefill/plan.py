@@ -70,7 +70,7 @@ import numpy as np
 from mlaprefill.batch import INT32_MAX, PrefillBatch
 
 __all__ = ["MAX_PLAN_ENTRIES", "MAX_TOKEN_TABLE_ENTRIES", "POLICIES", "ChunkPlan", "ChunkPlanner",
-           "StagedPlan", "check_token_table_size"]
+           "PlanTooLargeError", "StagedPlan", "check_token_table_size"]
 
 POLICIES = ("equal", "packed", "balanced")
 
@@ -254,14 +254,24 @@ def check_token_table_size(num_iterations: int, width: int) -> None:
             f"needs it) or plan fewer context tokens per step.")
 
 
+class PlanTooLargeError(ValueError):
+    """The plan would exceed :data:`MAX_PLAN_ENTRIES` (``num_iterations``: at least this many;
+    ``num_reqs``): a ``ValueError`` whose numbers a caller can phrase in its own terms."""
+
+    def __init__(self, message: str, num_iterations: int, num_reqs: int) -> None:
+        super().__init__(message)
+        self.num_iterations = num_iterations
+        self.num_reqs = num_reqs
+
+
 def _check_plan_size(num_iterations: int, num_reqs: int) -> None:
     entries = num_iterations * (num_reqs + 1)
     if entries > MAX_PLAN_ENTRIES:
-        raise ValueError(
+        raise PlanTooLargeError(
             f"the plan would have {num_iterations:,} iterations x {num_reqs + 1:,} (num_reqs + "
             f"1) = {entries:,} entries per array, more than MAX_PLAN_ENTRIES = "
             f"{MAX_PLAN_ENTRIES:,}; split the PrefillBatch into steps of fewer requests or "
-            f"less context, or raise workspace_tokens.")
+            f"less context, or raise workspace_tokens.", num_iterations, num_reqs)
 
 
 def _token_to_seq(lens: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarray:

@@ -31,7 +31,14 @@ from typing import Any
 import numpy as np
 
 from mlaprefill.batch import PrefillBatch
-from mlaprefill.plan import POLICIES, ChunkPlan, ChunkPlanner, check_token_table_size
+from mlaprefill.plan import (
+    MAX_PLAN_ENTRIES,
+    POLICIES,
+    ChunkPlan,
+    ChunkPlanner,
+    PlanTooLargeError,
+    check_token_table_size,
+)
 
 __all__ = ["add_parser", "format_plan", "run"]
 
@@ -186,7 +193,14 @@ def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int,
             f"{planner.workspace_tokens}, page_size {planner.page_size}), more than "
             f"--max-iterations {limit:,}; raise --workspace-tokens, or raise --max-iterations "
             f"to print it anyway (memory and output grow with the iterations)")
-    plan = planner.plan(batch)
+    try:
+        plan = planner.plan(batch)
+    except PlanTooLargeError as exc:  # the same limit, in the options of this command
+        raise _InputError(
+            f"{exc.num_reqs:,} requests in {exc.num_iterations:,}+ iterations make a plan of "
+            f"more than {MAX_PLAN_ENTRIES:,} entries (iterations x (requests + 1), the "
+            f"planner's MAX_PLAN_ENTRIES); split the batch into fewer requests per line, or "
+            f"raise --workspace-tokens") from None
     entries = plan.num_iterations * plan.max_iteration_tokens
     if table_limit is not None:
         check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)  # the API's limit
