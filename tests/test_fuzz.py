@@ -19,6 +19,7 @@ traceback). The session prints the count per entry point and class ("fuzz: ...")
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -1247,7 +1248,7 @@ def test_fuzz_process_group_must_be_a_group(group, entry):
 
 
 DEVICE_PLAN_DEFECTS = ["none", "none", "dtype", "shape", "device", "strided", "not_tensor",
-                       "missing", "other_plan", "not_mapping", "numpy"]
+                       "missing", "other_plan", "not_mapping", "numpy", "replaced", "upload"]
 
 
 @settings(max_examples=40 * SCALE, **SETTINGS)
@@ -1287,11 +1288,17 @@ def test_fuzz_hand_built_device_plan(ql, cl, defect, name, dtype, validate):
         tensors = dict(StagingRing("cpu").upload(other).tensors)
     elif defect == "not_mapping":
         tensors = list(tensors.values())
+    device_plan = DevicePlan(plan, tensors)
+    if defect in ("replaced", "upload"):  # an upload (trusted as made), or a copy of another's
+        other = ChunkPlanner(8, 4).plan(PrefillBatch([*ql, 1], [*cl, 9], page_size=4))
+        device_plan = StagingRing("cpu").upload(plan if defect == "upload" else other)
+        if defect == "replaced":
+            device_plan = dataclasses.replace(device_plan, plan=plan)
+        defect = "none" if defect == "upload" else defect
     op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
     args = [x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")]
     try:
-        out, lse = op.forward(*args, DevicePlan(plan, tensors), return_lse=True,
-                              validate=validate)
+        out, lse = op.forward(*args, device_plan, return_lse=True, validate=validate)
     except Exception as exc:
         assert defect != "none", exc
         clear_error("hand-built DevicePlan", exc, "device_plan")
