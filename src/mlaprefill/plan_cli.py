@@ -202,14 +202,14 @@ def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int,
             f"planner's MAX_PLAN_ENTRIES); split the batch into fewer requests per line, or "
             f"raise --workspace-tokens") from None
     entries = plan.num_iterations * plan.max_iteration_tokens
-    if table_limit is not None:
-        check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)  # the API's limit
     if table_limit is not None and entries > table_limit:
         raise _InputError(
             f"--token-tables would print {entries:,} entries ({plan.num_iterations:,} "
             f"iterations x {plan.max_iteration_tokens:,} rows), more than --max-table-entries "
             f"{table_limit:,}; drop --token-tables, or raise --max-table-entries to print it "
             f"anyway")
+    if table_limit is not None:
+        check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)  # the API's limit
     return plan
 
 
