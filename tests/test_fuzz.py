@@ -1415,16 +1415,18 @@ def _auto_backend_per_dtype(monkeypatch, dtypes):
 # -- `mlaprefill plan` in a subprocess: pathological --batches, bounded sizes (issue #30) ------
 def _plan_subprocess(argv, timeout=60):
     """(exit code, stdout, stderr) of ``python -m mlaprefill ARGV`` in its own process, under a
-    wall-clock timeout and a 4 GiB address-space limit (a regression fails, never swaps)."""
+    wall-clock timeout and an 8 GiB address-space limit (a regression fails, never swaps; one
+    BLAS thread, whose per-thread reservations would count against it on many-core hosts)."""
     import resource
     import subprocess
     import sys
 
     def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "mlaprefill", *argv], capture_output=True,
                           text=True, timeout=timeout, env=env, preexec_fn=limit)
     return proc.returncode, proc.stdout, proc.stderr
@@ -1455,7 +1457,7 @@ def _pathological_line(kind, n):
 def test_fuzz_cli_plan_pathological_batches(kind, n, token_tables, table_limit):
     """/dev/zero, one line of 10**6 requests, deep nesting, a 10**6-digit integer, a 2e9-token
     context with --token-tables: exit 0 with the API's plans, or exit 2 with exactly one stderr
-    line -- no traceback, no MemoryError, within the timeout and 4 GiB."""
+    line -- no traceback, no MemoryError, within the timeout and 8 GiB."""
     if kind == "zero":
         path = "/dev/zero"
     else:
