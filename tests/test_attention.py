@@ -295,8 +295,6 @@ def test_policy_auto_follows_the_backend(monkeypatch):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, world_size):
-    import torch.distributed as dist
-
     import mlaprefill.api as api
 
     query_lens, context_lens = [2, 1], [5, 0]
@@ -307,8 +305,8 @@ def test_process_group_delegates_to_dcp_only_above_world_size_one(monkeypatch, w
         seen.update(kwargs, num_args=len(args))
         return "dcp"
 
-    group = object()
-    monkeypatch.setattr(dist, "get_world_size", lambda g=None: world_size if g is group else 0)
+    group = object()  # a stand-in group: dcp_world (the one reader of groups) is faked
+    monkeypatch.setattr(api, "dcp_world", lambda g: (0, world_size) if g is group else (0, 0))
     monkeypatch.setattr(api, "mla_chunked_prefill_dcp", fake_dcp)
     result = mla_chunked_prefill(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                  x["block_table"], query_lens, context_lens, x["weight"],

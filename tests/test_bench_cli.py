@@ -77,6 +77,20 @@ def test_cli_errors_exit_2_without_traceback(capsys, tmp_path):
     assert "--workspace " in capsys.readouterr().err
 
 
+def test_step_plan_beyond_the_planner_bound_is_refused_up_front(capsys):
+    """Issue #30: the planner refuses a plan of more than MAX_PLAN_ENTRIES (and a +vllm token
+    table beyond MAX_TOKEN_TABLE_ENTRIES); the bench refuses such a workload before it runs,
+    naming its options, instead of failing mid-run."""
+    big = ["--dry-run", "--device", "cpu", "--page-size", "64", "--num-requests", "16",
+           "--concurrency", "16", "--token-budget", "1048576"]
+    assert main(["bench", *big, "--workspace", "64", "--prompt-len", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "MAX" not in err and "--workspace" in err and len(err.strip().splitlines()) == 1
+    table = [*big, "--workspace", "1048576", "--prompt-len", "130000000", "--page-size", "1024"]
+    assert main(["bench", *table, "--variants", "ring+packed+vllm"]) == 2
+    assert "'+vllm'" in capsys.readouterr().err  # ~2e9 entries: 8 GB per step
+
+
 def test_dry_run_prints_metadata_per_policy(capsys):
     assert main(["bench", "--scenario", "vllm-default", "--dry-run", "--device", "cpu",
                  "--num-requests", "2"]) == 0

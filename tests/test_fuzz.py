@@ -8,8 +8,8 @@ Each case is classified:
   printed tensor;
 * **correct result** -- the call returned and an independent oracle agrees: lengths add up
   exactly, the plan covers every context token once, the forward matches the float64 reference
-  (NaN exactly where the reference has NaN, only in the request whose inputs hold the NaN), CLI
-  output equals what the API computes.
+  (NaN by the README's rule: wherever the reference's output is NaN, exactly there for a NaN,
+  only in the request whose inputs hold the NaN or inf), CLI output equals what the API computes.
 
 Anything else fails the test (an accepted invalid input, a wrong number, another exception, a
 traceback). The session prints the count per entry point and class ("fuzz: ..."); with
@@ -19,6 +19,7 @@ traceback). The session prints the count per entry point and class ("fuzz: ...")
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -267,6 +268,7 @@ def test_fuzz_staging_ring(device, mode, valid_uploads, plan_kind):
 MUTATIONS = {
     "none": "ok", "validate": "ok", "unused_block_neg": "ok",
     "nan_q": "nan", "nan_cache": "nan", "nan_kv_c_new": "nan", "nan_k_pe_new": "nan",
+    "inf_q": "nan", "ninf_cache": "nan", "inf_kv_c_new": "nan", "ninf_k_pe_new": "nan",
     "block_neg": "block_table", "block_big": "block_table", "block_int64": "block_table",
     "block_short": "block_table", "block_list": "block_table",
     "q_short": "q", "q_int": "q", "q_numpy": "q", "q_strided": "q", "k_pe_short": "k_pe_new",
@@ -314,8 +316,8 @@ def _mutate(case, x):
     m, r, ql, cl, page = case["mutation"], case["victim"], case["ql"], case["cl"], case["page"]
     row = sum(ql[:r])  # the victim's first new token
     kw = {}
-    if m in ("nan_cache", "block_neg", "block_big") and cl[r] == 0:
-        case["mutation"] = m = "nan_q" if m == "nan_cache" else "none"
+    if m in ("nan_cache", "ninf_cache", "block_neg", "block_big") and cl[r] == 0:
+        case["mutation"] = m = {"nan_cache": "nan_q", "ninf_cache": "inf_q"}.get(m, "none")
     if m == "unused_block_neg":
         x["block_table"][r, -1] = -1  # past every context: never read
     elif m == "nan_q":
@@ -327,6 +329,15 @@ def _mutate(case, x):
         x["kv_c_new"][row, 0] = float("nan")
     elif m == "nan_k_pe_new":
         x["k_pe_new"][row, -1] = float("nan")
+    elif m == "inf_q":  # an inf reaches scores: the reference's softmax is NaN (or its LSE inf)
+        x["q"][row, -1, -1] = float("inf")
+    elif m == "ninf_cache":  # latent column: the keys and the values of that context token
+        tok = cl[r] - 1
+        x["kv_cache"][x["block_table"][r, tok // page], tok % page, 1] = float("-inf")
+    elif m == "inf_kv_c_new":  # a new token's value the causal mask hides from earlier queries
+        x["kv_c_new"][row + ql[r] - 1, -1] = float("inf")
+    elif m == "ninf_k_pe_new":
+        x["k_pe_new"][row, 0] = float("-inf")
     elif m == "block_neg":
         x["block_table"][r, 0] = -1
     elif m == "block_big":
@@ -409,9 +420,21 @@ def _check_against_reference(case, x, out, lse):
     ref_out, ref_lse = mla_prefill_reference(
         x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], ql, cl,
         x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
-    nan_rows = torch.isnan(ref_lse) | torch.isnan(ref_out).any(-1)  # [T, H]
-    got_nan = torch.isnan(lse.cpu()) | torch.isnan(out.cpu()).any(-1)
-    assert torch.equal(got_nan, nan_rows), "NaN where the reference has none, or missing"
+    # The README's NaN rule: out is NaN wherever the reference's out is (exactly there for a
+    # NaN; an inf can add NaN rows of its request: each part of the keys is attended on its
+    # own, and one part's scores all -inf is NaN even where the reference's softmax over all
+    # keys is finite); the LSE is NaN wherever the reference's LSE is, only in NaN-out rows.
+    out_nan, ref_nan = torch.isnan(out.cpu()), torch.isnan(ref_out)
+    assert not (ref_nan & ~out_nan).any(), "the reference's out is NaN, not ours"
+    if case["mutation"].startswith(("inf_", "ninf_")):
+        nan_rows = out_nan.any(-1)  # the victim-only check below covers the extra rows
+    else:
+        assert torch.equal(out_nan, ref_nan), "out NaN where the reference's is not"
+        nan_rows = ref_nan.any(-1)  # [T, H]
+    lse_nan = torch.isnan(lse.cpu())
+    assert not (torch.isnan(ref_lse) & ~lse_nan).any(), "the reference's LSE is NaN, not ours"
+    assert not (lse_nan & ~nan_rows).any(), "a NaN LSE in a row whose output is not NaN"
+    assert not torch.isinf(out).any() and not torch.isinf(lse).any()
     if MUTATIONS[case["mutation"]] == "nan":
         r = case["victim"]
         rows = torch.zeros(sum(ql), dtype=torch.bool)
@@ -1091,3 +1114,371 @@ def test_fuzz_hopper_layout_gate(dtype, qk, dv, joined, pad, offset, rope_pad, r
     assert (why is None) == expect, (why, dtype, qk, dv, joined, pad, offset, rope_pad, dense)
     assert why is None or (isinstance(why, str) and why and "\n" not in why)
     correct("hopper layout_reason")
+
+
+# -- sizes bounded before anything is allocated (issue #30) --------------------------------------
+# The limits are patched small so that both sides of each bound are reached with small inputs;
+# the oracle is the unbounded result (limit raised): refused exactly when it exceeds the limit.
+@settings(max_examples=60 * SCALE, **SETTINGS)
+@given(ctx=st.lists(st.one_of(st.just(0), st.integers(1, 400)), min_size=1, max_size=8),
+       page=st.sampled_from([1, 4, 16]), workspace=st.integers(16, 200),
+       policy=st.sampled_from(POLICIES), plan_limit=st.integers(0, 120),
+       table_limit=st.integers(0, 3000))
+def test_fuzz_plan_and_token_table_bounds(ctx, page, workspace, policy, plan_limit, table_limit):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _plan_and_token_table_bounds(monkeypatch, ctx, page, workspace, policy, plan_limit,
+                                     table_limit)
+
+
+def _plan_and_token_table_bounds(monkeypatch, ctx, page, workspace, policy, plan_limit,
+                                 table_limit):
+    import mlaprefill.plan as plan_mod
+
+    batch = PrefillBatch([1] * len(ctx), ctx, page_size=page)
+    planner = ChunkPlanner(workspace, page, policy)
+    try:
+        full = planner.plan(batch)  # the default limits: far above these sizes
+    except ValueError as exc:  # equal: less than one page per request
+        clear_error("plan bounds", exc, "workspace_tokens")
+        return
+    entries = full.num_iterations * (full.num_reqs + 1)
+    monkeypatch.setattr(plan_mod, "MAX_PLAN_ENTRIES", plan_limit)
+    monkeypatch.setattr(plan_mod, "MAX_TOKEN_TABLE_ENTRIES", table_limit)
+    try:
+        plan = planner.plan(batch)
+    except ValueError as exc:
+        assert entries > plan_limit, (entries, plan_limit)
+        assert isinstance(exc, plan_mod.PlanTooLargeError) and exc.num_reqs == len(ctx)
+        assert exc.num_iterations * (len(ctx) + 1) > plan_limit  # its numbers are the limit's
+        clear_error("plan bounds", exc, "MAX_PLAN_ENTRIES")
+        return
+    assert entries <= plan_limit and plan.to_json() == full.to_json()
+    table = plan.num_iterations * plan.max_iteration_tokens
+    for build in (lambda: plan.token_to_seq, lambda: plan.to_json(token_tables=True),
+                  lambda: StagingRing("cpu").upload(plan).token_to_seq,
+                  lambda: StagingRing("cpu").upload(plan, token_tables=True)):
+        try:
+            build()
+        except ValueError as exc:
+            assert table > table_limit, (table, table_limit)
+            clear_error("token table bounds", exc, "token_tables", "MAX_TOKEN_TABLE_ENTRIES")
+            continue
+        assert table <= table_limit
+        correct("token table bounds")
+    correct("plan bounds")
+
+
+@settings(max_examples=20 * SCALE, **SETTINGS)
+@given(num_reqs=st.sampled_from([10**5, 10**6, 2 * 10**6]), ctx=st.sampled_from([1, 100, 1000]),
+       policy=st.sampled_from(POLICIES), workspace=st.sampled_from([4096, 65536]))
+def test_fuzz_plan_of_many_requests_refused_before_allocating(num_reqs, ctx, policy, workspace):
+    """Issue #30: one batch of 10**6 requests took 24 GB before its MemoryError. Now the plan's
+    size is checked from the lengths first (no [iterations, requests] array is made)."""
+    import time
+
+    batch = PrefillBatch(np.ones(num_reqs, np.int64), np.full(num_reqs, ctx), page_size=16)
+    start = time.perf_counter()
+    try:
+        plan = ChunkPlanner(workspace, 16, policy).plan(batch)
+    except ValueError as exc:
+        assert time.perf_counter() - start < 5.0
+        clear_error("plan bounds", exc, "MAX_PLAN_ENTRIES", "workspace_tokens")
+        return
+    from mlaprefill.plan import MAX_PLAN_ENTRIES
+    assert plan.num_iterations * (num_reqs + 1) <= MAX_PLAN_ENTRIES
+    correct("plan bounds")
+
+
+@settings(max_examples=30 * SCALE, **SETTINGS)
+@given(tokens=st.sampled_from([0, 1, 7, 2**20, 2**31 - 1, INT32_MAX]),
+       heads=st.sampled_from([1, 3, 16]), dims=st.sampled_from([(8, 4, 6), (128, 64, 128)]),
+       device=st.sampled_from(["cpu", "meta"]), dtype=st.sampled_from([torch.float32,
+                                                                      torch.float64]))
+def test_fuzz_io_buffers_bounded_by_device_memory(tokens, heads, dims, device, dtype):
+    """io_buffers(2**31 - 1) was the allocator's RuntimeError; now a ValueError naming
+    num_tokens when q + out + lse exceed the device's memory (meta: no bound, nothing made)."""
+    import os
+
+    nope, rope, v = dims
+    weight = torch.randn(heads * (nope + v), 16, dtype=dtype)
+    op = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v, qk_rope_head_dim=rope)
+    size = dtype.itemsize
+    need = tokens * heads * ((nope + rope + v) * size + (8 if dtype == torch.float64 else 4))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        io = op.io_buffers(tokens, device=device)
+    except ValueError as exc:
+        assert device == "cpu" and need > memory, (need, memory)
+        clear_error("io_buffers bound", exc, "num_tokens")
+        return
+    assert device == "meta" or need <= memory
+    assert io.q.shape == (tokens, heads, nope + rope) and io.lse.shape == (tokens, heads)
+    correct("io_buffers bound")
+
+
+# -- process_group, hand-built DevicePlans, head dims, auto per dtype (issue #30) -------------
+BAD_GROUPS = [object(), "gloo", 0, 2, [], torch.device("cpu"), np.int64(1)]
+
+
+@settings(max_examples=20 * SCALE, **SETTINGS)
+@given(group=st.sampled_from(BAD_GROUPS),
+       entry=st.sampled_from(["one_call", "dcp", "source", "consistency"]))
+def test_fuzz_process_group_must_be_a_group(group, entry):
+    from mlaprefill.api import mla_chunked_prefill_dcp
+    from mlaprefill.dcp.forward import DCPContextSource, check_dcp_consistency
+
+    ql, cl = [2, 1], [5, 0]
+    x = paged_mla_inputs(ql, cl)
+    args = [x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")]
+    try:
+        if entry == "one_call":
+            mla_chunked_prefill(*args, ql, cl, x["weight"], process_group=group)
+        elif entry == "dcp":
+            mla_chunked_prefill_dcp(*args, ql, cl, x["weight"], process_group=group,
+                                    dcp_interleave=1)
+        elif entry == "source":
+            DCPContextSource(x["kv_cache"], x["block_table"], None, group)
+        else:
+            check_dcp_consistency((1, 2, 3), group, "cpu")
+    except Exception as exc:
+        assert isinstance(exc, TypeError), exc
+        clear_error("process_group", exc, "process_group")
+        return
+    raise AssertionError(f"{entry} accepted process_group={group!r}")
+
+
+DEVICE_PLAN_DEFECTS = ["none", "none", "dtype", "shape", "device", "strided", "not_tensor",
+                       "missing", "other_plan", "not_mapping", "numpy", "replaced", "upload"]
+
+
+@settings(max_examples=40 * SCALE, **SETTINGS)
+@given(ql=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       cl=st.lists(st.integers(0, 20), min_size=3, max_size=3),
+       defect=st.sampled_from(DEVICE_PLAN_DEFECTS), name=st.sampled_from(
+           ["cu_query_lens", "chunk_starts", "chunk_lens", "cu_seq_lens"]),
+       dtype=st.sampled_from([torch.int64, torch.int16, torch.float32]), validate=st.booleans())
+def test_fuzz_hand_built_device_plan(ql, cl, defect, name, dtype, validate):
+    """A DevicePlan whose tensors do not match its plan (dtype, shape, device, layout, type, a
+    plan of another size) is an error naming device_plan's field before any work, from host
+    metadata only; a matching one gives the reference's result."""
+    cl = cl[:len(ql)]
+    x = paged_mla_inputs(ql, cl, page_size=4)
+    plan = ChunkPlanner(8, 4).plan(PrefillBatch(ql, cl, page_size=4))
+    tensors = dict(StagingRing("cpu").upload(plan).tensors)
+    t = tensors[name]
+    if defect == "dtype":
+        tensors[name] = t.to(dtype)
+    elif defect == "shape":
+        tensors[name] = torch.cat([t.reshape(-1), t.reshape(-1)[:1]]) if t.dim() == 1 else \
+            t[:, :-1].contiguous()
+    elif defect == "device":
+        tensors[name] = t.to("meta")
+    elif defect == "strided":
+        tensors[name] = torch.stack([t, t], -1)[..., 0]
+        if tensors[name].is_contiguous():  # one element: nothing to break
+            defect = "none"
+    elif defect == "not_tensor":
+        tensors[name] = t.tolist()
+    elif defect == "numpy":
+        tensors[name] = t.numpy()
+    elif defect == "missing":
+        del tensors[name]
+    elif defect == "other_plan":
+        other = ChunkPlanner(8, 4).plan(PrefillBatch([*ql, 1], [*cl, 9], page_size=4))
+        tensors = dict(StagingRing("cpu").upload(other).tensors)
+    elif defect == "not_mapping":
+        tensors = list(tensors.values())
+    device_plan = DevicePlan(plan, tensors)
+    if defect in ("replaced", "upload"):  # an upload (trusted as made), or a copy of another's
+        other = ChunkPlanner(8, 4).plan(PrefillBatch([*ql, 1], [*cl, 9], page_size=4))
+        device_plan = StagingRing("cpu").upload(plan if defect == "upload" else other)
+        if defect == "replaced":
+            device_plan = dataclasses.replace(device_plan, plan=plan)
+        defect = "none" if defect == "upload" else defect
+    op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
+    args = [x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")]
+    try:
+        out, lse = op.forward(*args, device_plan, return_lse=True, validate=validate)
+    except Exception as exc:
+        assert defect != "none", exc
+        clear_error("hand-built DevicePlan", exc, "device_plan")
+        return
+    assert defect == "none", f"{defect} of {name} accepted"
+    _assert_reference(x, ql, cl, out, lse)
+    correct("hand-built DevicePlan")
+
+
+def _assert_reference(x, ql, cl, out, lse, tol=1e-4):
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], ql, cl,
+        x["weight"], qk_nope_head_dim=x["nope"], v_head_dim=x["v"])
+    assert (out.double() - ref_out).abs().max() <= tol
+    assert (lse.double() - ref_lse).abs().max() <= tol
+
+
+def _kernel_accepts_split(nope, rope):
+    """The Triton launcher's own check (host metadata only) on keys split nope | rope."""
+    from mlaprefill.kernels.attention import _check
+
+    t, h = 3, 2
+    q = torch.zeros(t, h, nope + rope, dtype=torch.float16)
+    k, v = torch.zeros(t, h, nope, dtype=torch.float16), torch.zeros(t, h, 8, dtype=torch.float16)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    try:
+        _check(q, k, v, cu, cu, t, 0.1, torch.zeros(t, rope, dtype=torch.float16))
+    except ValueError:
+        return False
+    return True
+
+
+@settings(max_examples=60 * SCALE, **SETTINGS)
+@given(nope=st.sampled_from([1, 8, 15, 16, 24, 32, 64, 96, 128, 160, 192, 256]),
+       rope=st.sampled_from([0, 0, 1, 4, 16, 64, 65]), backend=st.sampled_from(
+           ["auto", "auto", "math", "mlaprefill"]))
+def test_fuzz_head_dims_checked_at_construction(nope, rope, backend):
+    """Head dims the kernel cannot split are refused where the dims are known: the split-key
+    backends' head_split_reason equals the kernel launcher's own check, a named backend that
+    cannot run them fails at construction naming the dim, auto picks one that can."""
+    from mlaprefill.backends import MLAPrefillBackend
+
+    why = MLAPrefillBackend().head_split_reason(nope, rope)
+    qk_ok = 16 <= nope + rope <= 256
+    if qk_ok:  # the launcher checks the joined width first
+        assert (why is None) == _kernel_accepts_split(nope, rope), (nope, rope, why)
+    assert why is None or ("qk_nope_head_dim" in why or "qk_rope_head_dim" in why)
+    heads, v = 2, 8
+    weight = torch.randn(heads * (nope + v), 16)
+    try:
+        op = MLAChunkedPrefill(weight, qk_nope_head_dim=nope, v_head_dim=v, backend=backend,
+                               qk_rope_head_dim=rope)
+    except ValueError as exc:
+        assert backend == "mlaprefill", exc  # math runs any dims; on CPU it is auto's pick
+        clear_error("head dims", exc, "backend")
+        return
+    assert backend != "mlaprefill" or (why is None and qk_ok)
+    if nope + rope <= 64:  # and it runs them
+        ql, cl = [2, 1], [5, 3]
+        x = paged_mla_inputs(ql, cl, heads=heads, nope=nope, rope=rope, v=v, rank=16)
+        x["weight"] = weight
+        plan = ChunkPlanner(8, 4).plan(PrefillBatch(ql, cl, page_size=4))
+        out, lse = op.forward(*(x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache",
+                                               "block_table")),
+                              StagingRing("cpu").upload(plan), return_lse=True)
+        _assert_reference(x, ql, cl, out, lse)
+    correct("head dims")
+
+
+@settings(max_examples=25 * SCALE, **SETTINGS)
+@given(dtypes=st.lists(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+                       min_size=1, max_size=5))
+def test_fuzz_auto_backend_is_picked_per_dtype(dtypes):
+    """An auto object that once saw float64 stayed on its float64 pick for float32 inputs.
+    With a first-choice backend that runs float32 only (a stand-in registered for the test),
+    every forward runs on what auto picks for its inputs, and matches the reference."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _auto_backend_per_dtype(monkeypatch, dtypes)
+
+
+def _auto_backend_per_dtype(monkeypatch, dtypes):
+    import mlaprefill.backends as backends_mod
+    from mlaprefill.backends.math import MathBackend
+
+    class Float32Only(MathBackend):
+        name = "float32-only"
+
+        def unsupported_reason(self, device, dtype, qk_head_dim, v_head_dim):
+            return None if dtype == torch.float32 else "float32 only"
+
+    monkeypatch.setitem(backends_mod.BACKENDS, "float32-only", Float32Only)
+    monkeypatch.setattr(backends_mod, "AUTO_ORDER", ("float32-only", "math"))
+    ql, cl = [2, 3], [6, 0]
+    base = paged_mla_inputs(ql, cl, page_size=4)
+    op = MLAChunkedPrefill(base["weight"], qk_nope_head_dim=base["nope"],
+                           v_head_dim=base["v"])
+    assert op.backend_name == "float32-only"
+    device_plan = StagingRing("cpu").upload(
+        ChunkPlanner(8, 4).plan(PrefillBatch(ql, cl, page_size=4)))
+    for dtype in dtypes:
+        x = {k: (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+             for k, t in base.items()}
+        op.weight = x["weight"]  # the weight follows the inputs (as a model's .to(dtype))
+        op.upproj = type(op.upproj)(x["weight"], num_heads=op.num_heads,
+                                    qk_nope_head_dim=op.qk_nope_head_dim,
+                                    v_head_dim=op.v_head_dim)
+        out, lse = op.forward(*(x[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache",
+                                               "block_table")), device_plan, return_lse=True)
+        assert op.backend_name == ("float32-only" if dtype == torch.float32 else "math"), dtype
+        _assert_reference(x, ql, cl, out, lse, tol=3e-2 if dtype == torch.bfloat16 else 1e-4)
+    correct("auto per dtype")
+
+
+# -- `mlaprefill plan` in a subprocess: pathological --batches, bounded sizes (issue #30) ------
+def _plan_subprocess(argv, timeout=60):
+    """(exit code, stdout, stderr) of ``python -m mlaprefill ARGV`` in its own process, under a
+    wall-clock timeout and an 8 GiB address-space limit (a regression fails, never swaps; one
+    BLAS thread, whose per-thread reservations would count against it on many-core hosts)."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "mlaprefill", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, preexec_fn=limit)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _pathological_line(kind, n):
+    if kind == "requests":  # one line of n requests
+        return json.dumps({"context_lens": [100] * n, "query_lens": [1] * n}).encode()
+    if kind == "nested":
+        return b"[" * n
+    if kind == "nested_obj":
+        return b'{"context_lens": ' + b"[" * n + b"]" * n + b', "query_lens": [1]}'
+    if kind == "digits":
+        return b'{"context_lens": [1' + b"0" * n + b'], "query_lens": [1]}'
+    if kind == "float":
+        return b'{"context_lens": [1e' + str(n).encode() + b'], "query_lens": [1]}'
+    return json.dumps({"context_lens": [min(n, 2**31 - 1)], "query_lens": [1]}).encode()
+
+
+@settings(max_examples=3 * SCALE, **SETTINGS)  # ~1 s each (a process): plus the 4 examples
+@given(kind=st.sampled_from(["requests", "nested", "nested_obj", "digits", "float", "long"]),
+       n=st.sampled_from([10, 5000, 10**5, 10**6, 2 * 10**9]),
+       token_tables=st.booleans(), table_limit=st.sampled_from([None, 0, 10**12]))
+@example(kind="zero", n=0, token_tables=False, table_limit=None)
+@example(kind="requests", n=10**6, token_tables=False, table_limit=None)
+@example(kind="long", n=2 * 10**9, token_tables=True, table_limit=None)
+@example(kind="long", n=2 * 10**9, token_tables=True, table_limit=10**12)
+def test_fuzz_cli_plan_pathological_batches(kind, n, token_tables, table_limit):
+    """/dev/zero, one line of 10**6 requests, deep nesting, a 10**6-digit integer, a 2e9-token
+    context with --token-tables: exit 0 with the API's plans, or exit 2 with exactly one stderr
+    line -- no traceback, no MemoryError, within the timeout and 8 GiB."""
+    if kind == "zero":
+        path = "/dev/zero"
+    else:
+        if kind != "long":
+            n = min(n, 10**6)  # a 2e9-byte file is not the point (lines > 64 MiB: see /dev/zero)
+        path = _TMP / f"patho_{kind}_{n}.jsonl"
+        path.write_bytes(_pathological_line(kind, n) + b"\n")
+    argv = ["plan", "--batches", str(path)]
+    if token_tables:
+        argv.append("--token-tables")
+    if table_limit is not None:
+        argv += ["--max-table-entries", str(table_limit)]
+    rc, out, err = _plan_subprocess(argv)
+    if rc == 0:
+        assert err == "" and kind in ("requests", "long"), (kind, n, err)
+        plans = _api_plans(["plan", "--batches", str(path)])
+        got = [json.loads(line) for line in out.splitlines()]
+        assert got == [p.to_json(token_tables=token_tables) for p in plans]
+        OUTCOMES[("cli plan subprocess", "correct result")] += 1
+        return
+    assert rc == 2, (rc, err[-2000:])
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("mlaprefill plan: error: "), err
+    OUTCOMES[("cli plan subprocess", "clear error")] += 1

@@ -72,9 +72,10 @@ def test_merge_propagates_nan_and_keeps_empty_rule(dtype):
 
 @pytest.mark.slow
 def test_triton_merge_nan_rules_in_interpreter():
-    """The Triton merge kernel follows the same NaN / -inf rules (Triton's interpreter):
+    """The Triton merge kernel follows the same NaN / -inf rules, and the whole forward on the
+    Triton attention kernel the README's NaN and inf rule (Triton's interpreter):
     tests/interpreter/test_interp_nan.py, in its own process."""
-    run_interpreter_tests("test_interp_nan.py", passed=1)
+    run_interpreter_tests("test_interp_nan.py", passed=2)
 
 
 # -- backends --------------------------------------------------------------------------------
@@ -261,6 +262,16 @@ def test_gpu_forward_nan_stays_in_request(backend, where):
         else:
             assert torch.isnan(out[A_ROWS]).any(-1).all() and torch.isnan(lse[A_ROWS]).all()
         assert not torch.isneginf(lse).any()
+        # the README's rule against the float64 reference (tests/test_contract.py)
+        y = _poison(x, where)
+        ref_out, ref_lse = mla_prefill_reference(
+            *(y[k] for k in ("q", "kv_c_new", "k_pe_new", "kv_cache", "block_table")),
+            QUERY_LENS, CONTEXT_LENS, x["weight"], qk_nope_head_dim=x["nope"],
+            v_head_dim=x["v"])
+        out_nan, lse_nan = out.isnan().cpu(), lse.isnan().cpu()
+        assert torch.equal(out_nan, ref_out.isnan()), (backend, policy, where)
+        assert not (ref_lse.isnan() & ~lse_nan).any(), (backend, policy, where)
+        assert not (lse_nan & ~out_nan.any(-1)).any(), (backend, policy, where)
 
 
 

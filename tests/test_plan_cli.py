@@ -150,6 +150,38 @@ def test_huge_plan_refused_before_planning(capsys):
     assert rc == 0 and json.loads(out)["num_iterations"] == 312_500
 
 
+def test_token_tables_bounded_before_they_are_built(capsys, tmp_path):
+    """Issue #30: --token-tables of a 2e9-token context took 11.6 GB and was killed; one line
+    of 10**6 requests took 24 GB. Both are one line now, and the table limit can be raised."""
+    import tracemalloc
+
+    big = ("--context-lens", "2000000000", "--query-lens", "1", "--json", "--token-tables")
+    tracemalloc.start()
+    rc, out, err = run_cli(capsys, *big)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "2,000,027,648 entries" in err and "--max-table-entries 16,777,216" in err
+    assert peak < 20 * 2**20, peak
+    rc, _, err = run_cli(capsys, *big, "--max-table-entries", str(10**12))
+    assert rc == 2 and "MAX_TOKEN_TABLE_ENTRIES" in err  # the API's own limit, still one line
+    rc, _, err = run_cli(capsys, *big[:4], "--max-table-entries", "-1")
+    assert rc == 2 and "--max-table-entries must be >= 0" in err
+    rc, out, _ = run_cli(capsys, "--context-lens", "300,20", "--query-lens", "1,1", "--json",
+                         "--token-tables", "--workspace-tokens", "64", "--page-size", "16",
+                         "--max-table-entries", "320")  # 5 iterations x 64 rows: just fits
+    assert rc == 0 and len(json.loads(out)["token_to_seq"]) == 5
+    rc, _, err = run_cli(capsys, "--context-lens", "300,20", "--query-lens", "1,1", "--json",
+                         "--token-tables", "--workspace-tokens", "64", "--page-size", "16",
+                         "--max-table-entries", "319")
+    assert rc == 2 and "320 entries" in err
+    lines = tmp_path / "many.jsonl"
+    lines.write_text(json.dumps({"context_lens": [100] * 10**6, "query_lens": [1] * 10**6}))
+    rc, out, err = run_cli(capsys, "--batches", str(lines))
+    assert rc == 2 and out == "" and "1,000,000 requests" in err
+    assert "fewer requests per line" in err and "--workspace-tokens" in err
+
+
 @settings(max_examples=60, deadline=None)
 @given(context_lens=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
        page_size=st.sampled_from([1, 4, 16, 64]), extra=st.integers(0, 300),

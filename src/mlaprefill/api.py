@@ -66,16 +66,13 @@ def mla_chunked_prefill(q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch
     argument is checked on the host first (``TypeError``/``ValueError`` naming it); the README's
     "Validation contract" lists what is checked when.
     """
-    if process_group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(process_group) > 1:
-            return mla_chunked_prefill_dcp(
-                q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
-                kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
-                page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
-                process_group=process_group, dcp_interleave=dcp_interleave, validate=validate,
-                kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)
+    if process_group is not None and dcp_world(process_group)[1] > 1:
+        return mla_chunked_prefill_dcp(
+            q, kv_c_new, k_pe_new, kv_cache, block_table, query_lens, context_lens,
+            kv_b_proj_weight, softmax_scale=softmax_scale, workspace_tokens=workspace_tokens,
+            page_size=page_size, policy=policy, backend=backend, return_lse=return_lse,
+            process_group=process_group, dcp_interleave=dcp_interleave, validate=validate,
+            kv_cache_scale=kv_cache_scale, kv_cache_format=kv_cache_format)
 
     nope, v_dim, rope = infer_head_dims(q, k_pe_new, kv_b_proj_weight, qk_nope_head_dim,
                                         v_head_dim)

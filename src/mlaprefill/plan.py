@@ -82,9 +82,18 @@ from mlaprefill.prefix import (
     shared_tree,
 )
 
-__all__ = ["POLICIES", "ChunkPlan", "ChunkPlanner", "StagedPlan"]
+__all__ = ["MAX_PLAN_ENTRIES", "MAX_TOKEN_TABLE_ENTRIES", "POLICIES", "ChunkPlan", "ChunkPlanner",
+           "PlanTooLargeError", "StagedPlan", "check_token_table_size"]
 
 POLICIES = ("equal", "packed", "balanced")
+
+#: Most entries of a plan's [num_iterations, num_reqs + 1] arrays (64 MiB each as int32; the
+#: planner's int64 temporaries are a few times that). Checked before they are allocated: a
+#: step of 256 requests over a 2e9-token context in 64k-token iterations is ~7.8M entries.
+MAX_PLAN_ENTRIES = 2**24
+#: Most entries of one per-token table (``token_to_seq``: 1 GiB as int32), checked before it
+#: is built on the host or on the device.
+MAX_TOKEN_TABLE_ENTRIES = 2**28
 
 # Names and order of the arrays staging ships to the device (see ChunkPlan.device_arrays):
 # O(num_iterations x num_reqs) integers; the forward maps workspace rows to requests on the device.
@@ -220,6 +229,7 @@ class ChunkPlan:
         """int32 [num_iterations, max_iteration_tokens]: vLLM's row -> request table, built now.
 
         O(context tokens) host work and memory on every access; see the class docstring.
+        ``ValueError`` beyond :data:`MAX_TOKEN_TABLE_ENTRIES`, before anything is allocated.
         """
         return _token_to_seq(self.chunk_lens, self.cu_seq_lens[:, -1],
                              self.max_iteration_tokens)
@@ -296,9 +306,42 @@ def equal_chunk_size(context_lens: np.ndarray, workspace_tokens: int, page_size:
     return (workspace_tokens // n) // page_size * page_size
 
 
+def check_token_table_size(num_iterations: int, width: int) -> None:
+    """Raise ``ValueError`` if a [num_iterations, width] token table exceeds
+    :data:`MAX_TOKEN_TABLE_ENTRIES` (checked before anything is allocated)."""
+    entries = num_iterations * width
+    if entries > MAX_TOKEN_TABLE_ENTRIES:
+        raise ValueError(
+            f"token_tables: the per-token table would have {num_iterations:,} iterations x "
+            f"{width:,} rows = {entries:,} entries, more than MAX_TOKEN_TABLE_ENTRIES = "
+            f"{MAX_TOKEN_TABLE_ENTRIES:,} (1 GiB); leave token_tables off (the forward never "
+            f"needs it) or plan fewer context tokens per step.")
+
+
+class PlanTooLargeError(ValueError):
+    """The plan would exceed :data:`MAX_PLAN_ENTRIES` (``num_iterations``: at least this many;
+    ``num_reqs``): a ``ValueError`` whose numbers a caller can phrase in its own terms."""
+
+    def __init__(self, message: str, num_iterations: int, num_reqs: int) -> None:
+        super().__init__(message)
+        self.num_iterations = num_iterations
+        self.num_reqs = num_reqs
+
+
+def _check_plan_size(num_iterations: int, num_reqs: int) -> None:
+    entries = num_iterations * (num_reqs + 1)
+    if entries > MAX_PLAN_ENTRIES:
+        raise PlanTooLargeError(
+            f"the plan would have {num_iterations:,} iterations x {num_reqs + 1:,} (num_reqs + "
+            f"1) = {entries:,} entries per array, more than MAX_PLAN_ENTRIES = "
+            f"{MAX_PLAN_ENTRIES:,}; split the PrefillBatch into steps of fewer requests or "
+            f"less context, or raise workspace_tokens.", num_iterations, num_reqs)
+
+
 def _token_to_seq(lens: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarray:
     """int32 [K, width]: request id of each workspace row, padding 0, from lens [K, R]."""
     k, r = lens.shape
+    check_token_table_size(k, width)
     if r == 1:
         # One request: every row is request 0. A read-only zero-stride view costs no memory and
         # no page faults when staging copies it (a fresh np.zeros of 2 x 64k rows costs both).
@@ -376,8 +419,9 @@ class ChunkPlanner:
         TypeError
             If ``batch`` is not a :class:`PrefillBatch`.
         ValueError
-            If ``batch.page_size`` differs from the planner's, or (``equal``) the workspace is
-            smaller than one page per request with context.
+            If ``batch.page_size`` differs from the planner's, (``equal``) the workspace is
+            smaller than one page per request with context, or the plan would exceed
+            :data:`MAX_PLAN_ENTRIES` (checked before its arrays are allocated).
         """
         if not isinstance(batch, PrefillBatch):
             raise TypeError(
@@ -418,6 +462,7 @@ class ChunkPlanner:
         total_q = int(cu_q[-1])
         col = np.arange(r + 1)
         parts: list[tuple[np.ndarray, ...]] = []
+        total_k = 0
         for d in range(tree.num_levels):
             at = tree.depth == d
             first, end, lo = tree.first[at], tree.end[at], tree.lo[at]
@@ -425,6 +470,8 @@ class ChunkPlanner:
             # their pieces go to the nodes' slots.
             node_starts, node_lens = self._pieces(tree.hi[at] - lo)                # [K_d, N]
             k = node_lens.shape[0]
+            total_k += k
+            _check_plan_size(total_k, r)  # the depths' iterations add up: before [K_d, R]
             starts = np.zeros((k, r), dtype=np.int64)
             lens = np.zeros((k, r), dtype=np.int64)
             starts[:, first] = node_starts + lo
@@ -455,6 +502,7 @@ class ChunkPlanner:
         r = ctx.shape[0]
         max_ctx = int(ctx.max())
         if max_ctx == 0:
+            _check_plan_size(0, r)
             empty = np.zeros((0, r), np.int32)
             return empty, empty
         if self.policy == "equal":
@@ -466,18 +514,25 @@ class ChunkPlanner:
                     f"(n × page_size = {n} × {self.page_size} = {n * self.page_size}); raise "
                     f"workspace_tokens or lower concurrency."
                 )
-            return self._strided(ctx, chunk, -(-max_ctx // chunk))
+            num_chunks = -(-max_ctx // chunk)
+            _check_plan_size(num_chunks, r)
+            return self._strided(ctx, chunk, num_chunks)
         if self.policy == "balanced":
             chunks = self._balanced_chunks(ctx)
             if chunks is not None:
                 num_chunks = int((-(-ctx // np.maximum(chunks, 1))).max())
+                _check_plan_size(num_chunks, r)
                 return self._strided(ctx, chunks, num_chunks)
         end = np.cumsum(ctx)
         total = int(end[-1])
+        # ceil(total / W) is a lower bound on the iterations: refuse before cutting, and cap the
+        # cut loop at the limit (with W = page_size = 1 it would otherwise run total times)
+        _check_plan_size(-(-total // w), r)
         if total <= w:  # everything fits one iteration: each request is one whole piece
             return np.zeros((1, r), np.int64), ctx.reshape(1, r)
-        cuts = self._stream_cuts(end, ctx, total)
+        cuts = self._stream_cuts(end, ctx, total, MAX_PLAN_ENTRIES // (r + 1))
         k = cuts.shape[0] - 1
+        _check_plan_size(k, r)
         if r == 1:
             starts = cuts[:-1].reshape(k, 1)
             return starts, cuts[1:].reshape(k, 1) - starts
@@ -488,10 +543,12 @@ class ChunkPlanner:
         hi = np.clip(cuts[1:, None], begin, end)   # [K, R]
         return lo - begin, hi - lo
 
-    def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int) -> np.ndarray:
+    def _stream_cuts(self, end: np.ndarray, ctx: np.ndarray, total: int,
+                     max_iterations: int) -> np.ndarray:
         """Greedy furthest-reach cut positions in the context stream, int64 [K + 1].
 
-        ``end`` = cumsum(ctx) [R]; ``total`` = end[-1] > workspace_tokens.
+        ``end`` = cumsum(ctx) [R]; ``total`` = end[-1] > workspace_tokens. Stops once ``K``
+        exceeds ``max_iterations`` (the caller then refuses the plan).
         """
         w, ps = self.workspace_tokens, self.page_size
         # bisect on Python lists is cheaper than per-iteration numpy calls for small batches.
@@ -499,7 +556,7 @@ class ChunkPlanner:
         begins = (end - ctx).tolist()
         cuts = [0]
         pos = 0
-        while pos + w < total:
+        while pos + w < total and len(cuts) <= max_iterations:
             reach = pos + w
             # request containing stream position `reach` (begin_r <= reach < end_r)
             r = bisect_right(ends, reach)

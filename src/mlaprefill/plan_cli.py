@@ -15,7 +15,11 @@ Invalid input prints the validation message (with the line number for ``--batche
 
 Memory and time grow with what is printed: before planning, the number of iterations is bounded
 from the lengths alone, and a plan of more than ``--max-iterations`` (default 100,000) is refused
-with exit 2 (a 2e9-token context in 64-token iterations would otherwise take GiBs to print).
+with exit 2 (a 2e9-token context in 64-token iterations would otherwise take GiBs to print); so
+is a plan beyond the planner's ``MAX_PLAN_ENTRIES`` (iterations x requests), a ``--token-tables``
+table of more than ``--max-table-entries`` (default 2**24) entries, and a ``--batches`` line
+longer than 64 MiB. ``--batches`` keeps only the batches while it checks every line, and plans
+each again as it prints it, so memory holds one plan at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from typing import Any
 import numpy as np
 
 from mlaprefill.batch import PrefillBatch
-from mlaprefill.plan import POLICIES, ChunkPlan, ChunkPlanner
+from mlaprefill.plan import (
+    MAX_PLAN_ENTRIES,
+    POLICIES,
+    ChunkPlan,
+    ChunkPlanner,
+    PlanTooLargeError,
+    check_token_table_size,
+)
 
 __all__ = ["add_parser", "format_plan", "run"]
 
@@ -37,6 +48,8 @@ DEFAULT_WORKSPACE_TOKENS = 65536
 DEFAULT_PAGE_SIZE = 64
 _MAX_PIECES_SHOWN = 8
 _MAX_ITERATIONS = 100_000
+_MAX_TABLE_ENTRIES = 2**24  # ~100 MB of JSON text, a few hundred MB while it is serialized
+_MAX_LINE_BYTES = 2**26  # a 64 MiB line holds ~10**7 requests, far past MAX_PLAN_ENTRIES / 2
 # Kept here (not imported) so `mlaprefill plan` does not import torch unless --policy auto.
 _BACKEND_NAMES = ("mlaprefill", "cudnn", "fa2", "flex", "math")
 
@@ -89,6 +102,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-iterations", type=int, default=_MAX_ITERATIONS, metavar="N",
                    help=f"refuse plans that may have more than N iterations, before planning "
                         f"(default {_MAX_ITERATIONS:,}; memory and output grow with it)")
+    p.add_argument("--max-table-entries", type=int, default=_MAX_TABLE_ENTRIES, metavar="N",
+                   help=f"with --token-tables: refuse a table of more than N entries "
+                        f"(iterations x workspace rows; default {_MAX_TABLE_ENTRIES:,})")
     return p
 
 
@@ -183,7 +199,9 @@ def _resolve_auto_policy(backend: str) -> tuple[str, str]:
     return chosen.preferred_policy, chosen.name
 
 
-def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int) -> ChunkPlan:
+def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int,
+                  table_limit: int | None = None) -> ChunkPlan:
+    """Plan ``batch`` after the size checks; ``table_limit``: the --token-tables bound."""
     bound = max_iterations_bound(batch, planner)
     if bound > limit:
         raise _InputError(
@@ -192,7 +210,24 @@ def _plan_checked(planner: ChunkPlanner, batch: PrefillBatch, limit: int) -> Chu
             f"{planner.workspace_tokens}, page_size {planner.page_size}), more than "
             f"--max-iterations {limit:,}; raise --workspace-tokens, or raise --max-iterations "
             f"to print it anyway (memory and output grow with the iterations)")
-    return planner.plan(batch)
+    try:
+        plan = planner.plan(batch)
+    except PlanTooLargeError as exc:  # the same limit, in the options of this command
+        raise _InputError(
+            f"{exc.num_reqs:,} requests in {exc.num_iterations:,}+ iterations make a plan of "
+            f"more than {MAX_PLAN_ENTRIES:,} entries (iterations x (requests + 1), the "
+            f"planner's MAX_PLAN_ENTRIES); split the batch into fewer requests per line, or "
+            f"raise --workspace-tokens") from None
+    entries = plan.num_iterations * plan.max_iteration_tokens
+    if table_limit is not None and entries > table_limit:
+        raise _InputError(
+            f"--token-tables would print {entries:,} entries ({plan.num_iterations:,} "
+            f"iterations x {plan.max_iteration_tokens:,} rows), more than --max-table-entries "
+            f"{table_limit:,}; drop --token-tables, or raise --max-table-entries to print it "
+            f"anyway")
+    if table_limit is not None:
+        check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)  # the API's limit
+    return plan
 
 
 def _batch_from_json_line(line: str, page_size: int) -> PrefillBatch:
@@ -202,6 +237,10 @@ def _batch_from_json_line(line: str, page_size: int) -> PrefillBatch:
         raise _InputError(f"not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise _InputError("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more than 4300 digits (Python's int limit)
+        raise _InputError(f"not valid JSON ({str(exc).partition(':')[0]})") from None
+    except MemoryError:
+        raise _InputError("too large to parse; give fewer requests per line") from None
     if not isinstance(obj, dict):
         raise _InputError('expected an object {"context_lens": [...], "query_lens": [...]}')
     unknown = sorted(set(obj) - {"context_lens", "query_lens"})
@@ -248,6 +287,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``mlaprefill plan``; returns the exit code (0 ok, 2 invalid input)."""
     if args.max_iterations < 0:
         return _error(f"--max-iterations must be >= 0, got {args.max_iterations}")
+    if args.max_table_entries < 0:
+        return _error(f"--max-table-entries must be >= 0, got {args.max_table_entries}")
+    table_limit = args.max_table_entries if args.token_tables else None
     policy, auto_note = args.policy, ""
     if policy == "auto":
         try:
@@ -275,10 +317,15 @@ def run(args: argparse.Namespace) -> int:
                 fh = open(args.batches, "rb")  # noqa: SIM115
         except OSError as exc:
             return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
-        plans = []
+        batches = []
         with fh:
             try:
-                for lineno, raw in enumerate(fh, start=1):
+                for lineno, raw in enumerate(iter(lambda: fh.readline(_MAX_LINE_BYTES + 1), b""),
+                                             start=1):
+                    if len(raw) > _MAX_LINE_BYTES:  # also /dev/zero: never read unbounded
+                        return _error(f"{args.batches} line {lineno}: longer than "
+                                      f"{_MAX_LINE_BYTES >> 20} MiB; --batches takes one JSON "
+                                      f"batch per line (split the batch)")
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as exc:
@@ -288,13 +335,16 @@ def run(args: argparse.Namespace) -> int:
                         continue
                     try:
                         batch = _batch_from_json_line(line, args.page_size)
-                        plans.append(_plan_checked(planner, batch, args.max_iterations))
+                        _plan_checked(planner, batch, args.max_iterations, table_limit)
+                        batches.append(batch)
                     except ValueError as exc:
                         return _error(f"{args.batches} line {lineno}: {exc}")
             except OSError as exc:
                 return _error(f"cannot read --batches {args.batches!r}: {exc.strerror}")
-        # Printed only once every line is valid, so output is all-or-nothing.
-        for plan in plans:
+        # Printed only once every line is valid, so output is all-or-nothing; planned again here
+        # (planning is microseconds) so that memory holds one plan, not the whole file's.
+        for batch in batches:
+            plan = planner.plan(batch)
             out.write(json.dumps(plan.to_json(token_tables=args.token_tables),
                                  separators=(",", ":")) + "\n")
         return 0
@@ -308,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
                 args.page_size)
         batch = PrefillBatch(query_lens, context_lens, page_size=args.page_size,
                              block_table=table)
-        plan = _plan_checked(planner, batch, args.max_iterations)
+        plan = _plan_checked(planner, batch, args.max_iterations,
+                             table_limit if args.json else None)
     except ValueError as exc:
         return _error(str(exc))
     if args.json:

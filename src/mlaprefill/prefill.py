@@ -23,6 +23,7 @@ Sync property: ``forward`` reads only host ints of the plan (``iteration_tokens`
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -77,8 +78,12 @@ class MLAChunkedPrefill:
         A finite number > 0 (``TypeError`` for a non-number, ``ValueError`` for NaN, inf or
         <= 0: a NaN scale would make every output NaN).
     backend : ``"auto" | "mlaprefill" | "cudnn" | "fa2" | "flex" | "math"``
-        ``auto`` picks the fastest backend that runs the weight's device and dtype (see
-        :data:`mlaprefill.backends.AUTO_ORDER`); :attr:`backend_name` tells which.
+        ``auto`` picks the fastest backend that runs the weight's device and dtype and the head
+        dims (see :data:`mlaprefill.backends.AUTO_ORDER`); inputs of a kind that pick cannot run
+        (float64, another device, a rope dim its kernel cannot split) run on auto's pick for
+        them, and inputs it can run are back on it. :attr:`backend_name` tells which ran last.
+        A named backend that cannot run the head dims is a ``ValueError`` here (at the first
+        forward for a rope dim read from ``k_pe_new``).
     qk_rope_head_dim : int, optional
         Only used to pick the backend before the first forward and to size
         :meth:`io_buffers` (default 64); the forward reads the real rope dim from ``k_pe_new``.
@@ -133,7 +138,10 @@ class MLAChunkedPrefill:
         self._backend_request = backend
         rope = self._rope = 64 if qk_rope_head_dim is None else qk_rope_head_dim
         self._backend = self._make_backend(kv_b_proj_weight.device, kv_b_proj_weight.dtype, rope)
-        self._checked: tuple[Any, ...] | None = None  # (device, dtype, qk) the backend runs
+        self._checked: tuple[Any, ...] | None = None  # (device, dtype, rope) the backend runs
+        # auto: the construction pick, and the pick per input kind it cannot run (float64, ...)
+        self._auto_picks: dict[tuple[Any, ...], AttentionBackend] = {}
+        self._auto_default = self._backend
         self.graphs = graphs
         # This object's captured graphs (they record its weights and its cache's address).
         self.layer_graphs = None if graphs is None else LayerGraphs(graphs)
@@ -141,7 +149,8 @@ class MLAChunkedPrefill:
     # -- configuration ---------------------------------------------------------------------
     @property
     def backend_name(self) -> str:
-        """Name of the attention backend in use (``auto`` resolved)."""
+        """Name of the attention backend in use (``auto`` resolved; after a forward, the one
+        that ran it)."""
         return self._backend.name
 
     @property
@@ -166,7 +175,33 @@ class MLAChunkedPrefill:
     def _make_backend(self, device: torch.device, dtype: torch.dtype,
                       rope: int) -> AttentionBackend:
         return get_backend(self._backend_request, device=device, dtype=dtype,
-                           qk_head_dim=self.qk_nope_head_dim + rope, v_head_dim=self.v_head_dim)
+                           qk_head_dim=self.qk_nope_head_dim + rope, v_head_dim=self.v_head_dim,
+                           qk_rope_head_dim=rope)
+
+    def _backend_for(self, device: torch.device, dtype: torch.dtype,
+                     rope: int) -> AttentionBackend:
+        """The backend for inputs of this kind. A named backend is the only one (``ValueError``
+        if it cannot run them); ``auto`` runs the construction pick wherever it can and auto's
+        pick for each kind it cannot, so float32 after float64 is back on the first pick."""
+        qk = self.qk_nope_head_dim + rope
+
+        def reason(backend: AttentionBackend) -> str | None:
+            return (backend.unsupported_reason(device, dtype, qk, self.v_head_dim)
+                    or backend.head_split_reason(self.qk_nope_head_dim, rope))
+
+        if self._backend_request != "auto":
+            why = reason(self._backend)
+            if why is not None:
+                raise ValueError(f"backend {self._backend.name!r} cannot run {dtype} on "
+                                 f"{device} with qk_head_dim={qk} (qk_rope_head_dim={rope} from "
+                                 f"k_pe_new): {why}; use backend='auto' or 'math'")
+            return self._backend
+        key = (device, dtype, rope)
+        if key not in self._auto_picks:
+            default = self._auto_default
+            self._auto_picks[key] = default if reason(default) is None else \
+                self._make_backend(device, dtype, rope)
+        return self._auto_picks[key]
 
     # -- the forward -----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, kv_c_new: torch.Tensor, k_pe_new: torch.Tensor,
@@ -246,14 +281,11 @@ class MLAChunkedPrefill:
         device, dtype = q.device, q.dtype
         nope, h, rank = self.qk_nope_head_dim, self.num_heads, self.kv_lora_rank
         qk = nope + rope
-        checked = (device, dtype, qk)
-        if checked != self._checked:  # the backend's device checks, once per input kind
-            why = self._backend.unsupported_reason(device, dtype, qk, self.v_head_dim)
-            if why is not None:
-                if self._backend_request != "auto":
-                    raise ValueError(f"backend {self._backend.name!r} cannot run {dtype} on "
-                                     f"{device} with qk_head_dim={qk}: {why}")
-                self._backend = self._make_backend(device, dtype, rope)
+        if rope > 1 and k_pe_new.stride(1) != 1:  # split-key kernels read rope rows densely
+            k_pe_new = k_pe_new.contiguous()  # T x rope elements: one small device copy
+        checked = (device, dtype, rope)
+        if checked != self._checked:  # the backend's checks, once per input kind
+            self._backend = self._backend_for(device, dtype, rope)
             self._checked = checked
         backend = self._backend
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(qk)
@@ -370,7 +402,8 @@ class MLAChunkedPrefill:
         tensors, which the forward reads and writes where they are.
 
         ``dtype`` / ``device`` default to the weight's; ``qk_rope_head_dim`` to the one given
-        at construction (64 if none). Host-only: never synchronizes.
+        at construction (64 if none). Host-only: never synchronizes. Buffers larger than the
+        device's (or the host's) memory are a ``ValueError`` before anything is allocated.
         """
         if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                 or not 0 <= num_tokens <= INT32_MAX):
@@ -384,9 +417,31 @@ class MLAChunkedPrefill:
             device, "io_buffers device")
         h, qk, v = self.num_heads, self.qk_nope_head_dim + rope, self.v_head_dim
         lse_dtype = lse_dtype_for(dtype)
+        rows = num_tokens if self.graphs is None else row_bucket(num_tokens)
+        _check_fits(rows * h * ((qk + v) * dtype.itemsize + lse_dtype.itemsize), device,
+                    f"io_buffers(num_tokens={num_tokens:,}) ({num_tokens:,} x {h} heads x "
+                    f"({qk} + {v}) dims of q and out, plus lse)")
         if self.graphs is None or lse_dtype != torch.float32:
             return IOBuffers(torch.empty(num_tokens, h, qk, dtype=dtype, device=device),
                              torch.empty(num_tokens, h, v, dtype=dtype, device=device),
                              torch.empty(num_tokens, h, dtype=lse_dtype, device=device))
         arena = layer_arena(self, {"tokens": row_bucket(num_tokens)}, device, dtype, rope)
         return IOBuffers(arena.q[:num_tokens], arena.out[:num_tokens], arena.lse[:num_tokens])
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """``ValueError`` if ``nbytes`` exceed ``device``'s whole memory (host metadata only).
+
+    A bound, not a promise: it turns sizes that can never fit (``io_buffers(2**31 - 1)``) into
+    an error naming the argument instead of the allocator's ``RuntimeError``/``MemoryError``.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:  # meta allocates nothing; other devices: the allocator decides
+        return
+    if nbytes > total:
+        raise ValueError(f"{what} needs {nbytes / 2**30:,.1f} GiB, more than the "
+                         f"{total / 2**30:,.1f} GiB of {device}; lower num_tokens (one step's "
+                         f"query tokens)")

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mlaprefill.plan import ChunkPlan, StagedPlan
+from mlaprefill.plan import ChunkPlan, StagedPlan, check_token_table_size
 
 __all__ = ["ALIGN_BYTES", "MAX_VALID_UPLOADS", "MODES", "DevicePlan", "HostEvent", "StagingRing",
            "StagingStats", "layout", "rows_to_requests"]
@@ -188,10 +188,23 @@ class DevicePlan:
     tensors : Mapping[str, torch.Tensor]
         Device int32 tensors, same names and shapes as ``plan.device_arrays()``. In ring mode they
         are views of one device arena (see the module docstring for how long they stay valid).
+        Read-only in an upload's DevicePlan.
+
+    A hand-built ``DevicePlan(plan, tensors)`` is checked against its plan (each tensor's
+    shape, dtype, layout and device, host metadata only) on every forward; an upload's
+    (:attr:`staged`) matches by construction and skips that check (~20 us per forward).
     """
 
     plan: StagedPlan
     tensors: Mapping[str, torch.Tensor]
+    # (plan, tensors) as the upload made them; a copy with either replaced is checked again
+    _staged_of: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def staged(self) -> bool:
+        """Whether :meth:`StagingRing.upload` made it as it is (its tensors match its plan)."""
+        of = self._staged_of
+        return of is not None and of[0] is self.plan and of[1] is self.tensors
 
     @property
     def chunk_plan(self) -> ChunkPlan:
@@ -231,6 +244,8 @@ class DevicePlan:
         shipped = self.tensors.get("token_to_seq")
         if shipped is not None:
             return shipped
+        plan = self.chunk_plan
+        check_token_table_size(plan.num_iterations, plan.max_iteration_tokens)
         return rows_to_requests(self.cu_seq_lens,
                                 self.chunk_plan.max_iteration_tokens).to(torch.int32)
 
@@ -371,7 +386,8 @@ class StagingRing:
             tensors, nbytes = self._upload_ring(arrays)
         else:
             tensors, nbytes = self._upload_each(arrays)
-        out = DevicePlan(plan, tensors)
+        view = MappingProxyType(tensors)
+        out = DevicePlan(plan, view, _staged_of=(plan, view))
         self.stats.record(time.perf_counter() - t0, nbytes)
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,10 @@ def check_device_plan(device_plan: Any) -> ChunkPlan:
                 else "")
         raise TypeError(f"device_plan must be a DevicePlan, got {type(device_plan).__name__}"
                         f"{hint}; pass StagingRing(device).upload(plan)")
+    if not isinstance(device_plan.tensors, Mapping):
+        raise TypeError(f"device_plan.tensors must be a mapping name -> tensor, got "
+                        f"{type(device_plan.tensors).__name__}; pass "
+                        f"StagingRing(device).upload(plan)")
     missing = [n for n in _PLAN_TENSORS if n not in device_plan.tensors]
     needed = ("num_reqs", "num_query_tokens", "page_size", "context_lens", "num_iterations",
               "iteration_tokens", "max_chunk_lens", "max_query_len", "cu_query_lens")
@@ -82,10 +87,37 @@ def check_device_plan(device_plan: Any) -> ChunkPlan:
     missing += [f"plan.chunk_plan.{n}" for n in needed if not hasattr(chunk_plan, n)]
     if getattr(chunk_plan, "iteration_cu_query_lens", None) is not None:
         missing += [n for n in _SHARED_PLAN_TENSORS if n not in device_plan.tensors]
+    if not callable(getattr(device_plan.plan, "device_arrays", None)):
+        missing.append("plan.device_arrays")
     if missing:
         raise ValueError(f"device_plan lacks {missing}; pass StagingRing(device).upload(plan) "
                          f"of a ChunkPlanner plan")
+    if not device_plan.staged:  # an upload matches its plan by construction
+        _check_plan_tensor_metadata(device_plan, chunk_plan)
     return chunk_plan
+
+
+def _check_plan_tensor_metadata(device_plan: DevicePlan, chunk_plan: Any) -> None:
+    """Every tensor the plan ships is an int32, contiguous tensor of its host array's shape,
+    all on one device: metadata only (whether they still hold the plan's values is
+    ``validate=True``'s check), so a hand-built DevicePlan fails here, not in a kernel."""
+    devices = set()
+    for name, host in device_plan.plan.device_arrays().items():
+        t = device_plan.tensors.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"device_plan.tensors[{name!r}] must be a torch.Tensor, got "
+                            f"{type(t).__name__}; pass StagingRing(device).upload(plan)")
+        if tuple(t.shape) != host.shape or t.dtype != torch.int32 or not t.is_contiguous():
+            layout = "" if t.is_contiguous() else " non-contiguous"
+            raise ValueError(
+                f"device_plan.{name} is {tuple(t.shape)} {t.dtype}{layout}, expected "
+                f"{host.shape} torch.int32 contiguous as its plan has it "
+                f"({chunk_plan.num_iterations} iterations x {chunk_plan.num_reqs} requests); pass "
+                f"StagingRing(device).upload(plan) instead of building a DevicePlan by hand")
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(f"device_plan's tensors are on {sorted(map(str, devices))}; they must "
+                         f"be on one device: pass StagingRing(device).upload(plan)")
 
 
 def check_block_ids(block_table: torch.Tensor, context_lens: Any, page_size: int,

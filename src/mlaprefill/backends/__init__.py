@@ -55,8 +55,11 @@ AUTO_ORDER: tuple[str, ...] = ("mlaprefill", "cudnn", "fa2", "flex", "math")
 
 
 def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk_head_dim: int,
-                v_head_dim: int) -> AttentionBackend:
+                v_head_dim: int, qk_rope_head_dim: int | None = None) -> AttentionBackend:
     """Instantiate backend ``name`` (or the best for ``"auto"``) for these inputs.
+
+    With ``qk_rope_head_dim`` the split of ``qk_head_dim`` into MLA's nope and rope parts is
+    checked too (:meth:`AttentionBackend.head_split_reason`).
 
     Raises
     ------
@@ -64,11 +67,18 @@ def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk
         Unknown name, or a named backend that cannot run these inputs (the reason is given).
     """
     device = torch.device(device)
+
+    def reason(backend: AttentionBackend) -> str | None:
+        why = backend.unsupported_reason(device, dtype, qk_head_dim, v_head_dim)
+        if why is None and qk_rope_head_dim is not None:
+            why = backend.head_split_reason(qk_head_dim - qk_rope_head_dim, qk_rope_head_dim)
+        return why
+
     if name == "auto":
         reasons = []
         for candidate in AUTO_ORDER:
             backend = BACKENDS[candidate]()
-            why = backend.unsupported_reason(device, dtype, qk_head_dim, v_head_dim)
+            why = reason(backend)
             if why is None:
                 return backend
             reasons.append(f"{candidate}: {why}")
@@ -76,7 +86,7 @@ def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype, qk
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *BACKENDS]}")
     backend = BACKENDS[name]()
-    why = backend.unsupported_reason(device, dtype, qk_head_dim, v_head_dim)
+    why = reason(backend)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run on {device} with {dtype}, "
                          f"qk_head_dim={qk_head_dim}, v_head_dim={v_head_dim}: {why}; "

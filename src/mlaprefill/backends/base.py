@@ -156,6 +156,11 @@ class AttentionBackend(abc.ABC):
     #: iterations too, keyed by :meth:`launch_key`).
     takes_split_keys: bool = False
 
+    def head_split_reason(self, qk_nope_head_dim: int, qk_rope_head_dim: int) -> str | None:
+        """None if the backend runs this split of ``qk_head_dim`` into MLA's nope and rope parts,
+        else a short reason naming the dim. Backends that take the key joined run any split."""
+        return None
+
     @abc.abstractmethod
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:

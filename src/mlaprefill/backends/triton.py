@@ -68,6 +68,17 @@ class TritonBackend(AttentionBackend):
                     f"{MIN_QK_HEAD_DIM} <= qk <= {MAX_HEAD_DIM}, v <= {MAX_HEAD_DIM})")
         return None
 
+    def head_split_reason(self, qk_nope_head_dim: int, qk_rope_head_dim: int) -> str | None:
+        # The kernel reads k_rope apart (kernels.attention._check): the nope part is its first
+        # QK dot, a power of two >= MIN_QK_HEAD_DIM, and the rope part is at least one column.
+        nope, rope = qk_nope_head_dim, qk_rope_head_dim
+        if nope < MIN_QK_HEAD_DIM or nope & (nope - 1):
+            return (f"qk_nope_head_dim={nope} must be a power of two >= {MIN_QK_HEAD_DIM} (the "
+                    f"kernel's first QK dot; the rope key is read apart)")
+        if rope < 1:
+            return f"qk_rope_head_dim={rope} must be >= 1 (the kernel reads the rope key apart)"
+        return None
+
     def builds(self) -> int | None:
         """Kernels compiled in this process (one per dtype, head dims, causal and config; never
         per sequence length)."""

@@ -257,12 +257,14 @@ _FLAGS = {"prompt_len": "--prompt-len", "num_requests": "--num-requests",
           "vocab_size": "--vocab", "workspace_tokens": "--workspace"}
 
 
-def check_workload(config: Any, *, dry_run: bool) -> None:
+def check_workload(config: Any, *, dry_run: bool, token_tables: bool = False) -> None:
     """``ValueError`` naming the options if ``config`` is beyond what one bench run handles.
 
     Checks (host arithmetic only, before anything is allocated): request count, int32 token and
-    slot totals, simulated steps, cache pages, block-table size, arrival span; for a real run
-    also the memory of weights + cache + the largest step against what the device has free.
+    slot totals, simulated steps, cache pages, block-table size, a step's plan (and, with
+    ``token_tables``: a ``+vllm`` variant, its token table) against the planner's bounds,
+    arrival span; for a real run also the memory of weights + cache + the largest step against
+    what the device has free.
     """
     from mlaprefill.batch import INT32_MAX
     from mlaprefill.bench.engine import default_num_blocks, workload
@@ -309,6 +311,7 @@ def check_workload(config: Any, *, dry_run: bool) -> None:
         raise ValueError(f"a step's block table could hold {table:,} entries (--concurrency x "
                          f"pages per prompt), more than {MAX_TABLE_ENTRIES:,}; lower "
                          f"--concurrency or --prompt-len, or raise --page-size.")
+    _check_step_plan(cfg, int(prompt_lens.max()), token_tables)
     if float(arrivals[-1]) > MAX_ARRIVAL_SPAN_S:
         raise ValueError(f"--request-rate {cfg.request_rate:g}/s spreads the arrivals over "
                          f"{float(arrivals[-1]):.3g} s (limit {MAX_ARRIVAL_SPAN_S:.0f} s); raise "
@@ -316,6 +319,30 @@ def check_workload(config: Any, *, dry_run: bool) -> None:
     dims = model_dims(cfg.preset, tp=cfg.tp, vocab_size=cfg.vocab_size)  # ValueError on bad tp
     if not dry_run:
         _check_memory(cfg, dims, num_blocks, total)
+
+
+def _check_step_plan(cfg: Any, longest: int, token_tables: bool) -> None:
+    """A step's plan within ``MAX_PLAN_ENTRIES`` (and its token table within
+    ``MAX_TOKEN_TABLE_ENTRIES``), from an upper bound on its iterations over every policy: the
+    planner would refuse it mid-run. ``packed`` <= ceil(context / (W - page + 1)); ``equal`` and
+    ``balanced`` <= ceil(longest / chunk), chunk = equal's (>= a page) at the most requests, else
+    one page per iteration."""
+    from mlaprefill.plan import MAX_PLAN_ENTRIES, MAX_TOKEN_TABLE_ENTRIES
+
+    reqs = min(cfg.max_concurrent, cfg.num_requests)
+    w, ps = cfg.workspace_tokens, cfg.page_size
+    chunk = (w // reqs) // ps * ps or ps
+    iterations = max(-(-reqs * longest // max(1, w - ps + 1)), -(-longest // chunk))
+    if iterations * (reqs + 1) > MAX_PLAN_ENTRIES:
+        raise ValueError(f"a step's plan could have {iterations:,} iterations x {reqs + 1} "
+                         f"(--concurrency + 1) entries, more than the planner's "
+                         f"{MAX_PLAN_ENTRIES:,}; raise --workspace or --page-size, or lower "
+                         f"--concurrency or --prompt-len.")
+    if token_tables and iterations * min(w, reqs * longest) > MAX_TOKEN_TABLE_ENTRIES:
+        raise ValueError(f"a '+vllm' variant's token table could have {iterations:,} "
+                         f"iterations x {min(w, reqs * longest):,} rows, more than the "
+                         f"planner's {MAX_TOKEN_TABLE_ENTRIES:,}; drop '+vllm' from --variants, "
+                         f"or lower --prompt-len or --concurrency.")
 
 
 def _free_bytes(device: Any) -> int | None:
@@ -514,7 +541,8 @@ def run(args: argparse.Namespace) -> int:
         if not (max_seconds is None or 0 <= max_seconds < math.inf):
             raise ValueError(f"--max-seconds must be a finite number >= 0 (0 = no cap), got "
                              f"{max_seconds}.")
-        check_workload(config, dry_run=args.dry_run)
+        check_workload(config, dry_run=args.dry_run,
+                       token_tables=any(v.tables == "vllm" for v in variants))
         if not args.dry_run and args.out is not None:
             _check_out_dir(Path(args.out))
         on_cpu = config.resolve_device().type == "cpu"

@@ -50,10 +50,23 @@ def _all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, group: An
 
 
 def dcp_world(process_group: Any) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``process_group``; ``(0, 1)`` for ``None`` (single rank)."""
+    """``(rank, world_size)`` of ``process_group``; ``(0, 1)`` for ``None`` (single rank).
+
+    Every DCP entry point reads the group here, so a wrong one is one ``TypeError`` naming
+    ``process_group`` (not torch's ``AttributeError`` from inside ``get_rank``).
+    """
     if process_group is None:
         return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if group_type is None or not isinstance(process_group, group_type):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup (e.g. from "
+            f"dist.new_group(ranks)) or None for one rank, got {type(process_group).__name__}")
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group; call it only on the "
+                         "group's ranks")
+    return rank, world
 
 
 def reorder_rows_index(cu_seq_lens: torch.Tensor, chunk_starts: torch.Tensor,
@@ -116,12 +129,12 @@ class DCPContextSource:
     def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, device_plan: Any,
                  process_group: Any, *, kv_cache_scale: Any = None,
                  kv_cache_format: str | None = None) -> None:
-        plan = device_plan.plan
+        rank, world = dcp_world(process_group)
+        plan = getattr(device_plan, "plan", None)
         if not isinstance(plan, DCPChunkPlan):
             raise TypeError(f"device_plan must be the upload of a DCPChunkPlan, got one of "
                             f"{type(plan).__name__}; plan with DCPChunkPlanner(...).plan(batch, "
-                            f"rank=rank)")
-        rank, world = dcp_world(process_group)
+                            f"rank=rank) and upload it with StagingRing.upload")
         if (rank, world) != (plan.rank, plan.world):
             raise ValueError(f"the plan is for rank {plan.rank} of {plan.world} but "
                              f"process_group is rank {rank} of {world}; plan with this "
@@ -201,12 +214,12 @@ def check_dcp_consistency(digest: tuple[int, int, int], process_group: Any,
     digest : (query_lens, context_lens, config) checksums, see
         :func:`~mlaprefill.dcp.plan.dcp_config_digest`
     """
+    rank, world = dcp_world(process_group)  # a wrong group fails here, before the collective
     mine = np.asarray([*digest, 0 if local_error is None else 1], dtype=np.int64)
     both = torch.from_numpy(np.concatenate([mine, -mine])).to(device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=process_group)
     values = both.cpu().numpy()  # the one documented host sync of debug mode
     lo, hi = values[:4], -values[4:]
-    rank, world = dcp_world(process_group)
     bad = [name for name, a, b in zip(_DIGEST_FIELDS, lo[:3], hi[:3], strict=True) if a != b]
     if bad:
         raise ValueError(
