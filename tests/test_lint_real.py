@@ -59,12 +59,14 @@ def _ratio(num: int, den: int) -> float:
 
 
 #: What the lint reaches today, per (split, code): (precision, recall) lower bounds. The targets
-#: of issue #29 (held-out HS101 P, R >= 0.9; HS201 P >= 0.9, R >= 0.8) are not reached: most
-#: held-out misses are tensors made in another module (uploads of helpers' fresh CPU tensors,
-#: reads of parameters and attributes), which a per-module analysis cannot place.
+#: of issue #29 (held-out HS101 P, R >= 0.9; HS201 P >= 0.9, R >= 0.8) are not reached. The
+#: return-summary and host-call rules were written from the misses of the former held-out files
+#: (now dev); on the four new held-out files the lint reports nothing: no false positive, but
+#: HS101 0/2 (copy_ into a tensor that is the CPU buffer itself on one branch) and HS201 0/8
+#: (.cpu() of what an imported sampler returns).
 REACHED = {
-    ("dev", "HS101"): (1.0, 1.0), ("dev", "HS201"): (1.0, 5 / 7),
-    ("held-out", "HS101"): (1.0, 3 / 10), ("held-out", "HS201"): (1.0, 1 / 3),
+    ("dev", "HS101"): (1.0, 9 / 10), ("dev", "HS201"): (1.0, 6 / 10),
+    ("held-out", "HS101"): (1.0, 0.0), ("held-out", "HS201"): (1.0, 0.0),
 }
 
 
@@ -77,8 +79,8 @@ def test_precision_and_recall_on_real_engine_code(split: str) -> None:
     rows = []
     for code, (tp, fp, fn) in scores.items():
         p, r = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
-        rows.append(f"{split:8} {code}  tp={tp} fp={fp} fn={fn}  precision={p:.2f} "
-                    f"recall={r:.2f}")
-        min_p, min_r = REACHED[(split, code)]
-        assert p >= min_p and r >= min_r, rows[-1]
-    print("\n" + "\n".join(rows))
+        rows.append((f"{split:8} {code}  tp={tp} fp={fp} fn={fn}  precision={p:.2f} "
+                     f"recall={r:.2f}", p, r, REACHED[(split, code)]))
+    print("\n" + "\n".join(row for row, *_ in rows))
+    for row, p, r, (min_p, min_r) in rows:
+        assert p >= min_p and r >= min_r, row

@@ -83,6 +83,8 @@ _BUILTINS = frozenset({
     "next", "round", "divmod", "hash", "format", "callable", "super", "map", "filter", "vars",
 })
 _ACC_PREFIXES = ("cuda", "meta", "xpu", "mps", "hip", "npu", "xla", "hpu", "privateuseone")
+# Callee names that say the result is placed on purpose (pinned, on a device).
+_PLACING_NAME = re.compile(r"pin|gpu|cuda|device|upload|stage|async|share|to_dev|npu|xpu")
 _CAMEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")
 
 
@@ -150,8 +152,9 @@ class Scope:
 @dataclasses.dataclass(slots=True)
 class Facts:
     """Module-wide knowledge from a whole pass: ``attrs[(class or None, attr)]`` and
-    ``returns[(class or None, function)]`` hold the join of every known kind assigned or
-    returned; ``globals`` the module body's names at its end."""
+    ``returns[(class or None, function)]`` hold the join of every known kind assigned, and
+    the kind every return of the function gives (see :meth:`add_return`); ``globals`` the
+    module body's names at its end."""
 
     attrs: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
     returns: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
@@ -164,8 +167,18 @@ class Facts:
         self.attrs[key] = join(self.attrs.get(key), kind) or kind
 
     def add_return(self, owner: str | None, name: str, kind: str | None) -> None:
+        """A function's summary is a tensor kind only when *every* return gives it (``None``
+        returns aside): ``return torch.zeros(n)`` on one path and ``return x`` of an unknown
+        ``x`` on another says nothing about the call's result (unlike a local name, whose
+        unknown paths are merely unseen ones, see :func:`~hostsync.lint_where.join`)."""
         key = (owner, name)
-        self.returns[key] = join(self.returns.get(key), kind or UNKNOWN) or UNKNOWN
+        kind = kind or UNKNOWN
+        prev = self.returns.get(key)
+        if prev is None or prev == NONE:
+            self.returns[key] = kind
+        elif kind != NONE:
+            self.returns[key] = prev if prev == kind else \
+                HOST if prev in HOST_KINDS and kind in HOST_KINDS else UNKNOWN
 
 
 class KindModel:
@@ -514,7 +527,7 @@ class KindModel:
                 known = _known(self.facts.returns.get((None, f.id)))
                 if known is not None:
                     return known
-            return self.by_inputs(call, scope)
+            return self.by_inputs(call, scope) or self.host_call(call, scope)
         if not isinstance(f, ast.Attribute):
             return None
         if isinstance(f.value, ast.Name) and f.value.id in self.torch_names:
@@ -543,6 +556,21 @@ class KindModel:
         if any(k in HOST_KINDS for k in kinds):
             return None
         return DEV_CALL if DEVICE in kinds or DEV_CALL in kinds else None
+
+    def host_call(self, call: ast.Call, scope: Scope) -> str | None:
+        """``pageable`` for a plain function call the lint cannot see into (imported, or of no
+        known summary) that is given host tensors and no device ones: a helper that computes
+        from host tensors (``prepare_chunk_indices(cu_seqlens_cpu, 64)``) returns a fresh host
+        tensor, in pageable memory unless it pins, which a name such as ``pin_*`` / ``*_gpu``
+        / ``*upload*`` would say (then None). Methods are not judged so: a receiver may be a
+        buffer pool handing out pinned or device memory."""
+        f = call.func
+        if self.strict or not isinstance(f, ast.Name) or _PLACING_NAME.search(f.id.lower()):
+            return None
+        kinds = self.inputs(call, scope)
+        if any(k in (DEVICE, DEV_CALL, SAME_DEV, ACC_DEV) for k in kinds):
+            return None
+        return PAGEABLE if any(k in HOST_KINDS for k in kinds) else None
 
     def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
         if m == "device":

@@ -33,7 +33,12 @@ HS101  non_blocking copy to a device from pageable host memory
 
 What: `x.to(device, non_blocking=True)`, `x.cuda(non_blocking=True)` or
 `dst.copy_(x, non_blocking=True)` where `x` is known to be ordinary (pageable) host memory:
-made on the host by torch or NumPy without pin_memory, or computed from host tensors.
+made on the host by torch or NumPy without pin_memory, or computed from host tensors, or
+returned by a function of the same module whose every return is such a tensor
+(`def make(n): return torch.tensor(...)` ... `make(n).to(dev, non_blocking=True)`), or
+returned by a plain function call the lint cannot see into (imported) that is given host
+tensors and no device ones (`prepare_chunk_indices(cu_seqlens_cpu, 64)`; not methods, nor
+callees named pin/gpu/cuda/device/upload/stage/async).
 
 Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
 the host wait until every kernel already queued has finished (measured on an H200: with 50 ms
