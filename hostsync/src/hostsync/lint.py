@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable
 
 from hostsync.lint_flow import analyze
+from hostsync.lint_kinds import Imported
 
 __all__ = ["CODES", "NOT_CHECKED", "OPT_IN", "LintFinding", "is_selected", "lint_path",
            "lint_source", "lint_tree", "not_checked"]
@@ -100,11 +101,13 @@ def is_selected(code: str, select: Iterable[str] | None = None) -> bool:
 
 
 def lint_tree(tree: ast.AST, path: str = "<string>", *,
-              select: Iterable[str] | None = None) -> list[LintFinding]:
+              select: Iterable[str] | None = None,
+              imported: Imported | None = None) -> list[LintFinding]:
     """Findings of a parsed module, ignoring ``# noqa`` (flake8 applies those itself).
 
-    ``select`` as in :func:`is_selected`. Where one copy is both HS101 (on one path) and HS103
-    (on another), only HS101 is kept.
+    ``select`` as in :func:`is_selected`; ``imported``: summaries of what the module imports
+    from other linted modules (see :mod:`hostsync.lint_modules`). Where one copy is both
+    HS101 (on one path) and HS103 (on another), only HS101 is kept.
     """
     select = list(select) if select is not None else None
     found: dict[tuple[int, int, str], LintFinding] = {}
@@ -116,7 +119,7 @@ def lint_tree(tree: ast.AST, path: str = "<string>", *,
             getattr(node, "end_lineno", None) or node.lineno,
             getattr(node, "end_col_offset", None) or node.col_offset))
 
-    analyze(tree, report)
+    analyze(tree, report, imported)
     definite = {(f.line, f.col) for f in found.values() if f.code == "HS101"}
     return sorted(f for f in found.values() if is_selected(f.code, select)
                   and not (f.code == "HS103" and (f.line, f.col) in definite))
@@ -136,7 +139,8 @@ def _suppressed(finding: LintFinding, lines: list[str]) -> bool:
 
 
 def lint_source(source: str, path: str = "<string>", *,
-                select: Iterable[str] | None = None) -> list[LintFinding]:
+                select: Iterable[str] | None = None,
+                imported: Imported | None = None) -> list[LintFinding]:
     """Lint Python source text; ``# noqa`` comments are honoured.
 
     Parameters
@@ -148,6 +152,8 @@ def lint_source(source: str, path: str = "<string>", *,
     select
         Code prefixes to keep (default: every ``HS`` code that is not opt-in); opt-in codes
         (``HS103``) need their full code, e.g. ``["HS", "HS103"]``.
+    imported
+        Summaries of names imported from other linted modules (:mod:`hostsync.lint_modules`).
 
     Raises
     ------
@@ -156,7 +162,8 @@ def lint_source(source: str, path: str = "<string>", *,
     """
     tree = ast.parse(source, filename=path)
     lines = source.splitlines()
-    return [f for f in lint_tree(tree, path, select=select) if not _suppressed(f, lines)]
+    return [f for f in lint_tree(tree, path, select=select, imported=imported)
+            if not _suppressed(f, lines)]
 
 
 def not_checked(path: str, reason: str) -> LintFinding:
@@ -164,7 +171,8 @@ def not_checked(path: str, reason: str) -> LintFinding:
     return LintFinding(path, 1, 0, NOT_CHECKED, f"file not checked: {reason}")
 
 
-def lint_path(path: str, *, select: Iterable[str] | None = None) -> list[LintFinding]:
+def lint_path(path: str, *, select: Iterable[str] | None = None,
+              imported: Imported | None = None) -> list[LintFinding]:
     """Lint one file; a file that cannot be checked is one :data:`NOT_CHECKED` finding
     (unreadable, not a regular file, too large, not UTF-8, a syntax error, too deeply nested),
     never an exception, so that a run over many files goes on.
@@ -174,7 +182,7 @@ def lint_path(path: str, *, select: Iterable[str] | None = None) -> list[LintFin
     prefix = f"PATH {path!r} "
     try:
         source = read_python(path, field="PATH", skip="pass --exclude")
-        return lint_source(source, path, select=select)
+        return lint_source(source, path, select=select, imported=imported)
     except UsageError as e:
         return [not_checked(path, str(e).removeprefix(prefix))]
     except SyntaxError as e:

@@ -4,7 +4,9 @@ Static host-sync lint (see :mod:`hostsync.lint` for the codes; ``--explain CODE`
 one in full). Directories are searched recursively for ``*.py`` (hidden directories and
 ``__pycache__`` skipped). Output: one ``path:line:col: CODE message`` line per finding, a JSON
 object, a SARIF 2.1.0 log (code-scanning upload) or GitHub Actions annotations. A file that
-cannot be read, decoded or parsed is one HS000 finding and the run goes on. Exit status: 0
+cannot be read, decoded or parsed is one HS000 finding and the run goes on. Files linted in
+one run know what the functions and classes they import from each other return (cross-module
+summaries: module names are paths relative to the directories given). Exit status: 0
 clean, 1 findings, 2 usage error (a path that does not exist, a directory that cannot be
 listed, an unknown code), always as one line on stderr.
 """
@@ -19,9 +21,9 @@ import sys
 from typing import Any
 
 from hostsync.cli_common import UsageError, one_line_errors
-from hostsync.lint import CODES, OPT_IN, LintFinding, lint_path
+from hostsync.lint import CODES, OPT_IN, LintFinding
 
-__all__ = ["add_parser", "collect_files", "lint_files", "run"]
+__all__ = ["add_parser", "collect_files", "collect_rooted", "lint_files", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,7 +52,13 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
     UsageError
         If a path does not exist or a directory cannot be listed.
     """
-    files: list[str] = []
+    return [f for f, _ in collect_rooted(paths, exclude)]
+
+
+def collect_rooted(paths: list[str], exclude: list[str]) -> list[tuple[str, str | None]]:
+    """:func:`collect_files` with the directory each file was found under (None for a file
+    given itself): module names of the cross-module summaries are relative to it."""
+    files: list[tuple[str, str | None]] = []
     for path in paths:
         if os.path.isdir(path):
             if not os.access(path, os.R_OK | os.X_OK):
@@ -58,12 +66,13 @@ def collect_files(paths: list[str], exclude: list[str]) -> list[str]:
                                  "fix its permissions or pass --exclude")
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-                files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
+                files.extend((os.path.join(root, n), path) for n in sorted(names)
+                             if n.endswith(".py"))
         elif os.path.exists(path):
-            files.append(path)
+            files.append((path, None))
         else:
             raise UsageError(f"PATH {path!r} does not exist; pass an existing file or directory")
-    return [f for f in files if not any(fnmatch.fnmatch(f, g) for g in exclude)]
+    return [(f, r) for f, r in files if not any(fnmatch.fnmatch(f, g) for g in exclude)]
 
 
 def _parse_select(select: str) -> list[str]:
@@ -87,13 +96,15 @@ def _explain(code: str) -> str:
     return EXPLANATIONS[key]
 
 
-def lint_files(files: list[str], select: list[str]) -> list[LintFinding]:
-    """Findings of every file, in order; a file that cannot be read, decoded or parsed is one
-    ``HS000`` finding and the others are still linted."""
-    findings: list[LintFinding] = []
-    for path in files:
-        findings.extend(lint_path(path, select=select))
-    return findings
+def lint_files(files: list[str] | list[tuple[str, str | None]],
+               select: list[str]) -> list[LintFinding]:
+    """Findings of every file, in order, linted together (:mod:`hostsync.lint_modules`);
+    ``files``: paths, or ``(path, root)`` pairs from :func:`collect_rooted`. A file that cannot
+    be read, decoded or parsed is one ``HS000`` finding and the others are still linted."""
+    from hostsync.lint_modules import lint_modules
+
+    rooted = [f if isinstance(f, tuple) else (f, None) for f in files]
+    return lint_modules(rooted, select=select)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("PATH is missing; pass the files or directories to lint "
                              "(or --explain CODE)")
         select = _parse_select(args.select)
-        files = collect_files(list(args.paths), list(args.exclude))
+        files = collect_rooted(list(args.paths), list(args.exclude))
         findings = lint_files(files, select)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

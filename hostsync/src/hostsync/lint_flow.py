@@ -20,6 +20,7 @@ from hostsync.lint_kinds import (
     LIST,
     STRICT,
     Facts,
+    Imported,
     KindModel,
     Scope,
     device_kind_of_str,
@@ -42,7 +43,7 @@ from hostsync.lint_where import (
     join,
 )
 
-__all__ = ["Report", "analyze"]
+__all__ = ["Report", "analyze", "summarize"]
 
 # (node, code, message) -> None
 Report = Callable[[ast.AST, str, str], None]
@@ -120,15 +121,16 @@ def _annotation_class(node: ast.expr | None) -> str | None:
 class _Flow:
     """One module's analysis; see the module docstring."""
 
-    def __init__(self, tree: ast.Module, report: Report) -> None:
+    def __init__(self, tree: ast.Module, report: Report,
+                 imported: Imported | None = None) -> None:
         self.tree = tree
-        self.model = KindModel(tree)
+        self.model = KindModel(tree, imported)
         self._report = report
         self.reporting = False
         self.pending = Facts()
 
-    def run(self) -> None:
-        for final in (False, False, True):
+    def run(self, passes: tuple[bool, ...] = (False, False, True)) -> None:
+        for final in passes:
             self.reporting = final
             self.pending = Facts()
             scope = Scope(env={}, types={})
@@ -368,7 +370,8 @@ class _Flow:
         if not isinstance(value, ast.Call):
             return None
         f = value.func
-        if isinstance(f, ast.Name) and f.id in self.model.classes:
+        if isinstance(f, ast.Name) and (f.id in self.model.classes
+                                        or f.id in self.model.imported.classes):
             return f.id
         if isinstance(f, ast.Name) and f.id == "cls" and scope.cls is not None:
             return scope.cls
@@ -577,8 +580,17 @@ def _is_list_value(value: ast.expr | None) -> bool:
             and isinstance(value.left, ast.List))
 
 
-def analyze(tree: ast.AST, report: Report) -> None:
-    """Run the lint's flow analysis over a parsed module, calling ``report`` per finding."""
+def analyze(tree: ast.AST, report: Report, imported: Imported | None = None) -> None:
+    """Run the lint's flow analysis over a parsed module, calling ``report`` per finding;
+    ``imported``: what other linted modules say about the names this one imports."""
     if isinstance(tree, ast.Module):
-        _Flow(tree, report).run()
+        _Flow(tree, report, imported).run()
+
+
+def summarize(tree: ast.Module, imported: Imported | None = None) -> Facts:
+    """The module facts of ``tree`` (return kinds of its functions and methods, attribute kinds
+    per class) from the two fact-gathering passes of :func:`analyze`, reporting nothing."""
+    flow = _Flow(tree, lambda *_: None, imported)
+    flow.run((False, False))
+    return flow.model.facts
 

@@ -31,8 +31,8 @@ from hostsync.lint_where import (
     op_result,
 )
 
-__all__ = ["LIST", "STRICT", "Facts", "KindModel", "Scope", "device_kind_of_str", "dotted",
-           "is_dtype_expr",
+__all__ = ["LIST", "STRICT", "Facts", "Imported", "KindModel", "Scope", "device_kind_of_str",
+           "dotted", "is_dtype_expr",
            "kwarg", "truthy_pin"]
 
 LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
@@ -181,10 +181,26 @@ class Facts:
                 HOST if prev in HOST_KINDS and kind in HOST_KINDS else UNKNOWN
 
 
+@dataclasses.dataclass(slots=True)
+class Imported:
+    """What the other linted modules say about the names this module imports from them (see
+    :mod:`hostsync.lint_modules`): ``functions[local]`` the return kind of an imported function,
+    by its local name (``f`` for ``from m import f``) or dotted path (``m.f`` / ``alias.f`` for
+    ``import m``); ``classes`` the local names of imported classes, with their methods' return
+    kinds ``methods[(local class, method)]`` and attribute kinds ``attrs[(local class, attr)]``.
+    """
+
+    functions: dict[str, str] = dataclasses.field(default_factory=dict)
+    classes: set[str] = dataclasses.field(default_factory=set)
+    methods: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    attrs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+
 class KindModel:
     """Kinds of expressions in one module; see the module docstring."""
 
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, imported: Imported | None = None) -> None:
+        self.imported = imported or Imported()
         self.torch_names = {"torch"}
         self.numpy_names: set[str] = set()
         self.classes: set[str] = set()
@@ -200,6 +216,7 @@ class KindModel:
         # Evidence of construction only (see :meth:`strictly`): no naming conventions, no
         # module facts of return values.
         self.strict = False
+        self._hints: dict[int, frozenset[str]] = {}  # by id() of the function node
         self._scan(tree)
 
     def strictly(self, node: ast.expr, scope: Scope) -> str | None:
@@ -273,6 +290,12 @@ class KindModel:
         """Names ``x`` whose ``x.device`` this function uses as a device: engines write
         ``device=x.device`` for tensors that live on the accelerator, or through a local alias
         (``device = x.device`` ... ``torch.zeros(n, device=device)``)."""
+        known = self._hints.get(id(fn))
+        if known is None:
+            known = self._hints[id(fn)] = self._function_hints(fn)
+        return known
+
+    def _function_hints(self, fn: ast.AST) -> frozenset[str]:
         aliases: dict[str, str] = {}
         for node in ast.walk(fn):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1
@@ -415,6 +438,10 @@ class KindModel:
                 fact = self.facts.attrs.get((None, a))
             if fact is not None:
                 return _known(fact)
+        elif owner in self.imported.classes:  # an imported class: what its module assigns
+            fact = _known(self.imported.attrs.get((owner, a)))
+            if fact is not None:
+                return fact
         return self.convention(a, attribute=True, hint=a in self.hint_attrs)
 
     # ------------------------------------------------------------------ devices
@@ -527,6 +554,10 @@ class KindModel:
                 known = _known(self.facts.returns.get((None, f.id)))
                 if known is not None:
                     return known
+            elif not self.strict:  # an imported function of another linted module
+                known = _known(self.imported.functions.get(f.id))
+                if known is not None:
+                    return known
             return self.by_inputs(call, scope) or self.host_call(call, scope)
         if not isinstance(f, ast.Attribute):
             return None
@@ -539,7 +570,16 @@ class KindModel:
                 k = self.kind(call.args[0], scope)
                 return k if k in HOST_KINDS else PAGEABLE
             return PAGEABLE
+        if not self.strict:  # module.f(...) of another linted module
+            path = dotted(f)
+            known = _known(self.imported.functions.get(path)) if path is not None else None
+            if known is not None:
+                return known
         owner = self.type_of(f.value, scope)
+        if owner is not None and not self.strict and owner not in self.classes:
+            known = _known(self.imported.methods.get((owner, f.attr)))
+            if known is not None:
+                return known
         if owner is not None and (owner, f.attr) in self.methods:
             if self.strict:
                 return self.by_inputs(call, scope)

@@ -1,0 +1,73 @@
+"""Cross-module summaries (hostsync.lint_modules): files linted together know what the
+functions and classes they import from each other return."""
+
+from __future__ import annotations
+
+import pathlib
+
+from hostsync.lint_cli import collect_rooted, lint_files
+from hostsync.lint_modules import module_name
+
+HELPERS = """\
+import torch
+from .use import consume  # a cycle: summaries are local facts, so it costs nothing
+
+
+def make(n):
+    return torch.zeros(n, device="cuda")
+
+
+def host(n):
+    return torch.arange(n)
+
+
+class Pool:
+    def take(self, n):
+        return torch.empty(n, device="cuda")
+"""
+
+USE = """\
+import pkg.helpers
+from pkg import helpers
+from .helpers import Pool, make
+
+
+def consume(n):
+    a = make(n).item()                                    # HS201
+    b = helpers.host(n).to("cuda", non_blocking=True)     # HS101
+    c = pkg.helpers.host(n).cuda(non_blocking=True)       # HS101
+    pool = Pool()
+    d = pool.take(n).tolist()                             # HS201
+    return a, b, c, d
+"""
+
+
+def _tree(tmp_path: pathlib.Path) -> pathlib.Path:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text(HELPERS)
+    (pkg / "use.py").write_text(USE)
+    (pkg / "broken.py").write_text("def f(:\n")
+    return pkg
+
+
+def test_imports_resolve_against_the_other_linted_files(tmp_path: pathlib.Path) -> None:
+    pkg = _tree(tmp_path)
+    found = [(pathlib.Path(f.path).name, f.line, f.code)
+             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    assert found == [("broken.py", 1, "HS000"), ("use.py", 7, "HS201"), ("use.py", 8, "HS101"),
+                     ("use.py", 9, "HS101"), ("use.py", 11, "HS201")]
+    # the package given itself: names come from the enclosing packages (__init__.py)
+    assert [f.code for f in lint_files(collect_rooted([str(pkg)], []), ["HS"])] == \
+        ["HS000", "HS201", "HS101", "HS101", "HS201"]
+    # alone, use.py cannot see into its helpers: nothing to report
+    assert lint_files([str(pkg / "use.py")], ["HS"]) == []
+
+
+def test_module_names(tmp_path: pathlib.Path) -> None:
+    pkg = _tree(tmp_path)
+    assert module_name(str(pkg / "use.py"), str(tmp_path)) == "pkg.use"
+    assert module_name(str(pkg / "use.py"), str(pkg)) == "pkg.use"
+    assert module_name(str(pkg / "__init__.py"), str(tmp_path)) == "pkg"
+    assert module_name(str(pkg / "use.py")) == "pkg.use"
