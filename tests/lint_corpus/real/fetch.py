@@ -4,7 +4,9 @@
     python tests/lint_corpus/real/fetch.py --git-root DIR   # from local clones DIR/<owner>+<name>
 
 Each file is checked against the sha256 in ``corpus.json``, so the hand labels in ``labels/``
-(line numbers) always refer to the text they were written for.
+(line numbers) always refer to the text they were written for. An entry's ``siblings`` (files
+of the same repository that it imports, linted with it: cross-module summaries) are fetched by
+the same pinned commit into ``.cache/NAME.siblings/<their repository path>``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 
 
-def _get(entry: dict, git_root: pathlib.Path | None) -> bytes:
+def _get(entry: dict, git_root: pathlib.Path | None, path: str | None = None) -> bytes:
+    entry = {**entry, "path": path or entry["path"]}
     if git_root is not None:
         repo = git_root / entry["repo"].replace("/", "+")
         git_dir = repo / "repo" if (repo / "repo").exists() else repo
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             bad += 1
             continue
         (CACHE / f"{entry['name']}.py").write_bytes(data)
+        for sibling in entry.get("siblings", []):
+            out = CACHE / f"{entry['name']}.siblings" / sibling
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(_get(entry, args.git_root, sibling))
     return 1 if bad else 0
 
 
