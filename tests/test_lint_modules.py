@@ -21,6 +21,11 @@ def host(n):
     return torch.arange(n)
 
 
+def sample(logits, temps_gpu):
+    out = kernel(logits, temps_gpu)  # a call given device tensors
+    return out.view(-1), out.argmax(-1)
+
+
 class Pool:
     def take(self, n):
         return torch.empty(n, device="cuda")
@@ -29,7 +34,7 @@ class Pool:
 USE = """\
 import pkg.helpers
 from pkg import helpers
-from .helpers import Pool, make
+from .helpers import Pool, make, sample
 
 
 def consume(n):
@@ -38,7 +43,9 @@ def consume(n):
     c = pkg.helpers.host(n).cuda(non_blocking=True)       # HS101
     pool = Pool()
     d = pool.take(n).tolist()                             # HS201
-    return a, b, c, d
+    ids, probs = sample(n, n)
+    e = ids.cpu()                                         # HS201: a tuple item
+    return a, b, c, d, e
 """
 
 
@@ -57,10 +64,10 @@ def test_imports_resolve_against_the_other_linted_files(tmp_path: pathlib.Path) 
     found = [(pathlib.Path(f.path).name, f.line, f.code)
              for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
     assert found == [("broken.py", 1, "HS000"), ("use.py", 7, "HS201"), ("use.py", 8, "HS101"),
-                     ("use.py", 9, "HS101"), ("use.py", 11, "HS201")]
+                     ("use.py", 9, "HS101"), ("use.py", 11, "HS201"), ("use.py", 13, "HS201")]
     # the package given itself: names come from the enclosing packages (__init__.py)
     assert [f.code for f in lint_files(collect_rooted([str(pkg)], []), ["HS"])] == \
-        ["HS000", "HS201", "HS101", "HS101", "HS201"]
+        ["HS000", "HS201", "HS101", "HS101", "HS201", "HS201"]
     # alone, use.py cannot see into its helpers: nothing to report
     assert lint_files([str(pkg / "use.py")], ["HS"]) == []
 

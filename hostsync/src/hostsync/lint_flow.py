@@ -326,7 +326,9 @@ class _Flow:
                 self.pending.add_attr(scope.cls, name, kind)
         elif isinstance(target, (ast.Tuple, ast.List)):
             for t in target.elts:
-                self._bind_kind(t, kind if kind in TENSOR_KINDS else None, scope)
+                # a tuple of results: each item lives where the whole is said to
+                self._bind_kind(t, kind if kind in TENSOR_KINDS or kind == DEV_CALL else None,
+                                scope)
         elif isinstance(target, ast.Starred):
             self._bind(target.value, value, scope)
         elif isinstance(target, ast.Attribute):

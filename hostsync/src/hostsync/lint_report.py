@@ -34,9 +34,11 @@ HS101  non_blocking copy to a device from pageable host memory
 What: `x.to(device, non_blocking=True)`, `x.cuda(non_blocking=True)` or
 `dst.copy_(x, non_blocking=True)` where `x` is known to be ordinary (pageable) host memory:
 made on the host by torch or NumPy without pin_memory, or computed from host tensors, or
-returned by a function of the same module whose every return is such a tensor
-(`def make(n): return torch.tensor(...)` ... `make(n).to(dev, non_blocking=True)`), or
-returned by a plain function call the lint cannot see into (imported) that is given host
+returned by a function whose every return is such a tensor (`def make(n): return
+torch.tensor(...)` ... `make(n).to(dev, non_blocking=True)`), of the same module or of another
+file linted in the same run that this one imports (`from .plan import make`, `import plan;
+plan.make(n)`: cross-module summaries), or returned by a plain function call the lint cannot
+see into (imported from a file not linted, or of no known summary) that is given host
 tensors and no device ones (`prepare_chunk_indices(cu_seqlens_cpu, 64)`; not methods, nor
 callees named pin/gpu/cuda/device/upload/stage/async).
 
@@ -69,7 +71,8 @@ reuse with a CUDA event so a pending copy is never overwritten.""",
     "HS103": """\
 HS103  non_blocking copy to a device from memory the lint cannot place (opt-in)
 
-What: like HS101, but the source is an argument, an attribute set in another module, or a
+What: like HS101, but the source is an argument, an attribute set in a module not linted
+with this one (or not of a class it imports), or a
 host value whose pinnedness is unknown (`*_cpu`), so it may be pinned, pageable or on the
 device already. Off by default so that the default output stays precise; turn it on with
 `--select HS,HS103` (flake8: `--hostsync-enable HS103`) to review every upload.
@@ -91,8 +94,12 @@ local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out
 tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
 beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
 returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
-fields of such a result. Conditions, casts and f-strings are judged from what the code does,
-not from names (`if has_cuda:`, `if device.type == "cuda":`, `assert t.dim() == 2` are silent).
+fields and tuple items of such a result, and what a function returns whose every return is on
+the device, in the same module or in another file linted in the same run that this one imports
+(`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
+summaries; lint a package's files together to use them). Conditions, casts and f-strings are
+judged from what the code does, not from names (`if has_cuda:`, `if device.type == "cuda":`,
+`assert t.dim() == 2` are silent).
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
