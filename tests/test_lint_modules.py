@@ -78,3 +78,19 @@ def test_module_names(tmp_path: pathlib.Path) -> None:
     assert module_name(str(pkg / "use.py"), str(pkg)) == "pkg.use"
     assert module_name(str(pkg / "__init__.py"), str(tmp_path)) == "pkg"
     assert module_name(str(pkg / "use.py")) == "pkg.use"
+
+
+def test_an_import_never_resolves_to_a_shorter_namesake(tmp_path: pathlib.Path) -> None:
+    """``vllm.v1.worker.utils`` is not the linted ``vllm_ascend/worker/utils.py``; a source
+    directory above the package (``python/minisgl``) is fine."""
+    helpers = HELPERS.replace("from .use import consume", "")
+    for helper, main, imp in (("vllm_ascend/worker/utils.py", "vllm_ascend/main.py",
+                               "vllm.v1.worker.utils"),
+                              ("python/minisgl/utils.py", "python/minisgl/main.py",
+                               "minisgl.utils")):
+        for path, text in ((helper, helpers), (main, f"from {imp} import make\n\n\n"
+                                                     "def f(n):\n    return make(n).item()\n")):
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_text(text)
+    found = [f.path for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    assert found == [str(tmp_path / "python" / "minisgl" / "main.py")]

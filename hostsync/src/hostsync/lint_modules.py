@@ -7,8 +7,9 @@ imports from the others (``from m import f``, ``from . import m``, ``import m``,
 a``; ``a.f(...)``, ``C(...).meth()``). A module's name is its path relative to the root it was
 found under (``pkg/sub/mod.py`` -> ``pkg.sub.mod``, ``__init__.py`` names the package), prefixed
 by the enclosing packages above the root (directories holding ``__init__.py``); an import that
-names no linted module exactly resolves to the one module whose name ends it in two or more
-parts (``from lightllm.x.y import f`` finds ``x/y.py`` linted from ``lightllm/``).
+names no linted module exactly resolves to the one module whose name ends with it in two or
+more parts (``from minisgl.core import f`` finds ``python/minisgl/core.py`` linted from the
+repository root).
 
 Summaries are computed from each module's own facts, then recomputed once with the first
 round's imports (so that a chain of two modules resolves); the rounds are capped at
@@ -95,26 +96,25 @@ def _summarize(tree: ast.Module, imported: Imported | None) -> _Summary:
 
 
 class _Index:
+    """Linted modules by name. An import names a module exactly, or as the end of its name in
+    two or more parts (``minisgl.core`` is ``python/minisgl/core.py`` linted from the repository
+    root: a source directory above the package), when one module only ends so. Never the other
+    way round: ``vllm.v1.worker.utils`` is not ``vllm_ascend/worker/utils.py``."""
+
     def __init__(self, modules: list[Module]) -> None:
         self.by_name: dict[str, Module] = {}
         self.by_suffix: dict[str, Module | None] = {}
         for m in modules:
             self.by_name.setdefault(m.name, m)
             parts = m.name.split(".")
-            for i in range(len(parts) - 1):
+            for i in range(1, len(parts) - 1):  # proper suffixes of two parts or more
                 suffix = ".".join(parts[i:])
-                if len(parts) - i >= 2:  # one module per suffix, or none
-                    self.by_suffix[suffix] = m if self.by_suffix.get(suffix, m) is m else None
+                self.by_suffix[suffix] = m if self.by_suffix.get(suffix, m) is m else None
 
     def find(self, name: str) -> Module | None:
         if name in self.by_name:
             return self.by_name[name]
-        parts = name.split(".")
-        for i in range(1, len(parts) - 1):
-            hit = self.by_suffix.get(".".join(parts[i:]))
-            if hit is not None:
-                return hit
-        return None
+        return self.by_suffix.get(name)
 
 
 def _absolute(module: Module, node: ast.ImportFrom) -> str | None:
