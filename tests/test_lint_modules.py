@@ -94,3 +94,14 @@ def test_an_import_never_resolves_to_a_shorter_namesake(tmp_path: pathlib.Path) 
             (tmp_path / path).write_text(text)
     found = [f.path for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
     assert found == [str(tmp_path / "python" / "minisgl" / "main.py")]
+
+
+def test_tuple_items_of_a_guessed_method_result_stay_unknown(tmp_path: pathlib.Path) -> None:
+    """``_, counts, mode = self.sync(x_gpu)``: a method whose summary is unknown is only guessed
+    to return device results; its tuple's items are not taken to be (vllm-ascend's
+    ``_sync_metadata_across_dp`` returns a host tensor there)."""
+    path = tmp_path / "runner.py"
+    path.write_text("class R:\n    def sync(self, n):\n        return n, None, 0\n\n"
+                    "    def step(self, x_gpu):\n        _, counts, _ = self.sync(x_gpu)\n"
+                    "        return counts.item()\n")
+    assert lint_files([str(path)], ["HS"]) == []

@@ -127,6 +127,7 @@ class _Flow:
         self.model = KindModel(tree, imported)
         self._report = report
         self.reporting = False
+        self.exporting = False  # summarizing for other modules (see summarize)
         self.pending = Facts()
 
     def run(self, passes: tuple[bool, ...] = (False, False, True)) -> None:
@@ -283,8 +284,12 @@ class _Flow:
                 types[p.arg] = cls_name
         for default in [*args.defaults, *(d for d in args.kw_defaults if d is not None)]:
             self._expr(default, scope)
-        inner = Scope(env=env, types=types, cls=scope.cls,
-                      hints=self.model.function_hints(fn),
+        hints = self.model.function_hints(fn)
+        if self.exporting and not is_method:
+            # `device=x.device` of its own parameter x: in the function, x is on the device,
+            # but what it returns to another module's caller lives where that caller's x does
+            hints = hints - {p.arg for p in params if p is not None}
+        inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
                       scope.function is None) else None)
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
@@ -325,10 +330,15 @@ class _Flow:
             if scope.class_body and scope.cls is not None:
                 self.pending.add_attr(scope.cls, name, kind)
         elif isinstance(target, (ast.Tuple, ast.List)):
+            # the tuple a plain function call given device tensors returns, or a summarized
+            # one (every return a device call's results): each item is such a result; not so
+            # for a method whose kind is only guessed from its arguments, as for the host-call
+            # rule (`_, n_cpu, mode = self.sync(dev, ...)` may hold host items)
+            item = kind if kind in TENSOR_KINDS or (kind == DEV_CALL and (
+                (isinstance(value, ast.Call) and isinstance(value.func, ast.Name))
+                or model.summarized(value, scope))) else None
             for t in target.elts:
-                # a tuple of results: each item lives where the whole is said to
-                self._bind_kind(t, kind if kind in TENSOR_KINDS or kind == DEV_CALL else None,
-                                scope)
+                self._bind_kind(t, item, scope)
         elif isinstance(target, ast.Starred):
             self._bind(target.value, value, scope)
         elif isinstance(target, ast.Attribute):
@@ -591,8 +601,11 @@ def analyze(tree: ast.AST, report: Report, imported: Imported | None = None) -> 
 
 def summarize(tree: ast.Module, imported: Imported | None = None) -> Facts:
     """The module facts of ``tree`` (return kinds of its functions and methods, attribute kinds
-    per class) from the two fact-gathering passes of :func:`analyze`, reporting nothing."""
+    per class) from the two fact-gathering passes of :func:`analyze`, reporting nothing, for
+    other modules: a free function's ``device=x.device`` of its own parameter ``x`` does not
+    place ``x`` here (the importing caller chooses where ``x`` lives)."""
     flow = _Flow(tree, lambda *_: None, imported)
+    flow.exporting = True
     flow.run((False, False))
     return flow.model.facts
 

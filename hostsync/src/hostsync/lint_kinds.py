@@ -587,6 +587,28 @@ class KindModel:
             return known if known is not None else self.by_inputs(call, scope)
         return self.method(f.attr, call, f.value, scope)
 
+    def summarized(self, value: ast.expr | None, scope: Scope) -> bool:
+        """Whether ``value`` is a call of a function or method with a known return summary
+        (this module's or an imported one's), not a guess from its arguments."""
+        if not isinstance(value, ast.Call):
+            return False
+        f = value.func
+        if isinstance(f, ast.Name):
+            if f.id in self.functions:
+                return _known(self.facts.returns.get((None, f.id))) is not None
+            return _known(self.imported.functions.get(f.id)) is not None
+        if not isinstance(f, ast.Attribute):
+            return False
+        path = dotted(f)
+        if path is not None and _known(self.imported.functions.get(path)) is not None:
+            return True
+        owner = self.type_of(f.value, scope)
+        if owner is None:
+            return False
+        if (owner, f.attr) in self.methods:
+            return _known(self.facts.returns.get((owner, f.attr))) is not None
+        return _known(self.imported.methods.get((owner, f.attr))) is not None
+
     def by_inputs(self, call: ast.Call, scope: Scope) -> str | None:
         """``dev-call`` for a call the lint cannot see into that is given device tensors and no
         host tensors (see :mod:`~hostsync.lint_where`); None otherwise."""
