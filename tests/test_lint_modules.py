@@ -105,3 +105,14 @@ def test_tuple_items_of_a_guessed_method_result_stay_unknown(tmp_path: pathlib.P
                     "    def step(self, x_gpu):\n        _, counts, _ = self.sync(x_gpu)\n"
                     "        return counts.item()\n")
     assert lint_files([str(path)], ["HS"]) == []
+
+
+def test_a_device_hint_outweighs_a_guessed_call_result(tmp_path: pathlib.Path) -> None:
+    """``q, k = rope(q, k)`` (a guess: dev-call) then ``lens.to(q.device)``: ``q.device`` used
+    as a device says ``q`` is on the device (lightllm qwen2_5_visual)."""
+    path = tmp_path / "vis.py"
+    path.write_text("def rope(q, k):\n    return q.float(), k.float()\n\n\n"
+                    "class Attn:\n    def forward(self, x_gpu, lens):\n"
+                    "        q, k = rope(self.qkv(x_gpu), x_gpu)\n"
+                    "        lens = lens.to(q.device)\n        return lens.max().item()\n")
+    assert [f.line for f in lint_files([str(path)], ["HS"])] == [9]

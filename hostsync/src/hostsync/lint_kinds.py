@@ -389,6 +389,8 @@ class KindModel:
             return _known(scope.env.get("[]" + ident))
         if v is None:
             v = self.facts.globals.get(ident)
+        if v == DEV_CALL and ident in scope.hints:
+            return DEVICE  # guessed from a call, shown by `device=x.device`: on the device
         if v is not None and v not in (UNKNOWN, ARG):
             return v if v != LIST else None
         return self.convention(ident, hint=ident in scope.hints)
