@@ -83,13 +83,6 @@ class KVCacheSpec:
         return (self.kind, self.scale, ptr)
 
 
-    def gather_kwargs(self) -> dict[str, Any]:
-        """The ``kv_cache_scale`` / ``kv_cache_format`` keywords that give this spec."""
-        scale = self.scale_tensor if self.scale_tensor is not None else self.scale
-        return {"kv_cache_scale": scale if self.kind == "fp8" else None,
-                "kv_cache_format": "fp8_ds_mla" if self.kind == "fp8_ds_mla" else None}
-
-
 PLAIN = "plain"
 
 

@@ -32,7 +32,7 @@ import torch
 from mlaprefill.backends import AttentionBackend, VarlenSeqs, get_backend, seq_ids_from_cu
 from mlaprefill.batch import INT32_MAX
 from mlaprefill.graphs import IterationGraphs, LayerGraphs, row_bucket
-from mlaprefill.kernels.gather import gather_context_rows
+from mlaprefill.kernels.gather import gather_context_rows_with_spec
 from mlaprefill.plan import POLICIES
 from mlaprefill.replay import forward_graphs, layer_arena
 from mlaprefill.staging import DevicePlan, parse_device
@@ -364,10 +364,9 @@ class MLAChunkedPrefill:
                     else None, cu_seqlens_q_host=seq_q, cu_seqlens_k_host=seq_k)
             joined = backend.wants_joined_keys(seqs_i, h, False)
             if context_source is None:
-                rows = gather_context_rows(kv_cache, block_table, cu_seq_lens[i],
-                                           chunk_starts[i], workspace, num_rows,
-                                           kv_cache_scale=kv_cache_scale,
-                                           kv_cache_format=kv_cache_format)
+                rows = gather_context_rows_with_spec(kv_cache, cache_spec, block_table,
+                                                     cu_seq_lens[i], chunk_starts[i],
+                                                     workspace, num_rows)
             else:
                 rows = context_source(i, workspace)
                 if tuple(rows.shape) != (num_rows, rank + rope):

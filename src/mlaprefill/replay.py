@@ -17,7 +17,7 @@ import torch
 
 from mlaprefill.backends import VarlenSeqs
 from mlaprefill.graphs import EAGER, MIN_QUERY_BUCKET, Arena, pow2_at_least, row_bucket
-from mlaprefill.kernels.gather import gather_context_rows
+from mlaprefill.kernels.gather import gather_context_rows_with_spec
 from mlaprefill.kvcache import KVCacheSpec
 from mlaprefill.staging import DevicePlan
 
@@ -135,14 +135,14 @@ class _PaddedIteration:
     ``counter`` (``ChunkPlan.iteration_sequences``), not ``cu_q`` and the gather's offsets.
     """
 
-    __slots__ = ("arena", "cache_kwargs", "host", "kv_cache", "launch", "op")
+    __slots__ = ("arena", "cache_spec", "host", "kv_cache", "launch", "op")
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor,
                  cache_spec: KVCacheSpec, seqs: int, max_q: int, rows: int, count: int,
                  rope: int, scale: float, host: tuple[Any, Any] | None, *,
                  att_seqs: int = 0) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
-        self.cache_kwargs = cache_spec.gather_kwargs()
+        self.cache_spec = cache_spec
         self.launch = (seqs, max_q, rows, count, rope, scale, att_seqs)
 
     def __call__(self) -> None:
@@ -159,9 +159,9 @@ class _PaddedIteration:
                 cu_att = arena.seq_k[:, :att_seqs + 1].index_select(0, arena.counter)[0]
             else:
                 cu_q, cu_att = arena.cu_q[:seqs + 1], cu
-            latent = gather_context_rows(kv_cache, arena.block_table[:seqs], cu, starts,
-                                         arena.workspace, rows, use_kernel=True,
-                                         **self.cache_kwargs)
+            latent = gather_context_rows_with_spec(kv_cache, self.cache_spec,
+                                                   arena.block_table[:seqs], cu, starts,
+                                                   arena.workspace, rows, use_kernel=True)
             k_i, v_i = op.upproj.project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
                                          rope, joined=joined, v_padded=v_padded)
             op.backend.attend_and_merge(arena.q, k_i, v_i,

@@ -37,7 +37,7 @@ from mlaprefill.kvcache import DS_MLA_RANK, KVCacheSpec, dequantize_rows, resolv
 from mlaprefill.staging import rows_to_requests
 
 __all__ = ["gather_context_records", "gather_context_rows", "gather_context_rows_torch",
-           "rows_to_requests"]
+           "gather_context_rows_with_spec", "rows_to_requests"]
 
 
 if HAS_TRITON:
@@ -127,9 +127,10 @@ def _block_d(latent_dim: int) -> int:
 
 def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
            chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int,
-           kv_cache_scale: Any, kv_cache_format: Any, records: bool) -> KVCacheSpec | None:
+           kv_cache_scale: Any, kv_cache_format: Any, records: bool,
+           spec: KVCacheSpec | None = None) -> KVCacheSpec | None:
     """The cache's :class:`KVCacheSpec` (None for ``records``: a verbatim copy) after checking
-    every argument."""
+    every argument; a given ``spec`` (already resolved for this cache) is not resolved again."""
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, page_size, record], got shape "
                          f"{tuple(kv_cache.shape)}")
@@ -146,9 +147,13 @@ def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch
         if not workspace.dtype.is_floating_point:
             raise ValueError(f"workspace must have a float dtype (the compute dtype), got "
                              f"{workspace.dtype}")
-        spec = resolve_kv_cache(kv_cache, kv_cache_scale, kv_cache_format,
-                                latent_dim=workspace.shape[1], dtype=workspace.dtype,
-                                dtype_of="workspace")
+        if spec is None:
+            spec = resolve_kv_cache(kv_cache, kv_cache_scale, kv_cache_format,
+                                    latent_dim=workspace.shape[1], dtype=workspace.dtype,
+                                    dtype_of="workspace")
+        elif spec.latent_dim != workspace.shape[1]:
+            raise ValueError(f"workspace has {workspace.shape[1]} columns, the cache's rows "
+                             f"{spec.latent_dim}")
     if workspace.shape[0] < num_rows:
         raise ValueError(f"workspace has {workspace.shape[0]} rows, the iteration needs "
                          f"{num_rows}; allocate at least plan.max_iteration_tokens rows")
@@ -264,6 +269,20 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
                   kv_cache_scale, kv_cache_format, records=False)
     return _launch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows, spec,
                    use_kernel, block_rows, num_warps)
+
+
+def gather_context_rows_with_spec(kv_cache: torch.Tensor, cache_spec: KVCacheSpec,
+                                  block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                                  chunk_starts: torch.Tensor, workspace: torch.Tensor,
+                                  num_rows: int, *, use_kernel: bool | None = None
+                                  ) -> torch.Tensor:
+    """:func:`gather_context_rows` with the cache's format given as ``cache_spec`` (what
+    :func:`mlaprefill.kvcache.resolve_kv_cache` returned for ``kv_cache``): the forward resolves
+    the format once per call, not once per iteration. Same arguments otherwise."""
+    _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows, None, None,
+           records=False, spec=cache_spec)
+    return _launch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows,
+                   cache_spec, use_kernel, 16, 4)
 
 
 def gather_context_records(kv_cache: torch.Tensor, block_table: torch.Tensor,
