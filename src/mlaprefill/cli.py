@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from hostsync.cli import OneLineParser, run_subcommand
 
 __all__ = ["main"]
 
@@ -49,18 +50,10 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors are one line on stderr (exit status 2) instead of
-    the whole usage block; its subcommands' parsers are of this class too."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
-
-
 def _build_parser(only: str | None) -> argparse.ArgumentParser:
     from mlaprefill import __version__
 
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="mlaprefill",
         description="MLA chunked-context prefill without host stalls, and tools that find them.",
         epilog="Exit status: 0 ok, 1 findings (audit, lint), 2 invalid input (one line on "
@@ -97,17 +90,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    try:
-        return int(importlib.import_module(SUBCOMMANDS[args.command]).run(args))
-    except KeyboardInterrupt:
-        print(f"mlaprefill {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader went away (`mlaprefill plan ... | head`): not an error of ours. Point
-        # stdout at devnull so the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    return run_subcommand("mlaprefill", SUBCOMMANDS[args.command], args)
 
 
 if __name__ == "__main__":

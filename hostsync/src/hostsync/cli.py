@@ -12,14 +12,16 @@ import importlib
 import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["OneLineParser", "main", "run_subcommand"]
 
 # subcommand -> module providing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS: dict[str, str] = {"lint": "hostsync.lint_cli", "audit": "hostsync.audit_cli"}
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr (exit status 2), not the whole usage block."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line on stderr (exit status 2) instead of
+    the whole usage block; its subcommands' parsers are of this class too (also
+    ``mlaprefill``'s command line)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
@@ -28,7 +30,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     from hostsync import __version__
 
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="hostsync",
         description="Find hidden host syncs in PyTorch code: a static lint and a runtime audit.",
         epilog="Exit status: 0 ok, 1 findings, 2 invalid input (one line on stderr naming the "
@@ -48,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    return run_subcommand("hostsync", SUBCOMMANDS[args.command], args)
+
+
+def run_subcommand(prog: str, module: str, args: argparse.Namespace) -> int:
+    """``module.run(args)`` as an exit code: Ctrl-C is ``PROG COMMAND: interrupted`` and 130,
+    a reader that went away (``PROG lint src | head``) is 0, not our error; stdout then points
+    at devnull so the interpreter's final flush does not raise again."""
     try:
-        return int(importlib.import_module(SUBCOMMANDS[args.command]).run(args))
+        return int(importlib.import_module(module).run(args))
     except KeyboardInterrupt:
-        print(f"hostsync {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog} {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `hostsync lint src | head`: the reader left, not our error
+    except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
