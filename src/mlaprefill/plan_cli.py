@@ -51,7 +51,7 @@ _MAX_ITERATIONS = 100_000
 _MAX_TABLE_ENTRIES = 2**24  # ~100 MB of JSON text, a few hundred MB while it is serialized
 _MAX_LINE_BYTES = 2**26  # a 64 MiB line holds ~10**7 requests, far past MAX_PLAN_ENTRIES / 2
 # Kept here (not imported) so `mlaprefill plan` does not import torch unless --policy auto.
-_BACKEND_NAMES = ("mlaprefill", "cudnn", "fa2", "flex", "math")
+_BACKEND_NAMES = ("mlaprefill", "cudnn", "fa2", "flex", "math", "mlaprefill-fp8")
 
 
 class _InputError(ValueError):

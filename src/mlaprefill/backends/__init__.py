@@ -23,6 +23,7 @@ from mlaprefill.backends.base import (
 from mlaprefill.backends.cudnn import CudnnBackend
 from mlaprefill.backends.fa2 import FA2Backend
 from mlaprefill.backends.flex import FlexBackend
+from mlaprefill.backends.fp8 import MLAPrefillFP8Backend
 from mlaprefill.backends.math import MathBackend
 from mlaprefill.backends.mlaprefill import MLAPrefillBackend
 
@@ -43,6 +44,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "fa2": FA2Backend,
     "flex": FlexBackend,
     "math": MathBackend,
+    # opt-in (never auto): the context attention in FP8 (backends/fp8.py)
+    "mlaprefill-fp8": MLAPrefillFP8Backend,
 }
 
 #: ``auto`` preference (H200, bf16, qk 192 / v 128; docs/RESULTS.md): ``mlaprefill`` (on Hopper

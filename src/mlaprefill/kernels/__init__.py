@@ -8,6 +8,8 @@
 * :mod:`mlaprefill.kernels.hopper_attention` — the same contract as a warp-specialized Gluon
   kernel for sm_90, which :func:`~mlaprefill.kernels.attention.varlen_attention` runs by default
   where it applies.
+* :mod:`mlaprefill.kernels.fp8_attention` — the opt-in FP8 (e4m3) context attention and its
+  quantizing pass (Triton only; the ``mlaprefill-fp8`` backend).
 
 Triton is optional: without it (or on CPU tensors) the torch fallbacks run. Both paths are
 sync-free and CUDA-graph safe (shapes come from host ints only).

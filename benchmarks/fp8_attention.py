@@ -1,0 +1,242 @@
+# ruff: noqa: B023  (timing closures capture loop variables on purpose; each runs in its iteration)
+"""Context attention kernels side by side: bf16 (ours), FP8 (ours, opt-in) and cuDNN (issue #31).
+
+Usage::
+
+    cd benchmarks && PYTHONPATH=../src python fp8_attention.py --out results/fp8_attention_h200.json
+
+    PYTHONPATH=src python benchmarks/fp8_attention.py --cpu-smoke --out /tmp/fp8_attention.json
+
+Sections:
+
+* ``kernel`` — one non-causal context call (``num_seqs`` sequences of ``q_len`` queries over
+  ``k_len`` keys each, MLA's qk 192 = 128 + 64 with the rope key shared by every head, v 128),
+  timed per kernel in the same run: ``bf16`` :func:`mlaprefill.kernels.varlen_attention` (on an
+  sm_90 GPU its warp-specialized Gluon kernel), ``fp8`` :func:`fp8_context_attention` on inputs
+  quantized beforehand (each FP8 config of ``--configs``; the best is ``fp8``), ``fp8+quant`` the
+  same with the quantizing passes of q, k and v in the timed region, and ``cudnn`` PyTorch's
+  cuDNN SDPA on the equal-length batch with whole keys ``[B, H, L, 192]`` (the rope key copied
+  into every head beforehand, not timed). TFLOP/s = ``4 * num_seqs * q_len * k_len * H * (192 +
+  128) / 2 / time`` (two matrix products, 2 FLOP per multiply-add; ``flop_formula`` in the JSON).
+* ``accuracy`` — out and LSE of the bf16 and the FP8 kernel against float64 attention of the same
+  bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4 of
+  the key, query and value channels x 30).
+
+Times: ``triton.testing.do_bench`` medians (CUDA events, L2 flushed); CPU smoke: tiny shapes in
+Triton's interpreter (float16; the bf16 kernel's stand-in), host wall clock, meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernels run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from _common import add_cpu_smoke, empty_cache, kernel_ms, write_json
+from mlaprefill._env import machine_info, utc_now
+from mlaprefill.kernels.attention import varlen_attention
+from mlaprefill.kernels.fp8_attention import (
+    FP8AttentionConfig,
+    fp8_context_attention,
+    quantize_context,
+    quantize_rows,
+)
+
+NOPE, ROPE, VDIM = 128, 64, 128
+# (heads, num_seqs, q_len, k_len): long contexts at 16 and 128 heads, then shorter chunks
+SHAPES = [
+    (16, 1, 4096, 16384), (16, 1, 4096, 65536), (16, 4, 1024, 32768), (16, 16, 256, 8192),
+    (128, 1, 4096, 16384), (128, 1, 4096, 65536), (128, 4, 1024, 32768), (128, 16, 256, 8192),
+]
+SMOKE_SHAPES = [(2, 2, 20, 40)]
+CONFIGS = "m128_n128_w8_s3,m128_n64_w8_s3,m128_n128_w8_s2,m64_n128_w4_s3,m128_n128_w4_s2"
+FLOP_FORMULA = "4 * num_seqs * q_len * k_len * heads * (qk_head_dim + v_head_dim) / 2"
+
+
+def parse_config(name: str) -> FP8AttentionConfig:
+    parts = dict((p[0], int(p[1:])) for p in name.split("_"))
+    return FP8AttentionConfig(parts["m"], parts["n"], parts["w"], parts["s"])
+
+
+def make_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtype, device: str,
+                seed: int = 0, outliers: bool = False) -> dict:
+    nope, rope, vdim = NOPE, ROPE, VDIM
+    g = torch.Generator(device=device).manual_seed(seed)
+    tq, tk = seqs * q_len, seqs * k_len
+    q = torch.randn(tq, heads, nope + rope, generator=g, device=device)
+    kv = torch.randn(tk, heads, nope + vdim, generator=g, device=device)  # split-key layout
+    kr = torch.randn(tk, rope, generator=g, device=device)
+    if outliers:  # a few channels 30x larger, as activations with outlier features have
+        q[..., :4] *= 30
+        kv[..., :4] *= 30
+        kv[..., nope:nope + 4] *= 30
+        kr[:, :2] *= 30
+    q, kv, kr = q.to(dtype), kv.to(dtype), kr.to(dtype)
+    cu_q = torch.arange(0, tq + 1, q_len, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, tk + 1, k_len, dtype=torch.int32, device=device)
+    return {"q": q, "k": kv[..., :nope], "v": kv[..., nope:], "k_rope": kr, "cu_q": cu_q,
+            "cu_k": cu_k, "q_len": q_len, "scale": (nope + rope) ** -0.5}
+
+
+def run_bf16(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max_seqlen_q=x["q_len"],
+                            causal=False, softmax_scale=x["scale"], k_rope=x["k_rope"])
+
+
+def run_fp8(x: dict, cfg: FP8AttentionConfig | None = None, quantized=None):
+    q8, qs, ctx = quantized if quantized is not None else (*quantize_rows(x["q"]),
+                                                           quantize_context(x["k"], x["k_rope"],
+                                                                            x["v"]))
+    return fp8_context_attention(q8, qs, ctx, x["cu_q"], x["cu_k"], max_seqlen_q=x["q_len"],
+                                 softmax_scale=x["scale"], out_dtype=x["q"].dtype, config=cfg)
+
+
+def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of the inputs, one sequence and head block at a time."""
+    q, k, v, kr = x["q"].double(), x["k"].double(), x["v"].double(), x["k_rope"].double()
+    tq, h = q.shape[:2]
+    out = torch.empty(tq, h, v.shape[2], dtype=torch.float64, device=q.device)
+    lse = torch.empty(tq, h, dtype=torch.float64, device=q.device)
+    cq, ck = x["cu_q"].tolist(), x["cu_k"].tolist()
+    for s in range(len(cq) - 1):
+        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        kk = torch.cat([k[c:d], kr[c:d, None].expand(-1, h, -1)], -1)
+        for h0 in range(0, h, 8):
+            hs = slice(h0, h0 + 8)
+            sc = torch.einsum("qhd,khd->hqk", q[a:b, hs], kk[:, hs]) * x["scale"]
+            lse[a:b, hs] = torch.logsumexp(sc, -1).T
+            out[a:b, hs] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d, hs])
+    return out, lse
+
+
+def _errors(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]
+            ) -> dict:
+    res = {}
+    for name, a, b in (("out", got[0], ref[0]), ("lse", got[1], ref[1])):
+        d = a.double() - b
+        res[f"{name}_rmse"] = float(d.pow(2).mean().sqrt())
+        res[f"{name}_max_abs"] = float(d.abs().max())
+        res[f"{name}_ref_rms"] = float(b.pow(2).mean().sqrt())
+    return res
+
+
+def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -> list[dict]:
+    rows = []
+    cudnn = device == "cuda" and hasattr(torch.nn.attention, "SDPBackend")
+    for heads, seqs, q_len, k_len in shapes:
+        empty_cache()
+        x = make_inputs(heads, seqs, q_len, k_len, dtype, device)
+        flop = 4 * seqs * q_len * k_len * heads * (NOPE + ROPE + VDIM) / 2
+        row: dict = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                     "flop": flop, "kernels": {}}
+
+        def record(name: str, fn) -> None:
+            t = kernel_ms(fn)
+            t["tflops"] = flop / (t["median_ms"] * 1e-3) / 1e12
+            row["kernels"][name] = t
+            print(f"  H={heads} {seqs}x{q_len} over {k_len}: {name:>22} "
+                  f"{t['median_ms']:8.3f} ms {t['tflops']:7.1f} TFLOP/s", flush=True)
+
+        record("bf16", lambda: run_bf16(x))
+        quantized = (*quantize_rows(x["q"]), quantize_context(x["k"], x["k_rope"], x["v"]))
+        for name in configs:
+            cfg = parse_config(name)
+            try:
+                record(f"fp8:{name}", lambda: run_fp8(x, cfg, quantized))
+            except Exception as exc:  # a config that does not fit (shared memory, registers)
+                row["kernels"][f"fp8:{name}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(f"  fp8:{name}: {type(exc).__name__}", flush=True)
+        timed = {k: v for k, v in row["kernels"].items() if k.startswith("fp8:") and "median_ms"
+                 in v}
+        if timed:
+            best = min(timed, key=lambda k: timed[k]["median_ms"])
+            row["fp8_best_config"] = best.split(":", 1)[1]
+            row["kernels"]["fp8"] = dict(timed[best])
+            cfg = parse_config(row["fp8_best_config"])
+            record("fp8+quant", lambda: run_fp8(x, cfg))
+        quantized = None  # free it before cuDNN's copies
+        if cudnn:
+            b = seqs
+            qd = x["q"].view(b, q_len, heads, -1).transpose(1, 2)
+            kk = torch.cat([x["k"], x["k_rope"][:, None].expand(-1, heads, -1)], -1)
+            kd = kk.view(b, k_len, heads, -1).transpose(1, 2)
+            vd = x["v"].contiguous().view(b, k_len, heads, -1).transpose(1, 2)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def cudnn_call():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qd, kd, vd, scale=x["scale"])
+            try:
+                record("cudnn", cudnn_call)
+            except Exception as exc:
+                row["kernels"]["cudnn"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            del kk, kd, vd
+        ks = row["kernels"]
+        for a, b in (("fp8", "bf16"), ("bf16", "cudnn"), ("fp8", "cudnn")):
+            if "median_ms" in ks.get(a, {}) and "median_ms" in ks.get(b, {}):
+                row[f"{a}_over_{b}_throughput"] = ks[b]["median_ms"] / ks[a]["median_ms"]
+        rows.append(row)
+    return rows
+
+
+def bench_accuracy(shapes, dtype: torch.dtype, device: str) -> list[dict]:
+    rows = []
+    for heads, seqs, q_len, k_len in shapes:
+        for outliers in (False, True):
+            x = make_inputs(heads, seqs, q_len, k_len, dtype, device, seed=1, outliers=outliers)
+            ref = reference(x)
+            row = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                   "inputs": "outlier channels x30" if outliers else "N(0, 1)",
+                   "bf16": _errors(run_bf16(x), ref), "fp8": _errors(run_fp8(x), ref)}
+            print(f"  accuracy H={heads} {seqs}x{q_len} over {k_len} {row['inputs']}: out rmse "
+                  f"bf16 {row['bf16']['out_rmse']:.2e} fp8 {row['fp8']['out_rmse']:.2e}; lse max "
+                  f"bf16 {row['bf16']['lse_max_abs']:.2e} fp8 {row['fp8']['lse_max_abs']:.2e}",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--sections", default="kernel,accuracy", help="comma list")
+    p.add_argument("--configs", default=CONFIGS, help="FP8 configs mM_nN_wW_sS, comma list")
+    p.add_argument("--shapes", default="", help="HEADS:SEQS:QLEN:KLEN comma list (kernel)")
+    add_cpu_smoke(p)
+    args = p.parse_args()
+    if args.cpu_smoke:
+        device, dtype, shapes = "cpu", torch.float16, SMOKE_SHAPES
+        acc_shapes, configs = SMOKE_SHAPES, ["m16_n16_w4_s1"]
+        global NOPE, ROPE, VDIM
+        NOPE, ROPE, VDIM = 16, 16, 16
+    else:
+        if not torch.cuda.is_available():
+            print("needs CUDA (or --cpu-smoke)", file=sys.stderr)
+            return 2
+        device, dtype = "cuda", torch.bfloat16
+        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] \
+            if args.shapes else SHAPES
+        acc_shapes = [(16, 1, 1024, 4096), (128, 1, 512, 4096)]
+        configs = [c for c in args.configs.split(",") if c]
+    sections = set(args.sections.split(","))
+    machine = machine_info(torch.device(device))
+    doc = {"benchmark": "fp8_attention", "date_utc": utc_now(), "machine": machine,
+           "settings": {"dtype": str(dtype), "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
+                        "v_head_dim": VDIM, "flop_formula": FLOP_FORMULA, "configs": configs,
+                        "cpu_smoke": args.cpu_smoke}}
+    if "kernel" in sections:
+        doc["kernel"] = bench_kernels(shapes, configs, dtype, device)
+    if "accuracy" in sections:
+        doc["accuracy"] = bench_accuracy(acc_shapes, dtype, device)
+    write_json(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

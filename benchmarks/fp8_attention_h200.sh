@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The opt-in FP8 context attention on the lent H200 (issue #31), in few device calls:
+#   bash benchmarks/fp8_attention_h200.sh kernel   # gpu-marked FP8-attention tests + the kernel
+#                                                  # and accuracy sections of fp8_attention.py
+#   bash benchmarks/fp8_attention_h200.sh forward  # whole forwards vs the unchunked cuDNN bound:
+#                                                  # mlaprefill+graphs and mlaprefill-fp8+graphs
+# Writes under $OUT (the device tool's output folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fp8-attn-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:$PWD/hostsync/src
+case "${1:-kernel}" in
+  kernel)
+    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
+      2>&1 | tail -25 | tee "$OUT/fp8_attention_tests.txt"
+    (cd benchmarks && timeout 330 python fp8_attention.py ${FP8_ARGS:-} \
+      --out "$OUT/fp8_attention_h200.json" 2>&1 | tail -60)
+    ;;
+  forward)
+    (cd benchmarks && timeout 540 python attention.py \
+      --skip gather,merge,attention,forward,policies \
+      --backends "${IDEAL_BACKENDS:-mlaprefill+graphs,mlaprefill-fp8+graphs}" \
+      --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
+    ;;
+esac

@@ -1,0 +1,174 @@
+"""The FP8 context attention (kernels/fp8_attention.py) in Triton's interpreter on CPU tensors
+(run by tests/test_fp8_attention.py in a subprocess with ``TRITON_INTERPRET=1``; skipped
+otherwise).
+
+Exactness where there is an exact answer: the quantized values and scales equal torch's own
+e4m3 rounding of ``x * 448 / amax`` bit for bit; the LSE equals the float64 LSE of the
+*dequantized* queries and keys (the probabilities' rounding to e4m3 does not enter it). The
+output carries that rounding too: it is checked against the float64 result of the dequantized
+inputs within e4m3's relative step (2^-4) of the values' magnitude.
+"""
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (see "
+                "tests/test_fp8_attention.py)", allow_module_level=True)
+
+import torch
+
+from mlaprefill.kernels.fp8_attention import (
+    FP8AttentionConfig,
+    fp8_context_attention,
+    quantize_context,
+    quantize_rows,
+)
+
+CFG = FP8AttentionConfig(16, 16, 4, 1)
+
+
+def _torch_quantize(x):
+    amax = x.double().abs().amax(-1).float()
+    y = x.float() * (448.0 / torch.where(amax > 0, amax, 448.0))[..., None]
+    return y.clamp(-448, 448).to(torch.float8_e4m3fn), torch.where(amax > 0, amax / 448, 1.0)
+
+
+def test_quantize_rows_is_torchs_rounding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3, 24, generator=g) * torch.logspace(-3, 3, 37)[:, None, None]
+    x[4] = 0.0  # all-zero rows: scale 1, values 0
+    x[5, 1, 3] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        y, s = quantize_rows(xd)
+        ref_y, ref_s = _torch_quantize(xd)
+        ok = ~s.isnan()
+        assert bool(s[5, 1].isnan()) and int(ok.sum()) == 37 * 3 - 1
+        assert torch.equal(s[ok], ref_s[ok]), dtype
+        assert torch.equal(y.view(torch.uint8)[ok], ref_y.view(torch.uint8)[ok]), dtype
+        assert bool((s[4] == 1).all()) and bool((y[4].float() == 0).all())
+        yt, st = quantize_rows(xd, transposed=True)  # [H, D, T_pad]
+        assert yt.shape == (3, 24, 48) and torch.equal(st[ok], s[ok])
+        assert torch.equal(yt[:, :, :37].permute(2, 0, 1).view(torch.uint8)[ok],
+                           y.view(torch.uint8)[ok])
+    # a strided view (the up-projection's split layout) quantizes like its contiguous copy
+    kv = torch.randn(9, 2, 40, generator=g)
+    a, sa = quantize_rows(kv[..., 8:])
+    b, sb = quantize_rows(kv[..., 8:].contiguous())
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(sa, sb)
+
+
+def _case(lq, lk, heads=2, nope=16, rope=16, dv=16, seed=0, scale_k=1.0):
+    g = torch.Generator().manual_seed(seed)
+    cq = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    ck = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), heads, nope + rope, generator=g).bfloat16()
+    kn = (torch.randn(int(ck[-1]), heads, nope, generator=g) * scale_k).bfloat16()
+    kp = torch.randn(int(ck[-1]), rope, generator=g).bfloat16()
+    v = torch.randn(int(ck[-1]), heads, dv, generator=g).bfloat16()
+    return q, kn, kp, v, cq, ck
+
+
+def _reference(q, kn, kp, v, cq, ck, softmax_scale):
+    """float64 attention of the given (already dequantized) tensors; empty rows 0 / -inf."""
+    tq, h = q.shape[:2]
+    out = torch.zeros(tq, h, v.shape[2], dtype=torch.float64)
+    lse = torch.full((tq, h), float("-inf"), dtype=torch.float64)
+    for s in range(len(cq) - 1):
+        a, b, c, d = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
+        if a == b or c == d:
+            continue
+        k = torch.cat([kn[c:d].double(), kp[c:d].double()[:, None].expand(-1, h, -1)], -1)
+        sc = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * softmax_scale
+        lse[a:b] = torch.logsumexp(sc, -1).T
+        out[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d].double())
+    return out, lse
+
+
+def _dequantized(q, kn, kp, v):
+    q8, qs = quantize_rows(q)
+    ctx = quantize_context(kn, kp, v)
+    n = kn.shape[0]
+    return ((q8, qs, ctx),
+            (q8.double() * qs[..., None].double(), ctx.k8.double() * ctx.k_scale[..., None],
+             ctx.p8.double() * ctx.p_scale[:, None], ctx.vt8[:, :, :n].permute(2, 0, 1).double()
+             * ctx.v_scale[..., None]))
+
+
+@pytest.mark.parametrize("lq,lk", [
+    ([1], [1]),                      # one query, one key
+    ([3, 0, 17], [20, 5, 0]),        # a sequence without queries, one without keys
+    ([16, 33], [16, 32]),            # lengths at the block boundaries (block 16)
+    ([5, 2], [47, 17]),              # keys past one block, ragged tails
+])
+def test_against_float64_of_the_dequantized_inputs(lq, lk):
+    q, kn, kp, v, cq, ck = _case(lq, lk, seed=len(lq) + sum(lk))
+    (q8, qs, ctx), deq = _dequantized(q, kn, kp, v)
+    out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
+                                     softmax_scale=0.3, out_dtype=torch.float32, config=CFG)
+    ref_out, ref_lse = _reference(*deq, cq, ck, 0.3)
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse.isinf() & (lse < 0), empty)  # no keys: exactly -inf, out 0
+    assert bool((out[empty] == 0).all())
+    assert (lse.double() - ref_lse)[~empty].abs().amax() < 2e-5
+    vmax = v.double().abs().max()
+    assert (out.double() - ref_out)[~empty].abs().amax() < 2 ** -4 * vmax
+
+
+def test_nan_stays_in_its_sequence_and_state_merges():
+    q, kn, kp, v, cq, ck = _case([4, 6, 3], [18, 9, 21], seed=5)
+    v[20, 1, 3] = float("nan")     # sequence 1's key 2 (keys 18..26), head 1
+    kp[5] = float("inf")           # sequence 0's rope key 5: all heads
+    (q8, qs, ctx), _ = _dequantized(q, kn, kp, v)
+    out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=6, softmax_scale=0.3,
+                                     out_dtype=torch.float32, config=CFG)
+    bad = out.isnan().any(-1) | lse.isnan()
+    assert bool(bad[0:4].all()) and bool(bad[4:10, 1].all())
+    assert not bool(bad[4:10, 0].any()) and not bool(bad[10:].any())
+    # state: merged into a running (out, lse) in place, as merging two separate results would
+    q, kn, kp, v, cq, ck = _case([4, 6], [18, 9], seed=6)
+    (q8, qs, ctx), _ = _dequantized(q, kn, kp, v)
+    run_out = torch.randn(10, 2, 16)
+    run_lse = torch.randn(10, 2)
+    run_lse[0, 0] = float("-inf")   # a row with no keys so far: takes this call's result
+    part_out, part_lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=6,
+                                               softmax_scale=0.3, out_dtype=torch.float32,
+                                               config=CFG)
+    m = torch.maximum(run_lse, part_lse)
+    w1, w2 = torch.exp(run_lse - m), torch.exp(part_lse - m)
+    want_out = (run_out * w1[..., None] + part_out * w2[..., None]) / (w1 + w2)[..., None]
+    want_lse = m + torch.log(w1 + w2)
+    fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=6, softmax_scale=0.3,
+                          state=(run_out, run_lse), config=CFG)
+    assert torch.allclose(run_out, want_out, atol=1e-5) and torch.allclose(run_lse, want_lse,
+                                                                           atol=1e-5)
+
+
+def test_forward_with_the_fp8_backend():
+    from conftest import paged_mla_inputs
+    from mlaprefill.batch import PrefillBatch
+    from mlaprefill.graphs import IterationGraphs
+    from mlaprefill.plan import ChunkPlanner
+    from mlaprefill.prefill import MLAChunkedPrefill
+    from mlaprefill.reference import mla_prefill_reference
+    from mlaprefill.staging import StagingRing
+
+    query_lens, context_lens = [3, 1, 5], [33, 16, 0]
+    x = paged_mla_inputs(query_lens, context_lens, heads=2, rank=32, nope=16, rope=16, v=16,
+                         page_size=16, seed=3, dtype=torch.float16)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+        context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
+    plan = ChunkPlanner(16, 16, policy="balanced").plan(
+        PrefillBatch(query_lens, context_lens, page_size=16))
+    for graphs in (None, IterationGraphs()):
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
+                               backend="mlaprefill-fp8", graphs=graphs)
+        assert op.backend_name == "mlaprefill-fp8"
+        out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                              x["block_table"], StagingRing("cpu").upload(plan), return_lse=True)
+        # e4m3 rounding of q, k, v and p: a few percent of the output's scale
+        assert (out.double() - ref_out).abs().max() < 0.1 * ref_out.abs().max(), graphs
+        assert (lse.double() - ref_lse).abs().max() < 0.1, graphs

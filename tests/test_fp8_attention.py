@@ -1,0 +1,56 @@
+"""The opt-in FP8 context attention on CPU: the ``mlaprefill-fp8`` backend's selection and
+errors, and its kernels in Triton's interpreter (tests/interpreter/test_interp_fp8_attention.py,
+in a subprocess with ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaprefill.backends import AUTO_ORDER, BACKENDS, get_backend
+from mlaprefill.kernels.fp8_attention import FP8AttentionConfig, fp8_context_attention
+
+
+def test_auto_never_picks_fp8_and_reasons_name_the_dim():
+    assert "mlaprefill-fp8" in BACKENDS and "mlaprefill-fp8" not in AUTO_ORDER
+    be = BACKENDS["mlaprefill-fp8"]()
+    assert be.name == "mlaprefill-fp8"
+    assert "qk_rope_head_dim" in be.head_split_reason(128, 48)
+    assert "qk_nope_head_dim" in be.head_split_reason(96, 64)
+    assert be.head_split_reason(128, 64) is None
+    why = be.unsupported_reason(torch.device("cpu"), torch.float64, 192, 128)
+    assert why is not None
+    with pytest.raises(ValueError, match="mlaprefill-fp8"):
+        get_backend("mlaprefill-fp8", device="cpu", dtype=torch.float64, qk_head_dim=192,
+                    v_head_dim=128)
+
+
+def test_config_and_kernel_argument_errors():
+    with pytest.raises(ValueError, match="block_n"):
+        FP8AttentionConfig(block_n=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        FP8AttentionConfig(num_warps=3)
+    from mlaprefill.kernels.fp8_attention import FP8Context
+
+    f8 = torch.float8_e4m3fn
+    ctx = FP8Context(torch.zeros(4, 2, 16, dtype=f8), torch.ones(4, 2),
+                     torch.zeros(4, 16, dtype=f8), torch.ones(4),
+                     torch.zeros(2, 16, 16, dtype=f8), torch.ones(4, 2))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q8 must be"):
+        fp8_context_attention(torch.zeros(4, 2, 32), torch.ones(4, 2), ctx, cu, cu,
+                              max_seqlen_q=4, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fp8_context_attention(torch.zeros(4, 2, 32, dtype=f8), torch.ones(4, 2), ctx, cu, cu,
+                              max_seqlen_q=4, softmax_scale=float("nan"))
+    bad = FP8Context(ctx.k8, ctx.k_scale, torch.zeros(4, 24, dtype=f8), ctx.p_scale, ctx.vt8,
+                     ctx.v_scale)
+    with pytest.raises(ValueError, match="rope head dim"):
+        fp8_context_attention(torch.zeros(4, 2, 40, dtype=f8), torch.ones(4, 2), bad, cu, cu,
+                              max_seqlen_q=4, softmax_scale=1.0)
+
+
+def test_fp8_kernels_in_the_interpreter():
+    from conftest import run_interpreter_tests
+
+    run_interpreter_tests("test_interp_fp8_attention.py", passed=7)

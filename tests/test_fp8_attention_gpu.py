@@ -1,0 +1,138 @@
+"""The opt-in FP8 context attention on CUDA (marked ``gpu``; skipped without CUDA): the quantizing
+pass bit for bit against torch's e4m3 rounding, the kernel against float64 attention of the
+dequantized inputs at MLA's head dims on awkward lengths, NaN kept in its sequence, and the
+``mlaprefill-fp8`` forward (eager and graph replays) against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import paged_mla_inputs
+from mlaprefill import IterationGraphs, MLAChunkedPrefill
+from mlaprefill.batch import PrefillBatch
+from mlaprefill.kernels.fp8_attention import (
+    fp8_context_attention,
+    quantize_context,
+    quantize_rows,
+)
+from mlaprefill.plan import ChunkPlanner
+from mlaprefill.reference import mla_prefill_reference
+from mlaprefill.staging import StagingRing
+
+pytestmark = pytest.mark.gpu
+
+NOPE, ROPE, V = 128, 64, 128
+
+
+def _fp8_ok():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _torch_quantize(x):
+    amax = x.double().abs().amax(-1).float()
+    y = x.float() * (448.0 / torch.where(amax > 0, amax, 448.0))[..., None]
+    return y.clamp(-448, 448).to(torch.float8_e4m3fn), torch.where(amax > 0, amax / 448, 1.0)
+
+
+def test_quantize_rows_bitwise_like_torch():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(300, 4, 192, generator=g, device="cuda")
+         * torch.logspace(-3, 3, 300, device="cuda")[:, None, None]).bfloat16()
+    x[7] = 0
+    y, s = quantize_rows(x)
+    ry, rs = _torch_quantize(x)
+    assert torch.equal(s, rs)
+    assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8))
+    yt, _ = quantize_rows(x[..., :128], transposed=True)
+    ry2, _ = _torch_quantize(x[..., :128])
+    assert torch.equal(yt[:, :, :300].permute(2, 0, 1).view(torch.uint8), ry2.view(torch.uint8))
+
+
+def _case(lq, lk, heads, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cq = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    tq, tk = int(cq[-1]), int(ck[-1])
+    q = torch.randn(tq, heads, NOPE + ROPE, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(tk, heads, NOPE + V, generator=g, device="cuda").bfloat16()
+    kr = torch.randn(tk, ROPE, generator=g, device="cuda").bfloat16()
+    return q, kv[..., :NOPE], kr, kv[..., NOPE:], cq, ck
+
+
+def _reference(q, kn, kp, v, cq, ck, scale):
+    tq, h = q.shape[:2]
+    out = torch.zeros(tq, h, v.shape[2], dtype=torch.float64, device="cuda")
+    lse = torch.full((tq, h), float("-inf"), dtype=torch.float64, device="cuda")
+    cq, ck = cq.tolist(), ck.tolist()
+    for s in range(len(cq) - 1):
+        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        if a == b or c == d:
+            continue
+        k = torch.cat([kn[c:d], kp[c:d, None].expand(-1, h, -1)], -1)
+        sc = torch.einsum("qhd,khd->hqk", q[a:b], k) * scale
+        lse[a:b] = torch.logsumexp(sc, -1).T
+        out[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d])
+    return out, lse
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+@pytest.mark.parametrize("lq,lk", [([1], [1]), ([3, 0, 130], [129, 7, 0]),
+                                   ([128, 257], [128, 1000]), ([5, 64, 1], [4097, 33, 130])])
+def test_kernel_against_float64_of_dequantized_inputs(lq, lk):
+    q, kn, kr, v, cq, ck = _case(lq, lk, heads=3, seed=sum(lk))
+    q8, qs = quantize_rows(q)
+    ctx = quantize_context(kn, kr, v)
+    tk = kn.shape[0]
+    deq = (q8.double() * qs[..., None].double(), ctx.k8.double() * ctx.k_scale[..., None],
+           ctx.p8.double() * ctx.p_scale[:, None],
+           ctx.vt8[:, :, :tk].permute(2, 0, 1).double() * ctx.v_scale[..., None])
+    out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
+                                     softmax_scale=192 ** -0.5)
+    ref_out, ref_lse = _reference(*deq, cq, ck, 192 ** -0.5)
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse.isinf() & (lse < 0), empty)
+    assert bool((out[empty] == 0).all())
+    assert (lse.double() - ref_lse)[~empty].abs().amax() < 1e-4
+    assert (out.double() - ref_out)[~empty].abs().amax() < 2 ** -4 * v.abs().max()
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+def test_kernel_nan_stays_in_its_sequence():
+    q, kn, kr, v, cq, ck = _case([40, 70, 9], [300, 129, 77], heads=2, seed=3)
+    v = v.clone()
+    v[310, 1, 5] = float("nan")   # sequence 1, head 1
+    kr = kr.clone()
+    kr[12] = float("inf")         # sequence 0, every head
+    q8, qs = quantize_rows(q)
+    out, lse = fp8_context_attention(q8, qs, quantize_context(kn, kr, v), cq, ck,
+                                     max_seqlen_q=70, softmax_scale=0.1)
+    bad = out.isnan().any(-1) | lse.isnan()
+    assert bool(bad[:40].all()) and bool(bad[40:110, 1].all())
+    assert not bool(bad[40:110, 0].any()) and not bool(bad[110:].any())
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+def test_fp8_backend_forward_eager_and_graphs():
+    query_lens, context_lens = [100, 1, 37], [5000, 64, 0]
+    x = paged_mla_inputs(query_lens, context_lens, heads=16, rank=512, nope=NOPE, rope=ROPE, v=V,
+                         page_size=64, dtype=torch.bfloat16, device="cuda", seed=1)
+    ref_out, ref_lse = mla_prefill_reference(
+        x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"], query_lens,
+        context_lens, x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V)
+    plan = ChunkPlanner(2048, 64).plan(PrefillBatch(query_lens, context_lens, page_size=64))
+    results = []
+    for graphs in (None, IterationGraphs()):
+        op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
+                               backend="mlaprefill-fp8", graphs=graphs)
+        for _ in range(2 if graphs is None else 3):  # graphs: eager, capture, replay
+            out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                                  x["block_table"], StagingRing("cuda").upload(plan),
+                                  return_lse=True)
+            results.append((out.clone(), lse.clone()))
+        err = (out.double() - ref_out).abs()
+        assert err.max() < 0.05 * ref_out.abs().max(), graphs
+        assert (lse.double() - ref_lse).abs().max() < 0.05, graphs
+    # the same kernels in the same order: replays equal the eager forward bit for bit
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
