@@ -19,8 +19,8 @@ Sections:
   into every head beforehand, not timed). TFLOP/s = ``4 * num_seqs * q_len * k_len * H * (192 +
   128) / 2 / time`` (two matrix products, 2 FLOP per multiply-add; ``flop_formula`` in the JSON).
 * ``accuracy`` — out and LSE of the bf16 and the FP8 kernel against float64 attention of the same
-  bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4 of
-  the key, query and value channels x 30).
+  bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4
+  channels of q, k and v x 30 with random signs; 4 key channels offset by +30).
 
 Times: ``triton.testing.do_bench`` medians (CUDA events, L2 flushed); CPU smoke: tiny shapes in
 Triton's interpreter (float16; the bf16 kernel's stand-in), host wall clock, meaningless.
@@ -64,18 +64,21 @@ def parse_config(name: str) -> FP8AttentionConfig:
 
 
 def make_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtype, device: str,
-                seed: int = 0, outliers: bool = False) -> dict:
+                seed: int = 0, outliers: str = "") -> dict:
     nope, rope, vdim = NOPE, ROPE, VDIM
     g = torch.Generator(device=device).manual_seed(seed)
     tq, tk = seqs * q_len, seqs * k_len
     q = torch.randn(tq, heads, nope + rope, generator=g, device=device)
     kv = torch.randn(tk, heads, nope + vdim, generator=g, device=device)  # split-key layout
     kr = torch.randn(tk, rope, generator=g, device=device)
-    if outliers:  # a few channels 30x larger, as activations with outlier features have
+    if outliers == "scaled":  # a few channels 30x larger in q, k and v, random signs
         q[..., :4] *= 30
         kv[..., :4] *= 30
         kv[..., nope:nope + 4] *= 30
         kr[:, :2] *= 30
+    elif outliers == "bias":  # keys with a large per-channel offset (the common LLM pattern)
+        kv[..., :4] += 30
+        kr[:, :2] += 30
     q, kv, kr = q.to(dtype), kv.to(dtype), kr.to(dtype)
     cu_q = torch.arange(0, tq + 1, q_len, dtype=torch.int32, device=device)
     cu_k = torch.arange(0, tk + 1, k_len, dtype=torch.int32, device=device)
@@ -188,11 +191,13 @@ def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -
 def bench_accuracy(shapes, dtype: torch.dtype, device: str) -> list[dict]:
     rows = []
     for heads, seqs, q_len, k_len in shapes:
-        for outliers in (False, True):
+        for outliers, label in (("", "N(0, 1)"),
+                                ("scaled", "4 channels of q, k, v x30 (random signs)"),
+                                ("bias", "4 key channels +30 (an offset)")):
             x = make_inputs(heads, seqs, q_len, k_len, dtype, device, seed=1, outliers=outliers)
             ref = reference(x)
             row = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
-                   "inputs": "outlier channels x30" if outliers else "N(0, 1)",
+                   "inputs": label,
                    "bf16": _errors(run_bf16(x), ref), "fp8": _errors(run_fp8(x), ref)}
             print(f"  accuracy H={heads} {seqs}x{q_len} over {k_len} {row['inputs']}: out rmse "
                   f"bf16 {row['bf16']['out_rmse']:.2e} fp8 {row['fp8']['out_rmse']:.2e}; lse max "

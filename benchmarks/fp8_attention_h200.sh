@@ -13,7 +13,8 @@ export PYTHONPATH=$PWD/src:$PWD/hostsync/src
 case "${1:-kernel}" in
   kernel)
     timeout 240 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
-      2>&1 | tail -25 | tee "$OUT/fp8_attention_tests.txt"
+      > "$OUT/fp8_attention_tests.txt" 2>&1
+    grep -E "^E  |passed|failed" "$OUT/fp8_attention_tests.txt" | head -30
     (cd benchmarks && timeout 330 python fp8_attention.py ${FP8_ARGS:-} \
       --out "$OUT/fp8_attention_h200.json" 2>&1 | tail -60)
     ;;

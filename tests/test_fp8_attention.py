@@ -33,9 +33,8 @@ def test_config_and_kernel_argument_errors():
     from mlaprefill.kernels.fp8_attention import FP8Context
 
     f8 = torch.float8_e4m3fn
-    ctx = FP8Context(torch.zeros(4, 2, 16, dtype=f8), torch.ones(4, 2),
-                     torch.zeros(4, 16, dtype=f8), torch.ones(4),
-                     torch.zeros(2, 16, 16, dtype=f8), torch.ones(4, 2))
+    ctx = FP8Context(torch.zeros(4, 2, 16, dtype=f8), torch.zeros(4, 16, dtype=f8),
+                     torch.zeros(2, 16, 16, dtype=f8), torch.ones(2))
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="q8 must be"):
         fp8_context_attention(torch.zeros(4, 2, 32), torch.ones(4, 2), ctx, cu, cu,
@@ -43,8 +42,7 @@ def test_config_and_kernel_argument_errors():
     with pytest.raises(ValueError, match="softmax_scale"):
         fp8_context_attention(torch.zeros(4, 2, 32, dtype=f8), torch.ones(4, 2), ctx, cu, cu,
                               max_seqlen_q=4, softmax_scale=float("nan"))
-    bad = FP8Context(ctx.k8, ctx.k_scale, torch.zeros(4, 24, dtype=f8), ctx.p_scale, ctx.vt8,
-                     ctx.v_scale)
+    bad = FP8Context(ctx.k8, torch.zeros(4, 24, dtype=f8), ctx.vt8, ctx.amax)
     with pytest.raises(ValueError, match="rope head dim"):
         fp8_context_attention(torch.zeros(4, 2, 40, dtype=f8), torch.ones(4, 2), bad, cu, cu,
                               max_seqlen_q=4, softmax_scale=1.0)
@@ -53,4 +51,4 @@ def test_config_and_kernel_argument_errors():
 def test_fp8_kernels_in_the_interpreter():
     from conftest import run_interpreter_tests
 
-    run_interpreter_tests("test_interp_fp8_attention.py", passed=7)
+    run_interpreter_tests("test_interp_fp8_attention.py", passed=8)

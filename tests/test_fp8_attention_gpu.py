@@ -29,24 +29,33 @@ def _fp8_ok():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _torch_quantize(x):
-    amax = x.double().abs().amax(-1).float()
-    y = x.float() * (448.0 / torch.where(amax > 0, amax, 448.0))[..., None]
-    return y.clamp(-448, 448).to(torch.float8_e4m3fn), torch.where(amax > 0, amax / 448, 1.0)
+def _torch_quantize(x, amax=None):
+    if amax is None:
+        amax = x.double().abs().amax(-1).float()
+        inv = (448.0 / torch.where(amax > 0, amax, 1.0))[..., None]
+    else:
+        inv = 448.0 / amax
+    return (x.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn), amax
 
 
-def test_quantize_rows_bitwise_like_torch():
+def test_quantize_bitwise_like_torch():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(300, 4, 192, generator=g, device="cuda")
          * torch.logspace(-3, 3, 300, device="cuda")[:, None, None]).bfloat16()
     x[7] = 0
     y, s = quantize_rows(x)
-    ry, rs = _torch_quantize(x)
-    assert torch.equal(s, rs)
+    ry, amax = _torch_quantize(x)
+    assert torch.equal(s, torch.where(amax > 0, amax / 448, 1.0))
     assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8))
-    yt, _ = quantize_rows(x[..., :128], transposed=True)
-    ry2, _ = _torch_quantize(x[..., :128])
-    assert torch.equal(yt[:, :, :300].permute(2, 0, 1).view(torch.uint8), ry2.view(torch.uint8))
+    kv = x[:, :, :128 + 64]
+    ctx = quantize_context(kv[..., :128], x[:, 0, 128:], kv[..., 64:])
+    amax_k = max(float(kv[..., :128].abs().max()), float(x[:, 0, 128:].abs().max()))
+    amax_v = float(kv[..., 64:].abs().max())
+    assert ctx.amax.tolist() == [amax_k, amax_v]
+    assert torch.equal(ctx.k8.view(torch.uint8),
+                       _torch_quantize(kv[..., :128], amax_k)[0].view(torch.uint8))
+    assert torch.equal(ctx.vt8[:, :, :300].permute(2, 0, 1).view(torch.uint8),
+                       _torch_quantize(kv[..., 64:], amax_v)[0].view(torch.uint8))
 
 
 def _case(lq, lk, heads, seed=0):
@@ -83,17 +92,17 @@ def test_kernel_against_float64_of_dequantized_inputs(lq, lk):
     q, kn, kr, v, cq, ck = _case(lq, lk, heads=3, seed=sum(lk))
     q8, qs = quantize_rows(q)
     ctx = quantize_context(kn, kr, v)
-    tk = kn.shape[0]
-    deq = (q8.double() * qs[..., None].double(), ctx.k8.double() * ctx.k_scale[..., None],
-           ctx.p8.double() * ctx.p_scale[:, None],
-           ctx.vt8[:, :, :tk].permute(2, 0, 1).double() * ctx.v_scale[..., None])
+    deq = (q8.double() * qs[..., None].double(), *ctx.dequantized())
     out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
                                      softmax_scale=192 ** -0.5)
     ref_out, ref_lse = _reference(*deq, cq, ck, 192 ** -0.5)
     empty = ref_lse == float("-inf")
     assert torch.equal(lse.isinf() & (lse < 0), empty)
     assert bool((out[empty] == 0).all())
-    assert (lse.double() - ref_lse)[~empty].abs().amax() < 1e-4
+    # Hopper's FP8 MMA accumulates with fewer bits than float32 (about 2^-13 relative to the
+    # products' magnitude), so the LSE is close, not equal; the output carries p's rounding.
+    lse_err = (lse.double() - ref_lse)[~empty].abs()
+    assert lse_err.amax() < 1e-3 * (1 + ref_lse[~empty].abs().amax()), float(lse_err.amax())
     assert (out.double() - ref_out)[~empty].abs().amax() < 2 ** -4 * v.abs().max()
 
 
@@ -130,6 +139,7 @@ def test_fp8_backend_forward_eager_and_graphs():
                                   x["block_table"], StagingRing("cuda").upload(plan),
                                   return_lse=True)
             results.append((out.clone(), lse.clone()))
+        ref_out, ref_lse = ref_out.to(out.device), ref_lse.to(out.device)
         err = (out.double() - ref_out).abs()
         assert err.max() < 0.05 * ref_out.abs().max(), graphs
         assert (lse.double() - ref_lse).abs().max() < 0.05, graphs

@@ -2,36 +2,37 @@
 
 The bf16 path's contract (:func:`~mlaprefill.kernels.attention.varlen_attention`) for the
 *context* part of MLA prefill (non-causal: every query of a sequence over every key of its chunk),
-with the matrix products in ``float8_e4m3fn``::
+with both matrix products in ``float8_e4m3fn`` and float32 accumulators::
 
-    q8[t, h] = round(q[t, h] / sq[t, h])          sq = amax(|q[t, h]|) / 448   (192 values)
-    k8[j, h] = round(k_nope[j, h] / sk[j, h])     sk = amax(|k_nope[j, h]|) / 448  (128)
-    p8[j]    = round(k_pe[j] / sp[j])             sp = amax(|k_pe[j]|) / 448    (64, all heads)
-    v8[j, h] = round(v[j, h] / sv[j, h])          sv = amax(|v[j, h]|) / 448    (128)
+    q8[t, h] = round(q[t, h] / sq[t, h])      sq[t, h] = amax(|q[t, h]|) / 448  (per row)
+    k8, p8   = round(k_nope / sk), round(k_pe / sk)    sk = amax(|k_nope|, |k_pe|) / 448
+    v8       = round(v / sv)                           sv = amax(|v|) / 448   (per chunk)
+    score[t, j] = sq[t] * sk * (q8_nope . k8[j] + q8_pe . p8[j])
+    out[t]      = sv * sum_j round(448 * p[t, j]) v8[j] / (448 * sum_j p[t, j])
 
-    score[t, j] = sq[t] * (sk[j] * q8_nope . k8[j] + sp[j] * q8_pe . p8[j])  (fp32 accumulators)
-
-Scales are per token and head (per token for the shared rope key), float32, computed on the
-device in the quantizing pass: an outlier token costs precision only in its own row, and no
-pass over the whole tensor is needed first (no global amax). The softmax runs in float32 as
-in the bf16 kernel; the probabilities of one key block are scaled by ``sv[j] / max(sv)`` over
-the block (in ``[0, 1]``), rounded to e4m3 for the ``P V`` product, and the block's product is
-multiplied back by ``max(sv)``. LSE is float32, natural log.
+e4m3 is a floating-point format (3 mantissa bits over a 2^15 range of normal values), so one
+scale per chunk for K and one for V lose no precision against per-token scales unless values
+span more than that range; they keep the inner loop free of per-key scale loads and multiplies.
+The amaxes are taken over finite values only, on the device (an atomic max per tile), so a
+non-finite value in one sequence changes no other sequence's scale. The probabilities are
+rounded as ``448 * p`` (``p <= 1``: e4m3's whole range, folded into the exponent's offset for
+free) and the row sum divides it out. LSE is float32, natural log.
 
 Layouts (what Hopper's FP8 MMA wants: both operands K-major): K as ``k8 [Tk, H, 128]``, the
-rope key ``p8 [Tk, 64]``, and V transposed, ``vt8 [H, 128, Tk]`` (keys contiguous), all written
-by :func:`quantize_context` in one pass over the up-projection's bf16 output (it reads each
-value once and writes one byte; no full-size copy in between). K, rope and V^T tiles are
-loaded through device-side tensor descriptors, so a sequence may start at any key offset.
+rope key ``p8 [Tk, 64]``, and V transposed, ``vt8 [H, 128, Tk_pad]`` (keys contiguous), all written
+by :func:`quantize_context` from the up-projection's bf16 output (a max pass, then one pass that
+reads each value once and writes one byte). K, rope and V^T tiles are loaded through device-side
+tensor descriptors; key blocks start at multiples of 16 in the packed order, so a V^T tile is
+16-byte aligned whatever the sequence's first key.
 
 NaN and empty rows: keys outside a sequence are masked (scores ``-inf`` by ``where``; V columns
 zeroed by ``where`` in the blocks that hold the sequence's ends), so a non-finite value reaches
 only its own sequence's rows; a query with no keys gives ``out = 0, lse = -inf``; a row whose
 softmax sum is 0 or whose LSE is ``+inf`` is NaN. One rule differs from the bf16 kernel: a NaN or
-inf in a query, key or value row makes that row's scale NaN, so every row of its sequence (for a
-query: that row) that reads it is NaN, also where the bf16 path's score would be ``-inf`` and its
-row finite. With ``state``
-the epilogue merges into a running ``(out, lse)`` by the rules of :mod:`mlaprefill.kernels.merge`.
+inf is stored as e4m3's NaN (e4m3fn has no inf), so a key or value holding one makes NaN every
+row of its sequence that reads it (a query: its own row), also where the bf16 path's score
+would be ``-inf`` and its row finite. With ``state`` the epilogue merges into a running ``(out,
+lse)`` by the rules of :mod:`mlaprefill.kernels.merge`.
 
 Accuracy and speed against the bf16 kernel and cuDNN: benchmarks/fp8_attention.py (H200 numbers
 in docs/RESULTS.md). Causal attention (the new tokens over themselves) stays in bf16.
@@ -83,23 +84,31 @@ class FP8AttentionConfig:
 
 @dataclass(frozen=True, slots=True)
 class FP8Context:
-    """One chunk's keys and values in e4m3 with their scales (:func:`quantize_context`).
+    """One chunk's keys and values in e4m3 (:func:`quantize_context`).
 
-    ``k8 [Tk, H, nope]``, ``k_scale float32 [Tk, H]``; ``p8 [Tk, rope]``, ``p_scale float32
-    [Tk]``; ``vt8 [H, v, Tk_pad]`` (V transposed, ``Tk_pad`` = ``Tk`` rounded up to 16 so every
-    row is 16-byte aligned), ``v_scale float32 [Tk, H]``.
+    ``k8 [Tk, H, nope]`` and ``p8 [Tk, rope]`` (the rope key, shared by every head) with the
+    scale ``amax[0] / 448``; ``vt8 [H, v, Tk_pad]`` (V transposed, ``Tk_pad`` = ``Tk`` rounded
+    up to 16 so every row is 16-byte aligned; the padding columns unwritten) with ``amax[1] /
+    448``. ``amax`` float32 ``[2]`` on the device: the largest finite magnitudes of K (nope and
+    rope) and of V (0 for none: scale 1).
     """
 
     k8: torch.Tensor
-    k_scale: torch.Tensor
     p8: torch.Tensor
-    p_scale: torch.Tensor
     vt8: torch.Tensor
-    v_scale: torch.Tensor
+    amax: torch.Tensor
 
     @property
     def num_keys(self) -> int:
         return self.k8.shape[0]
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_nope, k_rope, v)`` in float64 as the kernel sees them (tests, accuracy)."""
+        amax = self.amax.double()
+        s = torch.where(amax > 0, amax.float() / 448, 1.0).double()
+        n = self.num_keys
+        return (self.k8.double() * s[0], self.p8.double() * s[0],
+                self.vt8[:, :, :n].permute(2, 0, 1).double() * s[1])
 
 
 if HAS_TRITON:
@@ -117,14 +126,32 @@ if HAS_TRITON:
             z = x / ulp
             r = tl.floor(z + 0.5)
             r = tl.where((r - z == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)
-            x = tl.where(mag > 0, r * ulp, x)
+            res = r * ulp
+            x = tl.where(mag > 0, tl.where(res == 0, x * 0.0, res), x)  # x * 0: keeps -0's sign
         return x.to(tl.float8e4nv)
 
     @triton.jit
-    def _quantize_rows_kernel(
+    def _amax_kernel(
+        x_ptr,              # [T, H, D] (any float dtype), last dim contiguous
+        amax_ptr,           # float32 [1]: atomically raised to the largest finite |x|
+        num_rows, stride_xt, stride_xh,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        head = tl.program_id(1).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        ok = (rows < num_rows)[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + head * stride_xh
+                    + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        mag = tl.abs(x)
+        mag = tl.where(mag < float("inf"), mag, 0.0)  # finite values only (False for NaN)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(mag, 1), 0))
+
+    @triton.jit
+    def _quantize_kernel(
         x_ptr,              # [T, H, D] (any float dtype), last dim contiguous
         y_ptr,              # float8_e4m3fn [T, H, D] contiguous     (TRANSPOSED: [H, D, T_pad])
-        s_ptr,              # float32 [T, H] contiguous
+        s_ptr,              # PER_ROW: float32 [T, H] scales out; else float32 [1] amax in
         num_rows,           # T
         num_heads,
         stride_xt, stride_xh,
@@ -132,6 +159,7 @@ if HAS_TRITON:
         D: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        PER_ROW: tl.constexpr,     # one scale per [token, head] row (the queries)
         TRANSPOSED: tl.constexpr,
         ROUND: tl.constexpr,
     ):
@@ -142,72 +170,60 @@ if HAS_TRITON:
         r64 = rows.to(tl.int64)
         x = tl.load(x_ptr + r64[:, None] * stride_xt + head * stride_xh + cols[None, :], mask=ok,
                     other=0.0).to(tl.float32)
-        # amax of each row. A NaN or inf anywhere in the row makes its scale NaN (max ignores
-        # NaN in some lowerings, so that is checked apart), which every score or product of the
-        # row then carries: its sequence's rows become NaN, no other's.
-        amax = tl.max(tl.abs(x), 1)
-        finite = tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), 1) == 0  # False for NaN too
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        scale = tl.where(finite, scale, float("nan"))
-        y = x * (448.0 / tl.where(amax > 0, amax, 448.0))[:, None]
-        # |y| <= 448 up to the division's rounding: clamp (a comparison is False for NaN, which
-        # stays NaN).
+        finite = tl.abs(x) < float("inf")  # False for NaN
+        if PER_ROW:
+            # A row holding NaN or inf gets a NaN scale, which its scores then carry.
+            amax = tl.max(tl.abs(x), 1)
+            row_ok = tl.max(tl.where(finite, 0, 1), 1) == 0
+            scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+            tl.store(s_ptr + r64 * num_heads + head, tl.where(row_ok, scale, float("nan")),
+                     mask=rows < num_rows)
+            inv = tl.where(amax > 0, tl.div_rn(448.0, tl.where(amax > 0, amax, 1.0)), 1.0)
+            y = x * inv[:, None]
+        else:
+            amax = tl.load(s_ptr)
+            y = x * tl.where(amax > 0, tl.div_rn(448.0, tl.where(amax > 0, amax, 1.0)), 1.0)
+        # |y| <= 448 up to rounding: clamp; NaN and inf are stored as e4m3's NaN.
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
+        y = tl.where(finite, y, float("nan"))
         y8 = _to_e4m3(y, ROUND)
         if TRANSPOSED:
             tl.store(y_ptr + head * D * stride_yt + cols[None, :].to(tl.int64) * stride_yt
                      + r64[:, None], y8, mask=ok)
         else:
             tl.store(y_ptr + (r64[:, None] * num_heads + head) * D + cols[None, :], y8, mask=ok)
-        tl.store(s_ptr + r64 * num_heads + head, scale, mask=rows < num_rows)
 
     @triton.jit
     def _fp8_loop(
         acc, l_i, m_i,          # running state: fp32 [BLOCK_M, DV], [BLOCK_M], [BLOCK_M]
         q1, q2, qf,             # e4m3 queries [BLOCK_M, D1], [BLOCK_M, D2]; fp32 row factor
         k_desc, p_desc, v_desc,
-        ks_ptr, ps_ptr, vs_ptr,
-        num_heads, head,
+        head,
         lo, hi,                 # key blocks [lo, hi) in steps of BLOCK_N (packed key order)
         k_start, k_end,         # the sequence's keys
         MASKED: tl.constexpr,   # False: every block lies inside [k_start, k_end)
         BLOCK_N: tl.constexpr, D1: tl.constexpr, DV: tl.constexpr, ROUND: tl.constexpr,
     ):
         offs_n = tl.arange(0, BLOCK_N)
-        head64 = head.to(tl.int64)
         for key in tl.range(lo, hi, BLOCK_N):
-            kidx = (key + offs_n).to(tl.int64)
-            if MASKED:
-                n_ok = (key + offs_n >= k_start) & (key + offs_n < k_end)
-                ks = tl.load(ks_ptr + kidx * num_heads + head64, mask=n_ok, other=0.0)
-                ps = tl.load(ps_ptr + kidx, mask=n_ok, other=0.0)
-                vs = tl.load(vs_ptr + kidx * num_heads + head64, mask=n_ok, other=0.0)
-            else:
-                ks = tl.load(ks_ptr + kidx * num_heads + head64)
-                ps = tl.load(ps_ptr + kidx)
-                vs = tl.load(vs_ptr + kidx * num_heads + head64)
             k1 = k_desc.load([key, head * D1])
-            qk = tl.dot(q1, tl.trans(k1)) * ks[None, :]
+            qk = tl.dot(q1, tl.trans(k1))
             k2 = p_desc.load([key, 0])
-            qk += tl.dot(q2, tl.trans(k2)) * ps[None, :]
+            qk = tl.dot(q2, tl.trans(k2), acc=qk)
             if MASKED:  # another sequence's keys, or past the tensor: -inf by where
+                n_ok = (key + offs_n >= k_start) & (key + offs_n < k_end)
                 qk = tl.where(n_ok[None, :], qk, float("-inf"))
             # qf > 0 per row, so max(qk) * qf == max(qk * qf).
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qf)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk * qf[:, None] - m_safe[:, None])
+            # 448 * p: e4m3's whole range for the rounding below (log2(448) in the offset).
+            p = tl.exp2(qk * qf[:, None] - (m_safe - 8.807354922057604)[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            # The block's largest V scale (> 0), NaN when one is NaN (tl.max may skip NaN): the
-            # product below carries it without relying on e4m3's NaN.
-            vmax = tl.max(vs, 0)
-            vmax = tl.where(vmax > 0, vmax, 1.0)
-            vmax = tl.where(tl.max(tl.where(vs == vs, 0, 1), 0) > 0, float("nan"), vmax)
             vt = v_desc.load([head * DV, key])
             if MASKED:  # another sequence's NaN times p = 0 would be NaN: zero those columns
                 vt = tl.where(n_ok[None, :], vt, tl.zeros_like(vt))
-            p8 = _to_e4m3(p * (vs / vmax)[None, :], ROUND)
-            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt)) * vmax
+            acc = tl.dot(_to_e4m3(p, ROUND), tl.trans(vt), acc=acc * alpha[:, None])
             m_i = m_new
         return acc, l_i, m_i
 
@@ -216,11 +232,9 @@ if HAS_TRITON:
         q_ptr,              # e4m3 [Tq, H, D1 + D2] contiguous
         qs_ptr,             # float32 [Tq, H]
         k_ptr,              # e4m3 [Tk, H, D1] contiguous
-        ks_ptr,             # float32 [Tk, H]
         p_ptr,              # e4m3 [Tk, D2] contiguous (one rope key for every head)
-        ps_ptr,             # float32 [Tk]
         vt_ptr,             # e4m3 [H, DV, Tk_pad] contiguous
-        vs_ptr,             # float32 [Tk, H]
+        amax_ptr,           # float32 [2]: K's and V's amax
         out_ptr,            # [Tq, H, DV] (ACCUMULATE: the running output)
         lse_ptr,            # float32 [Tq, H] (ACCUMULATE: the running LSE)
         cu_seqlens_q_ptr,
@@ -268,8 +282,12 @@ if HAS_TRITON:
         q1 = tl.load(q_rows[:, None] + tl.arange(0, D1)[None, :], mask=m_ok[:, None], other=0.0)
         q2 = tl.load(q_rows[:, None] + (D1 + tl.arange(0, D2))[None, :], mask=m_ok[:, None],
                      other=0.0)
-        # The query's scale and the softmax scale in one per-row factor (> 0 or NaN).
-        qf = tl.load(qs_ptr + t64 * num_heads + head64, mask=m_ok, other=1.0) * qk_scale
+        amax_k = tl.load(amax_ptr)
+        amax_v = tl.load(amax_ptr + 1)
+        sk = tl.where(amax_k > 0, tl.div_rn(amax_k, 448.0), 1.0)
+        sv = tl.where(amax_v > 0, tl.div_rn(amax_v, 448.0), 1.0)
+        # The query's scale, K's and the softmax scale in one per-row factor (> 0 or NaN).
+        qf = tl.load(qs_ptr + t64 * num_heads + head64, mask=m_ok, other=1.0) * (sk * qk_scale)
 
         k_desc = tl.make_tensor_descriptor(k_ptr, shape=[num_keys, num_heads * D1],
                                            strides=[num_heads * D1, 1], block_shape=[BLOCK_N, D1])
@@ -288,20 +306,18 @@ if HAS_TRITON:
         a0 = (k_start // 16) * 16
         mid = tl.where(a0 < k_start, a0 + BLOCK_N, a0)
         tail = mid + tl.maximum(k_end - mid, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, ks_ptr,
-                                  ps_ptr, vs_ptr, num_heads, head, a0,
+        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, head, a0,
                                   tl.where(a0 < k_start, a0 + 1, a0), k_start, k_end, True,
                                   BLOCK_N, D1, DV, ROUND)
-        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, ks_ptr,
-                                  ps_ptr, vs_ptr, num_heads, head, mid, tail, k_start, k_end,
-                                  False, BLOCK_N, D1, DV, ROUND)
-        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, ks_ptr,
-                                  ps_ptr, vs_ptr, num_heads, head, tail, k_end, k_start, k_end,
-                                  True, BLOCK_N, D1, DV, ROUND)
+        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, head, mid,
+                                  tail, k_start, k_end, False, BLOCK_N, D1, DV, ROUND)
+        acc, l_i, m_i = _fp8_loop(acc, l_i, m_i, q1, q2, qf, k_desc, p_desc, v_desc, head, tail,
+                                  k_end, k_start, k_end, True, BLOCK_N, D1, DV, ROUND)
 
-        lse2 = m_i + tl.log2(l_i)
+        # l_i and acc both hold 448 * p: the output divides it out, the LSE subtracts log2(448).
+        lse2 = m_i + tl.log2(l_i) - 8.807354922057604
         bad = (l_i == 0.0) | (lse2 == float("inf"))
-        o = acc * (1.0 / l_i)[:, None]
+        o = acc * (sv / l_i)[:, None]
         o = tl.where(bad[:, None], float("nan"), o)
         lse = tl.where(bad, float("nan"), lse2 * 0.6931471805599453)
         if ACCUMULATE:
@@ -317,36 +333,49 @@ def _pow2(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-def quantize_rows(x: torch.Tensor, *, transposed: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and one float32 scale per ``[token, head]`` row of ``x [T, H, D]``.
-
-    Returns ``(y, scale)`` with ``y [T, H, D]`` (``transposed``: ``[H, D, T_pad]``, ``T_pad`` =
-    ``T`` rounded up to 16, the padding columns unwritten) and ``scale [T, H]`` = ``amax / 448``
-    (1 for an all-zero row, NaN for a row holding NaN or inf): ``y * scale`` approximates ``x``. One
-    launch, on the device; never synchronizes.
-    """
+def _check_rows(x: torch.Tensor, name: str) -> None:
     if x.dim() != 3 or x.stride(2) != 1:
-        raise ValueError(f"x must be [T, H, D] with a contiguous last dim, got shape "
+        raise ValueError(f"{name} must be [T, H, D] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
+    if not x.dtype.is_floating_point or x.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"{name} must hold float values to quantize, got {x.dtype}")
+
+
+def _quantize(x: torch.Tensor, y: torch.Tensor, scales: torch.Tensor, stride_yt: int, *,
+              per_row: bool, transposed: bool) -> None:
     t, h, d = x.shape
-    if transposed:
-        pad = -(-t // 16) * 16
-        y = torch.empty(h, d, pad, dtype=torch.float8_e4m3fn, device=x.device)
-        stride_yt = pad
-    else:
-        y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
-        stride_yt = h * d
-    scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
     if t == 0 or h == 0:
-        return y, scale
+        return
     if not use_triton(x):
-        raise ValueError(f"quantize_rows runs on CUDA tensors (on CPU only under "
+        raise ValueError(f"the FP8 quantizing pass runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got {x.device}")
     block_t = 32 if transposed else 16
-    _quantize_rows_kernel[(cdiv(t, block_t), h)](
-        x, y, scale, t, h, x.stride(0), x.stride(1), stride_yt, D=d, BLOCK_D=_pow2(d),
-        BLOCK_T=block_t, TRANSPOSED=transposed, ROUND=x.device.type == "cpu", num_warps=4)
+    _quantize_kernel[(cdiv(t, block_t), h)](
+        x, y, scales, t, h, x.stride(0), x.stride(1), stride_yt, D=d, BLOCK_D=_pow2(d),
+        BLOCK_T=block_t, PER_ROW=per_row, TRANSPOSED=transposed, ROUND=x.device.type == "cpu",
+        num_warps=4)
+
+
+def _amax(x: torch.Tensor, out: torch.Tensor) -> None:
+    t, h, d = x.shape
+    if t and h:
+        _amax_kernel[(cdiv(t, 64), h)](x, out, t, x.stride(0), x.stride(1), D=d,
+                                       BLOCK_D=_pow2(d), BLOCK_T=64, num_warps=4)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and one float32 scale per ``[token, head]`` row of ``x [T, H, D]`` (the
+    queries).
+
+    Returns ``(y [T, H, D], scale [T, H])``, ``scale = amax / 448`` of the row (1 for an all-zero
+    row, NaN for a row holding NaN or inf): ``y * scale`` approximates ``x``. One launch;
+    never synchronizes.
+    """
+    _check_rows(x, "x")
+    t, h, d = x.shape
+    y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    _quantize(x, y, scale, h * d, per_row=True, transposed=False)
     return y, scale
 
 
@@ -355,15 +384,34 @@ def quantize_context(k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor
 
     ``k_nope [Tk, H, nope]``, ``v [Tk, H, v]`` (e.g. the two views of the up-projection's
     split-key output), ``k_rope [Tk, rope]`` (shared by every head); any float dtype, last dims
-    contiguous. Three launches, each reading its input once; never synchronizes.
+    contiguous, any other strides. Six launches on the device (the amaxes of K and V over finite
+    values, then one pass per tensor that reads it once); never synchronizes.
     """
-    if k_rope.dim() != 2 or k_rope.shape[0] != k_nope.shape[0]:
-        raise ValueError(f"k_rope must be [Tk, rope] with Tk = {k_nope.shape[0]}, got "
-                         f"{tuple(k_rope.shape)}")
-    k8, ks = quantize_rows(k_nope)
-    p8, ps = quantize_rows(k_rope.unsqueeze(1))
-    vt8, vs = quantize_rows(v, transposed=True)
-    return FP8Context(k8, ks, p8.view(p8.shape[0], p8.shape[2]), ps.view(-1), vt8, vs)
+    _check_rows(k_nope, "k_nope")
+    _check_rows(v, "v")
+    if k_rope.dim() != 2 or k_rope.shape[0] != k_nope.shape[0] or k_rope.stride(1) != 1:
+        raise ValueError(f"k_rope must be [Tk, rope] with Tk = {k_nope.shape[0]} and a "
+                         f"contiguous last dim, got {tuple(k_rope.shape)}")
+    if v.shape[:2] != k_nope.shape[:2]:
+        raise ValueError(f"v {tuple(v.shape)} and k_nope {tuple(k_nope.shape)} must share [Tk, H]")
+    t, h = k_nope.shape[:2]
+    device = k_nope.device
+    amax = torch.zeros(2, dtype=torch.float32, device=device)
+    rope = k_rope.unsqueeze(1)
+    if t and h and not use_triton(k_nope):
+        raise ValueError(f"quantize_context runs on CUDA tensors (on CPU only under "
+                         f"TRITON_INTERPRET=1), got {device}")
+    _amax(k_nope, amax[0:1])
+    _amax(rope, amax[0:1])
+    _amax(v, amax[1:2])
+    k8 = torch.empty(t, h, k_nope.shape[2], dtype=torch.float8_e4m3fn, device=device)
+    p8 = torch.empty(t, 1, k_rope.shape[1], dtype=torch.float8_e4m3fn, device=device)
+    pad = -(-t // 16) * 16
+    vt8 = torch.empty(h, v.shape[2], pad, dtype=torch.float8_e4m3fn, device=device)
+    _quantize(k_nope, k8, amax[0:1], h * k8.shape[2], per_row=False, transposed=False)
+    _quantize(rope, p8, amax[0:1], p8.shape[2], per_row=False, transposed=False)
+    _quantize(v, vt8, amax[1:2], pad, per_row=False, transposed=True)
+    return FP8Context(k8, p8.view(t, k_rope.shape[1]), vt8, amax)
 
 
 def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Context,
@@ -432,7 +480,7 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, h)
     _fp8_attention_kernel[grid](
-        q8, q_scale, ctx.k8, ctx.k_scale, ctx.p8, ctx.p_scale, ctx.vt8, ctx.v_scale, out, lse,
+        q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.amax, out, lse,
         cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, h, ctx.num_keys, ctx.vt8.shape[2],
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         ACCUMULATE=state is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D1=nope,
