@@ -20,6 +20,8 @@ def test_auto_never_picks_fp8_and_reasons_name_the_dim():
     assert be.head_split_reason(128, 64) is None
     why = be.unsupported_reason(torch.device("cpu"), torch.float64, 192, 128)
     assert why is not None
+    with pytest.raises(ValueError, match="min_queries"):
+        BACKENDS["mlaprefill-fp8"](min_queries=-1)
     with pytest.raises(ValueError, match="mlaprefill-fp8"):
         get_backend("mlaprefill-fp8", device="cpu", dtype=torch.float64, qk_head_dim=192,
                     v_head_dim=128)

@@ -189,12 +189,21 @@ def test_forward_with_the_fp8_backend():
         context_lens, x["weight"], qk_nope_head_dim=16, v_head_dim=16)
     plan = ChunkPlanner(16, 16, policy="balanced").plan(
         PrefillBatch(query_lens, context_lens, page_size=16))
-    for graphs in (None, IterationGraphs()):
+    def run(backend, graphs, min_queries=None):
         op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=16, v_head_dim=16,
-                               backend="mlaprefill-fp8", graphs=graphs)
-        assert op.backend_name == "mlaprefill-fp8"
-        out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
-                              x["block_table"], StagingRing("cpu").upload(plan), return_lse=True)
+                               backend=backend, graphs=graphs)
+        if min_queries is not None:
+            op.backend.min_queries = min_queries
+        return op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                          StagingRing("cpu").upload(plan), return_lse=True)
+
+    bf16 = run("mlaprefill", None)
+    for graphs in (None, IterationGraphs()):
+        out, lse = run("mlaprefill-fp8", graphs, min_queries=0)
         # e4m3 rounding of q, k, v and p: a few percent of the output's scale
         assert (out.double() - ref_out).abs().max() < 0.1 * ref_out.abs().max(), graphs
         assert (lse.double() - ref_lse).abs().max() < 0.1, graphs
+        assert not torch.equal(out, bf16[0])  # the FP8 kernel ran
+        # below min_queries (the default, 2048 > 5 queries) every call is the bf16 backend's
+        out, lse = run("mlaprefill-fp8", graphs)
+        assert torch.equal(out, bf16[0]) and torch.equal(lse, bf16[1]), graphs

@@ -5,7 +5,16 @@ The ``mlaprefill`` backend for everything but the context iterations' attention,
 up-projected keys and values are rounded to ``float8_e4m3fn`` with one float32 scale per token
 and head (:func:`~mlaprefill.kernels.fp8_attention.quantize_context`, one pass over the
 up-projection's output), the softmax and the merge stay in float32. The new tokens' causal
-attention runs in bf16, as in ``mlaprefill``. The result is *not* the bf16 path's to rounding:
+attention runs in bf16, as in ``mlaprefill``.
+
+Where it pays: the quantizing pass costs about 2.5x the bytes of the chunk's bf16 keys and values
+(a max pass, a read, a one-byte write) whatever the number of queries, while the FP8 kernel saves
+~15-20 % of the attention's time, which grows with the queries per key. On the H200 the forward
+was faster with FP8 at 4,096 queries per sequence (0.91-0.93x the bf16 forward's time at 32k-131k
+context) and slower at 1,024 and fewer (1.11-1.41x): benchmarks/results/
+attention_vs_ideal_fp8_h200.json. So a context call runs FP8 only when its ``max_seqlen_q`` (a
+host int) is at least ``min_queries`` (default :data:`FP8_MIN_QUERIES`), bf16 otherwise;
+``min_queries=0`` runs FP8 always. The result is *not* the bf16 path's to rounding:
 e4m3 keeps 3 mantissa bits, and the error it adds is measured against the float64 reference in
 benchmarks/fp8_attention.py (docs/RESULTS.md). Never picked by ``auto``: select it by name,
 ``MLAChunkedPrefill(..., backend="mlaprefill-fp8")``.
@@ -23,7 +32,11 @@ from mlaprefill.kernels.fp8_attention import (
     quantize_rows,
 )
 
-__all__ = ["MLAPrefillFP8Backend"]
+__all__ = ["FP8_MIN_QUERIES", "MLAPrefillFP8Backend"]
+
+#: Context calls with at least this many queries in a sequence (``max_seqlen_q``) run in FP8; the
+#: break-even between the H200's measured gain at 4,096 and loss at 1,024 (module docstring).
+FP8_MIN_QUERIES = 2048
 
 
 def _pow2_in(n: int, lo: int, hi: int) -> bool:
@@ -34,6 +47,18 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
     """``mlaprefill`` with the context attention in FP8 (module docstring)."""
 
     name = "mlaprefill-fp8"
+
+    def __init__(self, *, min_queries: int = FP8_MIN_QUERIES, **kwargs) -> None:
+        if isinstance(min_queries, bool) or not isinstance(min_queries, int) or min_queries < 0:
+            raise ValueError(f"MLAPrefillFP8Backend min_queries must be an int >= 0, got "
+                             f"{min_queries!r}")
+        super().__init__(**kwargs)
+        self.min_queries = min_queries
+
+    def runs_fp8(self, seqs: VarlenSeqs, causal: bool) -> bool:
+        """Whether a call with these offsets runs the FP8 kernel (host ints only): context calls
+        (non-causal) with ``max_seqlen_q >= min_queries``."""
+        return not causal and seqs.max_seqlen_q >= self.min_queries
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype, qk_head_dim: int,
                            v_head_dim: int) -> str | None:
@@ -56,11 +81,14 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
         return None
 
     def wants_joined_keys(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> bool:
-        # The FP8 kernel reads split keys; causal calls are the bf16 backend's own.
-        return causal and super().wants_joined_keys(seqs, num_heads, causal)
+        # The FP8 kernel reads split keys; other calls are the bf16 backend's own.
+        return not self.runs_fp8(seqs, causal) and super().wants_joined_keys(seqs, num_heads,
+                                                                             causal)
 
     def launch_key(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> tuple:
-        return super().launch_key(seqs, num_heads, causal) if causal else ()
+        if self.runs_fp8(seqs, causal):
+            return ("fp8",)
+        return super().launch_key(seqs, num_heads, causal)
 
     def _fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
              softmax_scale: float, k_rope: torch.Tensor, state=None, into=None
@@ -74,7 +102,7 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
                causal: bool, softmax_scale: float, k_rope: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if causal or k_rope is None or k_rope.dim() != 2:
+        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
             return super().attend(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale,
                                   k_rope=k_rope)
         return self._fp8(q, k, v, seqs, softmax_scale, k_rope)
@@ -82,7 +110,7 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
     def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                          out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
                          softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
-        if causal or k_rope is None or k_rope.dim() != 2:
+        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
             super().attend_and_merge(q, k, v, seqs, out, lse, causal=causal,
                                      softmax_scale=softmax_scale, k_rope=k_rope)
             return
@@ -92,7 +120,7 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
                          seqs: VarlenSeqs, out: torch.Tensor, lse: torch.Tensor, *,
                          causal: bool, softmax_scale: float,
                          k_rope: torch.Tensor | None = None) -> None:
-        if causal or k_rope is None or k_rope.dim() != 2:
+        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
             super().attend_and_store(q, k, v, seqs, out, lse, causal=causal,
                                      softmax_scale=softmax_scale, k_rope=k_rope)
             return
