@@ -46,6 +46,7 @@ TOPICS: list[tuple[str, str]] = [
     ("upproj", "Up-projection"),
     ("audit_gpu", "Host-sync audit on the GPU"),
     ("joined_keys", "Joined keys"),
+    ("fp8_attention", "FP8 context attention"),
     ("fp8_", "FP8 latent cache"),
 ]
 
@@ -296,6 +297,31 @@ def ex_fp8_cache(d: dict) -> tuple[str, str]:
             "bf16 cache in the same run"), "; ".join(parts)
 
 
+def ex_fp8_attention(d: dict) -> tuple[str, str]:
+    parts = []
+    rows = d.get("kernel", [])
+    fp8 = [r["fp8_over_bf16_throughput"] for r in rows if "fp8_over_bf16_throughput" in r]
+    if fp8:
+        tf = [r["kernels"]["fp8"]["tflops"] for r in rows if "fp8" in r["kernels"]]
+        parts.append(f"fp8 kernel {_range(fp8)}x the bf16 kernel's throughput "
+                     f"({_range(tf, '.0f')} TFLOP/s, {len(fp8)} shapes)")
+    quant = [r["kernels"]["bf16"]["median_ms"] / r["kernels"]["fp8+quant"]["median_ms"]
+             for r in rows if "median_ms" in r["kernels"].get("fp8+quant", {})]
+    if quant:
+        parts.append(f"with the quantizing pass {_range(quant)}x")
+    cud = [r["kernels"]["bf16"]["median_ms"] / r["kernels"]["cudnn"]["median_ms"]
+           for r in rows if "median_ms" in r["kernels"].get("cudnn", {})]
+    if cud:
+        parts.append(f"bf16 kernel time {_range(cud)}x cuDNN's")
+    acc = d.get("accuracy", [])
+    if acc:
+        for label in dict.fromkeys(r["inputs"] for r in acc):
+            sel = [r for r in acc if r["inputs"] == label]
+            parts.append(f"{label}: out RMSE bf16 {max(r['bf16']['out_rmse'] for r in sel):.1e} "
+                         f"fp8 {max(r['fp8']['out_rmse'] for r in sel):.1e}")
+    return "context attention per kernel (same run), FP8 accuracy vs float64", "; ".join(parts)
+
+
 def ex_prefix_sharing(d: dict) -> tuple[str, str]:
     rows = d["shapes"]["rows"]
     bound = [r["share_over_bound"] for r in rows]
@@ -329,6 +355,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "audit_gpu": ex_audit_gpu,
     "cudnn_padding": ex_cudnn_padding,
     "fp8_cache": ex_fp8_cache,
+    "fp8_attention": ex_fp8_attention,
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,
     "fp8_bench": ex_bench,
