@@ -34,3 +34,30 @@ def host_reads_are_fine(n, device):
     c = torch.zeros(n, device=device).cpu()  # the caller's device: not known to be a GPU
     d = torch.zeros(n, device="cpu").numpy()
     return a, b, c, d
+
+
+class Generator:
+    """A callable component held by another object returns tensors computed from its inputs;
+    a method of this object guessed from its arguments may return host items."""
+
+    def __init__(self):
+        self.ids = torch.zeros(8, dtype=torch.long, device="cuda")
+
+    def step(self, batch):
+        ids, logprobs = batch.chooser(self.ids, 4)
+        first = ids.tolist()  # expect: HS201
+        return first, logprobs.tolist()  # expect: HS201
+
+    def sync(self, n):
+        return n, torch.tensor([n]), "mode"
+
+    def own_method_items_unknown(self):
+        _, n_cpu, _ = self.sync(self.ids)
+        return n_cpu.tolist()
+
+    def merged(self, batch, flag):
+        if flag:
+            out = self.ids + 1
+        else:
+            out, _ = batch.chooser(self.ids, 4)
+        return out.tolist()  # expect: HS201

@@ -331,12 +331,15 @@ class _Flow:
                 self.pending.add_attr(scope.cls, name, kind)
         elif isinstance(target, (ast.Tuple, ast.List)):
             # the tuple a plain function call given device tensors returns, or a summarized
-            # one (every return a device call's results): each item is such a result; not so
-            # for a method whose kind is only guessed from its arguments, as for the host-call
-            # rule (`_, n_cpu, mode = self.sync(dev, ...)` may hold host items)
+            # one (every return a device call's results), or a callable held by another
+            # object (`ids, probs = batch.chooser(logits)`): each item is such a result; not
+            # so for a method of this object whose kind is only guessed from its arguments,
+            # as for the host-call rule (`_, n_cpu, mode = self.sync(dev, ...)` may hold host
+            # items)
             item = kind if kind in TENSOR_KINDS or (kind == DEV_CALL and (
                 (isinstance(value, ast.Call) and isinstance(value.func, ast.Name))
-                or model.summarized(value, scope))) else None
+                or model.summarized(value, scope)
+                or model.foreign_callable(value, scope))) else None
             for t in target.elts:
                 self._bind_kind(t, item, scope)
         elif isinstance(target, ast.Starred):

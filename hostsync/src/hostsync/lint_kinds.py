@@ -611,6 +611,21 @@ class KindModel:
             return _known(self.facts.returns.get((owner, f.attr))) is not None
         return _known(self.imported.methods.get((owner, f.attr))) is not None
 
+    def foreign_callable(self, value: ast.expr | None, scope: Scope) -> bool:
+        """Whether ``value`` calls something held by another object than ``self`` / ``cls``
+        (``batch.next_token_chooser(...)``, ``outputs.sampler(...)``) that is no method this
+        module or an imported one defines for that object's class: a callable component
+        (sampler, chooser, model), whose outputs are computed from its tensor inputs."""
+        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
+            return False
+        recv = value.func.value
+        if self.is_torch(recv) or (isinstance(recv, ast.Name) and (
+                recv.id in ("self", "cls") or recv.id in self.numpy_names)):
+            return False
+        owner = self.type_of(recv, scope)
+        return owner is None or ((owner, value.func.attr) not in self.methods
+                                 and (owner, value.func.attr) not in self.imported.methods)
+
     def by_inputs(self, call: ast.Call, scope: Scope) -> str | None:
         """``dev-call`` for a call the lint cannot see into that is given device tensors and no
         host tensors (see :mod:`~hostsync.lint_where`); None otherwise."""

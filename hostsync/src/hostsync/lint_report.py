@@ -94,7 +94,9 @@ local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out
 tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
 beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
 returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
-fields and tuple items of such a result, and what a function returns whose every return is on
+fields and tuple items of such a result (of a plain function, or of a callable held by another
+object: `ids, probs = batch.chooser(logits)`; not of a method of `self` guessed from its
+arguments), and what a function returns whose every return is on
 the device, in the same module or in another file linted in the same run that this one imports
 (`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
 summaries; lint a package's files together to use them). Conditions, casts and f-strings are

@@ -72,8 +72,10 @@ def join(a: str | None, b: str | None) -> str | None:
     A path that does not bind the value, or binds ``None``, adds nothing. Host kinds merge to
     ``host`` (on the host, pinnedness unknown). ``pageable`` or ``device`` merged with
     ``unknown`` stays what it was: one path is known to make it so and no path is known to make
-    it otherwise, so a non_blocking upload (a host read) of it stalls on that path. Anything
-    else that disagrees is ``unknown``: the lint reports only what holds on a path it knows.
+    it otherwise, so a non_blocking upload (a host read) of it stalls on that path.
+    ``device`` merged with ``dev-call`` is ``dev-call`` (a host read of either waits for the
+    device; only ``device`` is read in conditions). Anything else that disagrees is
+    ``unknown``: the lint reports only what holds on a path it knows.
     """
     if a is None or a == NONE:
         return b if b is not None else a
@@ -85,6 +87,8 @@ def join(a: str | None, b: str | None) -> str | None:
         return a if b == UNKNOWN else b
     if a in HOST_KINDS and b in HOST_KINDS:
         return HOST
+    if {a, b} == {DEVICE, DEV_CALL}:
+        return DEV_CALL  # on the device on one path, a device call's result on the other
     return UNKNOWN
 
 
