@@ -232,6 +232,7 @@ def main() -> int:
     sections = set(args.sections.split(","))
     machine = machine_info(torch.device(device))
     doc = {"benchmark": "fp8_attention", "date_utc": utc_now(), "machine": machine,
+           "command": sys.argv,
            "settings": {"dtype": str(dtype), "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
                         "v_head_dim": VDIM, "flop_formula": FLOP_FORMULA, "configs": configs,
                         "cpu_smoke": args.cpu_smoke}}

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlaprefill.backends import AUTO_ORDER, BACKENDS, get_backend
-from mlaprefill.kernels.fp8_attention import FP8AttentionConfig, fp8_context_attention
+from mlaprefill.kernels.fp8_attention import FP8AttentionConfig, FP8Context, fp8_context_attention
 
 
 def test_auto_never_picks_fp8_and_reasons_name_the_dim():
@@ -32,8 +34,6 @@ def test_config_and_kernel_argument_errors():
         FP8AttentionConfig(block_n=48)
     with pytest.raises(ValueError, match="num_warps"):
         FP8AttentionConfig(num_warps=3)
-    from mlaprefill.kernels.fp8_attention import FP8Context
-
     f8 = torch.float8_e4m3fn
     ctx = FP8Context(torch.zeros(4, 2, 16, dtype=f8), torch.zeros(4, 16, dtype=f8),
                      torch.zeros(2, 16, 16, dtype=f8), torch.ones(2))
@@ -53,4 +53,35 @@ def test_config_and_kernel_argument_errors():
 def test_fp8_kernels_in_the_interpreter():
     from conftest import run_interpreter_tests
 
-    run_interpreter_tests("test_interp_fp8_attention.py", passed=8)
+    run_interpreter_tests("test_interp_fp8_attention.py", passed=9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(dims=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32]),
+       which=st.sampled_from(["rows", "context", "attention"]))
+def test_fuzz_entry_points_fail_with_a_clear_error_on_cpu(dims, dtype, which):
+    """Outside the interpreter every call on CPU tensors is refused with a ValueError that names
+    what to fix (shape, dtype, device), never another exception; empty inputs are a no-op."""
+    from mlaprefill.kernels.fp8_attention import quantize_context, quantize_rows
+
+    x = torch.zeros(dims, dtype=torch.float32).to(dtype)
+    try:
+        if which == "rows":
+            y, s = quantize_rows(x)
+            assert x.dim() == 3 and x.numel() == 0 and y.shape == x.shape
+            return
+        if which == "context":
+            ctx = quantize_context(x, x[..., 0] if x.dim() == 3 else x, x)
+            assert x.numel() == 0 or x.shape[0] == 0
+            assert ctx.k8.shape == x.shape
+            return
+        cu = torch.tensor([0, dims[0]], dtype=torch.int32)
+        f8 = torch.float8_e4m3fn
+        ctx = FP8Context(torch.zeros(3, 2, 16, dtype=f8), torch.zeros(3, 16, dtype=f8),
+                         torch.zeros(2, 16, 16, dtype=f8), torch.ones(2))
+        fp8_context_attention(x, torch.ones(dims[0], 2), ctx, cu, cu, max_seqlen_q=dims[0],
+                              softmax_scale=0.5)
+        assert x.numel() == 0 or dims[0] == 0  # only an empty call returns without a kernel
+    except ValueError as exc:
+        assert any(w in str(exc) for w in ("must", "runs on CUDA", "needs")), exc

@@ -18,6 +18,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "tests/test_fp8_attention.py)", allow_module_level=True)
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlaprefill.kernels.fp8_attention import (
     FP8AttentionConfig,
@@ -207,3 +209,43 @@ def test_forward_with_the_fp8_backend():
         # below min_queries (the default, 2048 > 5 queries) every call is the bf16 backend's
         out, lse = run("mlaprefill-fp8", graphs)
         assert torch.equal(out, bf16[0]) and torch.equal(lse, bf16[1]), graphs
+
+
+@settings(max_examples=8, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 40)), min_size=1, max_size=3),
+       heads=st.integers(1, 2), seed=st.integers(0, 2**16), merge=st.booleans())
+def test_property_random_lengths(lens, heads, seed, merge):
+    """Every outcome of random lengths is one of: exact "no keys" rows (0 / -inf), or an LSE
+    within float32 rounding of the float64 LSE of the dequantized inputs and an output within
+    e4m3's step of its values; with ``state`` the merge of a running result by LSE."""
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    q, kn, kp, v, cq, ck = _case(lq, lk, heads=heads, seed=seed)
+    q, kn, kp, v = q.half(), kn.half(), kp.half(), v.half()
+    (q8, qs, ctx), deq = _dequantized(q, kn, kp, v)
+    ref_out, ref_lse = _reference(*deq, cq, ck, 0.3)
+    tq = q.shape[0]
+    if merge:
+        g = torch.Generator().manual_seed(seed)
+        run_out, run_lse = torch.randn(tq, heads, 16, generator=g), torch.randn(tq, heads,
+                                                                                 generator=g)
+        m = torch.maximum(run_lse.double(), ref_lse)
+        w1 = torch.exp(run_lse.double() - m)
+        w2 = torch.where(ref_lse == float("-inf"), 0.0, torch.exp(ref_lse - m))
+        want_out = (run_out.double() * w1[..., None] + ref_out * w2[..., None]) \
+            / (w1 + w2)[..., None]
+        want_lse = m + torch.log(w1 + w2)
+        fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq), softmax_scale=0.3,
+                              state=(run_out, run_lse), config=CFG)
+        if tq:
+            assert (run_lse.double() - want_lse).abs().amax() < 2e-5
+            assert (run_out.double() - want_out).abs().amax() < 2 ** -4 * max(
+                float(v.abs().max()) if v.numel() else 1.0, 1.0) + 1e-5
+        return
+    out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
+                                     softmax_scale=0.3, out_dtype=torch.float32, config=CFG)
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse.isinf() & (lse < 0), empty)
+    assert bool((out[empty] == 0).all())
+    if bool((~empty).any()):
+        assert (lse.double() - ref_lse)[~empty].abs().amax() < 2e-5
+        assert (out.double() - ref_out)[~empty].abs().amax() < 2 ** -4 * v.abs().max()

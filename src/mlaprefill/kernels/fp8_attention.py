@@ -444,6 +444,12 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     if not HAS_TRITON:
         raise RuntimeError("fp8_context_attention needs Triton: pip install triton")
     cfg = config or FP8AttentionConfig()
+    if q8.dim() != 3:
+        raise ValueError(f"q8 must be float8_e4m3fn [Tq, H, nope + rope], got shape "
+                         f"{tuple(q8.shape)}")
+    if ctx.k8.dim() != 3 or ctx.p8.dim() != 2 or ctx.vt8.dim() != 3 or ctx.amax.shape != (2,):
+        raise ValueError("ctx must come from quantize_context: k8 [Tk, H, nope], p8 [Tk, rope], "
+                         "vt8 [H, v, Tk_pad], amax [2]")
     tq, h, width = q8.shape
     nope, rope, dv = ctx.k8.shape[2], ctx.p8.shape[1], ctx.vt8.shape[1]
     for name, dim in (("nope", nope), ("rope", rope), ("v", dv)):
@@ -456,13 +462,42 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     if ctx.k8.shape[1] != h or tuple(q_scale.shape) != (tq, h):
         raise ValueError(f"heads differ: q8 {tuple(q8.shape)}, q_scale {tuple(q_scale.shape)}, "
                          f"k8 {tuple(ctx.k8.shape)}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+    if q_scale.dtype != torch.float32:
+        raise ValueError(f"q_scale must be float32 [Tq, H] (quantize_rows), got {q_scale.dtype}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be int32 [num_seqs + 1], got {cu.dtype} "
+                             f"{tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                         f"{tuple(cu_seqlens_k.shape)} must both be [num_seqs + 1]")
+    devices = {t.device for t in (q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.amax, cu_seqlens_q,
+                                  cu_seqlens_k)}
+    if len(devices) != 1:
+        raise ValueError(f"q8, q_scale, ctx and the offsets must share one device, got {devices}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be a host int >= 0, got {max_seqlen_q!r:.40}")
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+            and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
     if state is not None and out is not None:
         raise ValueError("pass state= (merge into a running result) or out= (overwrite), not "
                          "both")
     if state is not None or out is not None:
-        out, lse = state if state is not None else out
+        given = state if state is not None else out
+        name = "state" if state is not None else "out"
+        if not (isinstance(given, tuple) and len(given) == 2
+                and all(isinstance(t, torch.Tensor) for t in given)):
+            raise TypeError(f"{name} must be a tuple (out, lse) of tensors, got "
+                            f"{type(given).__name__}")
+        out, lse = given
+        if (tuple(out.shape) != (tq, h, dv) or not out.dtype.is_floating_point
+                or out.dtype == torch.float8_e4m3fn or out.stride(2) != 1
+                or tuple(lse.shape) != (tq, h) or lse.dtype != torch.float32
+                or out.device != q8.device or lse.device != q8.device):
+            raise ValueError(f"{name} must be (out [Tq, H, v] = {(tq, h, dv)} float, last dim "
+                             f"contiguous; lse float32 [Tq, H]) on {q8.device}, got "
+                             f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
     else:
         out = torch.empty(tq, h, dv, dtype=out_dtype, device=q8.device)
         lse = torch.empty(tq, h, dtype=torch.float32, device=q8.device)
