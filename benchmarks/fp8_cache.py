@@ -137,16 +137,23 @@ def bench_gather(device: str, shapes: list[tuple[int, int]], sweep: bool = False
             nbytes = n * (read[fmt] + 2 * LATENT + 4)
             row[f"{fmt}_ms"] = t["median_ms"]
             row[f"{fmt}_gbps"] = nbytes / (t["median_ms"] * 1e-3) / 1e9
-            if sweep:  # tile height x warps, for the defaults
+            if sweep:  # tile height x warps x width, for the defaults
                 cfgs = {}
+                widths = (64,) if fmt == "bf16" else (64, 128) if fmt == "fp8_ds_mla" \
+                    else (64, 128, 256)
                 for br in (16, 32, 64):
                     for nw in (2, 4, 8):
-                        def tile(br: int = br, nw: int = nw) -> Any:
-                            return gather_context_rows(cache, table, cu, starts, ws, n,
-                                                       block_rows=br, num_warps=nw, **kw)
-                        tile()
-                        cfgs[f"rows{br}_warps{nw}"] = kernel_ms(tile, graph=True)["median_ms"]
+                        for bd in widths:
+                            def tile(br: int = br, nw: int = nw, bd: int = bd) -> Any:
+                                return gather_context_rows(cache, table, cu, starts, ws, n,
+                                                           block_rows=br, num_warps=nw,
+                                                           block_d=bd, **kw)
+                            tile()
+                            cfgs[f"rows{br}_warps{nw}_cols{bd}"] = kernel_ms(
+                                tile, graph=True)["median_ms"]
                 row[f"{fmt}_sweep_ms"] = cfgs
+                best = min(cfgs, key=cfgs.get)
+                row[f"{fmt}_sweep_best"] = [best, cfgs[best]]
         for fmt in FORMATS[1:]:
             row[f"{fmt}_over_bf16"] = row[f"{fmt}_ms"] / row["bf16_ms"]
         rows_out.append(row)

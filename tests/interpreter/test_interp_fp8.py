@@ -86,3 +86,29 @@ def test_graphs_padded_launches_read_fp8_caches():
         assert shared.warm_runs > runs  # the padded launches ran
         assert (out.double() - ref_out).abs().max() < 1e-4, fmt
         assert (lse.double() - ref_lse).abs().max() < 1e-4, fmt
+
+
+def test_gather_tile_widths_give_the_same_rows():
+    from mlaprefill.kernels.gather import gather_context_rows
+
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(4, 16, 576, generator=g) * 2
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    starts = torch.tensor([5, 0], dtype=torch.int32)
+    for fmt, scale in [*FORMATS, ("bf16", None)]:
+        scale = _scale(scale)
+        cache = rows.half() if fmt == "bf16" else quantized_cache(rows, fmt, scale)
+        kw = {} if fmt == "bf16" else fmt_kwargs(fmt, scale)
+        dtype = torch.float16 if fmt == "bf16" else torch.float32
+        widths = (64, 128) if fmt == "fp8_ds_mla" else (16, 64, 128, 256)
+        got = [gather_context_rows(cache, table, cu, starts, torch.zeros(40, 576, dtype=dtype),
+                                   37, use_kernel=True, block_d=w, **kw).clone() for w in widths]
+        want = gather_context_rows(cache, table, cu, starts, torch.zeros(40, 576, dtype=dtype),
+                                   37, use_kernel=False, **kw)
+        for w, a in zip(widths, got, strict=True):
+            assert torch.equal(a, want), (fmt, w)
+    with pytest.raises(ValueError, match="block_d"):
+        gather_context_rows(quantized_cache(rows, "fp8_ds_mla", None), table, cu, starts,
+                            torch.zeros(40, 576), 37, use_kernel=True, block_d=256,
+                            **fmt_kwargs("fp8_ds_mla", None))

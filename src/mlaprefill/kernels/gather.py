@@ -43,6 +43,19 @@ __all__ = ["gather_context_records", "gather_context_rows", "gather_context_rows
 if HAS_TRITON:
 
     @triton.jit
+    def _gather_tile(kv_cache_ptr, scales_ptr, workspace_ptr, src, dst, d0, cols, bad, row_mask,
+                     load_mask, scale, out_ty: tl.constexpr, FORMAT: tl.constexpr,
+                     BYTES: tl.constexpr):
+        x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=load_mask)
+        if FORMAT == 1:
+            x = (x.to(tl.float32) * scale).to(out_ty)
+        if FORMAT == 2:  # one float32 scale per 128 values (a tile never spans two)
+            s = tl.load(scales_ptr + src // 4 + (128 + d0 // 128), mask=row_mask & ~bad)
+            x = (x.to(tl.float32) * s[:, None]).to(out_ty)
+        x = tl.where(bad[:, None], 255 if BYTES else float("nan"), x)
+        tl.store(workspace_ptr + dst[:, None] + (d0 + cols)[None, :], x, mask=row_mask[:, None])
+
+    @triton.jit
     def _gather_kernel(
         kv_cache_ptr,        # [num_blocks, PAGE_SIZE, record]: last dim contiguous (FORMAT 2:
                              # the uint8 records viewed as float8_e4m3fn, strides in bytes)
@@ -102,16 +115,15 @@ if HAS_TRITON:
         if FORMAT == 1 and SCALE_FROM_PTR:
             scale = tl.load(scales_ptr)
         # fp8_ds_mla: 512 e4m3 values, then 4 float32 scales, then 64 bfloat16 rope values.
-        for d0 in tl.static_range(0, VALUES, BLOCK_D):
-            x = tl.load(kv_cache_ptr + src[:, None] + (d0 + cols)[None, :], mask=load_mask)
-            if FORMAT == 1:
-                x = (x.to(tl.float32) * scale).to(out_ty)
-            if FORMAT == 2:
-                s = tl.load(scales_ptr + src // 4 + (128 + d0 // 128), mask=row_mask & ~bad)
-                x = (x.to(tl.float32) * s[:, None]).to(out_ty)
-            x = tl.where(bad[:, None], 255 if BYTES else float("nan"), x)
-            tl.store(workspace_ptr + dst[:, None] + (d0 + cols)[None, :], x,
-                     mask=row_mask[:, None])
+        # Columns [0, VALUES) in tiles of BLOCK_D, the last VALUES % BLOCK_D (a power of two)
+        # as one narrower tile.
+        for d0 in tl.static_range(0, VALUES - VALUES % BLOCK_D, BLOCK_D):
+            _gather_tile(kv_cache_ptr, scales_ptr, workspace_ptr, src, dst, d0, cols, bad,
+                         row_mask, load_mask, scale, out_ty, FORMAT, BYTES)
+        if VALUES % BLOCK_D > 0:
+            _gather_tile(kv_cache_ptr, scales_ptr, workspace_ptr, src, dst,
+                         VALUES - VALUES % BLOCK_D, tl.arange(0, VALUES % BLOCK_D), bad,
+                         row_mask, load_mask, scale, out_ty, FORMAT, BYTES)
         if FORMAT == 2:
             ropes = tl.arange(0, 64)
             r = tl.load(rope_ptr + src[:, None] // 2 + (264 + ropes)[None, :], mask=load_mask)
@@ -123,6 +135,18 @@ if HAS_TRITON:
 def _block_d(latent_dim: int) -> int:
     """Largest power of two dividing ``latent_dim``, capped at 128 (576 -> 64)."""
     return min(latent_dim & -latent_dim, 128)
+
+
+#: Tile width of the e4m3 formats' gathers (FP8 reads half the bytes per column: a wider tile
+#: keeps 16-byte loads per thread). Set from benchmarks/fp8_cache.py --sweep.
+FP8_BLOCK_D = 64
+
+
+def default_block_d(kind: str, latent_dim: int) -> int:
+    """The gather's tile width for a cache format (``plain``, ``fp8``, ``fp8_ds_mla``)."""
+    if kind in ("fp8", "fp8_ds_mla"):
+        return min(FP8_BLOCK_D, 128) if kind == "fp8_ds_mla" else FP8_BLOCK_D
+    return _block_d(latent_dim)
 
 
 def _check(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -230,7 +254,7 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
                         workspace: torch.Tensor, num_rows: int, *,
                         kv_cache_scale: Any = None, kv_cache_format: str | None = None,
                         use_kernel: bool | None = None, block_rows: int = 16,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, block_d: int | None = None) -> torch.Tensor:
     """Copy one iteration's context rows from the paged cache into ``workspace[:num_rows]``,
     dequantized to the workspace's dtype.
 
@@ -257,6 +281,9 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
         Force (True) or forbid (False) the Triton kernel; default: Triton on CUDA when available.
     block_rows, num_warps : int
         Triton tile height (rows per program, a power of two) and warps per program.
+    block_d : int, optional
+        Triton tile width in columns (a power of two >= 16; at most 128 for ``fp8_ds_mla``,
+        whose scales cover 128 values each); default: the format's (:func:`default_block_d`).
 
     Returns
     -------
@@ -268,7 +295,7 @@ def gather_context_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
     spec = _check(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows,
                   kv_cache_scale, kv_cache_format, records=False)
     return _launch(kv_cache, block_table, cu_seq_lens, chunk_starts, workspace, num_rows, spec,
-                   use_kernel, block_rows, num_warps)
+                   use_kernel, block_rows, num_warps, block_d)
 
 
 def gather_context_rows_with_spec(kv_cache: torch.Tensor, cache_spec: KVCacheSpec,
@@ -308,7 +335,15 @@ _FORMATS = {"plain": 0, "fp8": 1, "fp8_ds_mla": 2}
 def _launch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
             chunk_starts: torch.Tensor, workspace: torch.Tensor, num_rows: int,
             spec: KVCacheSpec | None, use_kernel: bool | None, block_rows: int,
-            num_warps: int) -> torch.Tensor:
+            num_warps: int, block_d: int | None = None) -> torch.Tensor:
+    kind = "plain" if spec is None else spec.kind
+    latent_dim = workspace.shape[1]
+    if block_d is None:
+        block_d = default_block_d(kind, latent_dim)
+    elif (isinstance(block_d, bool) or not isinstance(block_d, int) or block_d < 16
+          or block_d & (block_d - 1) or (kind == "fp8_ds_mla" and block_d > 128)):
+        raise ValueError(f"block_d must be a power of two >= 16 (<= 128 for fp8_ds_mla), got "
+                         f"{block_d!r}")
     if use_kernel is None:
         use_kernel = use_triton(kv_cache, workspace)
     if not use_kernel:
@@ -321,7 +356,6 @@ def _launch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torc
             raise ValueError(f"{name} must be a contiguous 1-D row, got stride {t.stride()}")
     if num_rows == 0:
         return workspace[:0]
-    kind = "plain" if spec is None else spec.kind
     cache, scales, rope, scale, from_ptr = kv_cache, kv_cache, kv_cache, 1.0, False
     if kind == "fp8":
         from_ptr = spec.scale_tensor is not None
@@ -331,7 +365,6 @@ def _launch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torc
         # One set of records seen three ways; offsets are the byte offsets / element size.
         cache = kv_cache.view(torch.float8_e4m3fn)
         scales, rope = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
-    latent_dim = workspace.shape[1]
     num_reqs = block_table.shape[0]
     grid = (cdiv(num_rows, block_rows),)
     _gather_kernel[grid](
@@ -340,7 +373,7 @@ def _launch(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torc
         block_table.stride(0), workspace.stride(0),
         PAGE_SIZE=kv_cache.shape[1], LATENT_DIM=latent_dim,
         LOG2_REQS=max(num_reqs - 1, 0).bit_length(), BLOCK_ROWS=block_rows,
-        BLOCK_D=64 if kind == "fp8_ds_mla" else _block_d(latent_dim),
+        BLOCK_D=block_d,
         FORMAT=_FORMATS[kind], SCALE_FROM_PTR=from_ptr,
         BYTES=workspace.dtype == torch.uint8,
         VALUES=DS_MLA_RANK if kind == "fp8_ds_mla" else latent_dim, num_warps=num_warps,
