@@ -137,9 +137,12 @@ def _block_d(latent_dim: int) -> int:
     return min(latent_dim & -latent_dim, 128)
 
 
-#: Tile width of the e4m3 formats' gathers (FP8 reads half the bytes per column: a wider tile
-#: keeps 16-byte loads per thread). Set from benchmarks/fp8_cache.py --sweep.
-FP8_BLOCK_D = 64
+#: Tile width of the e4m3 gathers (FP8 reads half the bytes per column: wider tiles move more
+#: bytes per load). H200, benchmarks/results/fp8_cache_gather_sweep_h200.json, 16-row tiles of 4
+#: warps against the bf16 gather in the same run: e4m3 0.90-0.93x its time at 64 columns,
+#: 0.79-0.81x at 256 (the four shapes of 40 us or more); fp8_ds_mla 0.94-0.96x at 64, 0.87-0.88x
+#: at 128 (its widest: one scale per 128 values).
+FP8_BLOCK_D = 256
 
 
 def default_block_d(kind: str, latent_dim: int) -> int:
