@@ -283,6 +283,19 @@ def ex_cudnn_padding(d: dict) -> tuple[str, str]:
     return "cuDNN kernel time, padded/masked variants vs exact shapes", res
 
 
+def ex_fp8_gather_sweep(d: dict) -> tuple[str, str]:
+    g = d["gather"]["rows"]
+    big = [r for r in g if r["bf16_ms"] >= 0.04]  # shapes past launch-bound sizes
+    parts = []
+    for fmt, key in (("fp8", "rows16_warps4_cols256"), ("fp8_ds_mla", "rows16_warps4_cols128"),
+                     ("fp8", "rows16_warps4_cols64")):
+        xs = [r[f"{fmt}_sweep_ms"][key] / r["bf16_ms"] for r in big]
+        parts.append(f"{fmt} {key}: {_range(xs)}x")
+    best = [r["fp8_sweep_best"][1] / r["bf16_ms"] for r in big]
+    parts.append(f"fp8 best config {_range(best)}x ({len(big)} shapes >= 40 us)")
+    return "gather + dequant tile sweep, time vs the bf16 gather in the same run", "; ".join(parts)
+
+
 def ex_fp8_cache(d: dict) -> tuple[str, str]:
     g, f = d["gather"]["rows"], d["forward"]["rows"]
     parts = []
@@ -356,6 +369,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "cudnn_padding": ex_cudnn_padding,
     "fp8_cache": ex_fp8_cache,
     "fp8_attention": ex_fp8_attention,
+    "fp8_gather": ex_fp8_gather_sweep,
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,
     "fp8_bench": ex_bench,
