@@ -398,7 +398,7 @@ def quantize_context(k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor
     device = k_nope.device
     amax = torch.zeros(2, dtype=torch.float32, device=device)
     rope = k_rope.unsqueeze(1)
-    if t and h and not use_triton(k_nope):
+    if t and not use_triton(k_nope):  # (no heads: the rope key is still quantized)
         raise ValueError(f"quantize_context runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got {device}")
     _amax(k_nope, amax[0:1])
