@@ -291,7 +291,7 @@ class _Flow:
             hints = hints - {p.arg for p in params if p is not None}
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
-                      scope.function is None) else None)
+                      scope.function is None) else None, uses=_attribute_uses(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None
@@ -352,7 +352,11 @@ class _Flow:
             owner = target.value
             if isinstance(owner, ast.Name) and owner.id == "self" and scope.cls is not None:
                 self.pending.add_attr(scope.cls, target.attr, kind)
+                if strict in TENSOR_KINDS or not _derived_from_self(value, target.attr):
+                    # `self.free = torch.cat([self.free, x])` lives where `self.free` does
+                    self.pending.add_strict_attr(scope.cls, target.attr, strict)
             else:
+                self.pending.add_strict_attr(None, target.attr, UNKNOWN)
                 owner_type = model.type_of(owner, scope)
                 if owner_type is not None:
                     self.pending.add_attr(owner_type, target.attr, kind)
@@ -444,12 +448,11 @@ class _Flow:
         if cls_name == "cls" and scope.cls is not None:
             cls_name = scope.cls  # cls(...) in a classmethod
         if cls_name is not None:  # Metadata(seq_lens=...): what its fields will hold
-            for kw in call.keywords:
-                if kw.arg:
-                    kind = model.kind(kw.value, scope)
-                    self.pending.add_attr(None, kw.arg, kind)
-                    if cls_name in model.classes:
-                        self.pending.add_attr(cls_name, kw.arg, kind)
+            given = {kw.arg: model.kind(kw.value, scope) for kw in call.keywords if kw.arg}
+            self.pending.add_given(cls_name, call, given)
+            if cls_name in model.classes:
+                for name, kind in given.items():
+                    self.pending.add_attr(cls_name, name, kind)
         if isinstance(f, ast.Name) and f.id in _SCALAR_CASTS and len(call.args) == 1 \
                 and f.id not in scope.env and model.strictly(call.args[0], scope) == DEVICE:
             self._add(call, "HS201",
@@ -457,6 +460,14 @@ class _Flow:
                       "host, which waits for the device; keep the decision on the device "
                       "(torch.where) or compute it from host values (e.g. in the plan)")
             return
+        if isinstance(f, ast.Name) and f.id in ("min", "max") and f.id not in scope.env:
+            compared = _compared(call)
+            if any(model.strictly(a, scope) == DEVICE for a in compared):
+                self._add(call, "HS201",
+                          f"`{f.id}()` of device tensors compares them on the host (`bool(a < "
+                          "b)`), which waits for the device; use torch.minimum/torch.maximum "
+                          "(or .amin()/.amax()) on the device, or compare host values")
+                return
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
@@ -612,3 +623,39 @@ def summarize(tree: ast.Module, imported: Imported | None = None) -> Facts:
     flow.run((False, False))
     return flow.model.facts
 
+
+
+def _attribute_uses(fn: ast.AST) -> dict[str, frozenset[str]]:
+    """The attributes ``fn`` uses (reads or writes) of each name: ``{"ctx": {"a", "b"}}``."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            out.setdefault(node.value.id, set()).add(node.attr)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _derived_from_self(value: ast.expr | None, attr: str) -> bool:
+    """Whether ``value`` reads ``self.<attr>`` (a slice, cat or op of the attribute itself)."""
+    return value is not None and any(
+        isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name)
+        and n.value.id == "self" for n in ast.walk(value))
+
+
+def _compared(call: ast.Call) -> list[ast.expr]:
+    """What builtin ``min()`` / ``max()`` compares: its arguments when two or more; the items of
+    a single iterable written out (a list, tuple or generator's element) or the iterable
+    itself (a tensor iterates into its elements); a ``key=`` lambda's body."""
+    out: list[ast.expr] = []
+    args = [a for a in call.args if not isinstance(a, ast.Starred)]
+    if len(call.args) >= 2:
+        out.extend(args)
+    elif args:
+        a = args[0]
+        if isinstance(a, (ast.List, ast.Tuple)):
+            out.extend(a.elts)
+        elif not isinstance(a, (ast.GeneratorExp, ast.ListComp)):
+            out.append(a)
+    key = kwarg(call, "key")
+    if isinstance(key, ast.Lambda):
+        out.append(key.body)
+    return out

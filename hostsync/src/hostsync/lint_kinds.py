@@ -142,6 +142,9 @@ class Scope:
     loop: int = 0
     class_body: bool = False
     function: str | None = None
+    # the attributes this function uses of each name (``step_context.q_seqlens`` ->
+    # ``{"step_context": {"q_seqlens", ...}}``); None at module or class level
+    uses: dict[str, frozenset[str]] | None = None
 
     def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
         """The same scope over another env (a copy of this one by default)."""
@@ -159,6 +162,34 @@ class Facts:
     attrs: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
     returns: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
     globals: dict[str, str] = dataclasses.field(default_factory=dict)
+    # what constructor calls were given by keyword: ``fields[callee]`` its keyword names,
+    # ``positional[callee]`` the most positional arguments of a call, ``given[(callee, kw)]``
+    # the join of the keyword's kinds (see :meth:`KindModel.given_fact`)
+    fields: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    positional: dict[str, int] = dataclasses.field(default_factory=dict)
+    given: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    # ``strict_attrs[(class, attr)]``: what every assignment of ``self.attr`` in the class's
+    # methods gives strictly; ``(None, attr)``: assigned on another object too (no fact then)
+    strict_attrs: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
+
+    def add_strict_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
+        """What an assignment of ``attr`` gives it strictly (see :meth:`KindModel.strictly`):
+        a kind only when every assignment in the module gives that kind (``None`` aside)."""
+        if kind == NONE:
+            return
+        key = (owner, attr)
+        kind = kind if kind in TENSOR_KINDS else UNKNOWN
+        prev = self.strict_attrs.get(key)
+        self.strict_attrs[key] = kind if prev in (None, kind) else UNKNOWN
+
+    def add_given(self, callee: str, call: ast.Call, kinds: dict[str, str | None]) -> None:
+        self.fields.setdefault(callee, set()).update(kinds)
+        self.positional[callee] = max(self.positional.get(callee, 0), len(call.args))
+        for kw, kind in kinds.items():
+            if kind in (None, NONE, UNKNOWN, LIST):
+                continue
+            key = (callee, kw)
+            self.given[key] = join(self.given.get(key), kind) or kind
 
     def add_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
         if kind in (None, NONE, UNKNOWN, LIST):
@@ -425,6 +456,12 @@ class KindModel:
             v = scope.env.get(STRICT + path) if path is not None else None
             if v is not None and v not in (UNKNOWN, LIST):
                 return v
+            if (v is None and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and scope.cls is not None and (None, a) not in self.facts.strict_attrs
+                    and self.facts.strict_attrs.get((scope.cls, a)) == DEVICE):
+                # allocated on the device by every assignment of the class (``__init__``'s
+                # ``self.free = torch.arange(n, device=dev)``, its slices and cats after)
+                return DEVICE
             return DEVICE if a in self.hint_attrs else None
         if path is not None and path in scope.env:
             v = scope.env[path]
@@ -438,6 +475,8 @@ class KindModel:
             fact = self.facts.attrs.get((owner, a)) if owner is not None else None
             if fact is None:
                 fact = self.facts.attrs.get((None, a))
+                given = self.given_fact(node, scope)
+                fact = given if fact is None else join(fact, given) if given else fact
             if fact is not None:
                 return _known(fact)
         elif owner in self.imported.classes:  # an imported class: what its module assigns
@@ -445,6 +484,27 @@ class KindModel:
             if fact is not None:
                 return fact
         return self.convention(a, attribute=True, hint=a in self.hint_attrs)
+
+    def given_fact(self, node: ast.Attribute, scope: Scope) -> str | None:
+        """What constructor calls of this module gave keyword ``node.attr`` (``Meta(seq_lens=
+        x)``), for a receiver of unknown class: only calls of a callee that could have built
+        it, one whose keywords (and positional arguments, by count) cover every attribute
+        this function uses of the receiver. ``step_context.q_seqlens`` of a context that has
+        ``.model_config`` and ``.kv_caches`` too is not the ``q_seqlens=q_seqlens_cpu`` given
+        to an attention-metadata constructor that takes neither."""
+        a = node.attr
+        uses = None
+        if isinstance(node.value, ast.Name) and scope.uses is not None:
+            uses = scope.uses.get(node.value.id)
+        out: str | None = None
+        for callee, fields in self.facts.fields.items():
+            kind = self.facts.given.get((callee, a))
+            if kind is None:
+                continue
+            if uses is not None and len(uses - fields) > self.facts.positional.get(callee, 0):
+                continue
+            out = join(out, kind) or kind
+        return out
 
     # ------------------------------------------------------------------ devices
 

@@ -84,7 +84,8 @@ HS201  host read of a device tensor
 
 What: reading a device tensor's value on the host, in any of these forms:
   - `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, a blocking `.to("cpu")`;
-  - `bool(t)`, `int(t)`, `float(t)`;
+  - `bool(t)`, `int(t)`, `float(t)`, and builtin `min()`/`max()` comparing device tensors
+    (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
   - an f-string of a device tensor (`f"{t}"`, e.g. in an assert or log message).
@@ -101,7 +102,11 @@ the device, in the same module or in another file linted in the same run that th
 (`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
 summaries; lint a package's files together to use them). Conditions, casts and f-strings are
 judged from what the code does, not from names (`if has_cuda:`, `if device.type == "cuda":`,
-`assert t.dim() == 2` are silent).
+`assert t.dim() == 2` are silent); an attribute of `self` that every assignment in its class
+puts on the device (`self.free = torch.arange(n, device=dev)` in `__init__`, then slices and
+cats of itself) counts in another method's condition. What a constructor is given by keyword
+(`Meta(seq_lens=x)`) is what an object of unknown class holds only when that constructor's
+arguments cover every attribute the function uses of the object.
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
