@@ -14,8 +14,8 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "cdiv", "device_reason", "ensure_allocator", "next_power_of_2", "tl",
-           "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "cdiv", "check_tiles", "device_reason", "ensure_allocator",
+           "next_power_of_2", "pow2_at_least_16", "tl", "triton", "use_triton"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,6 +27,28 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``), host ints."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def pow2_at_least_16(n: int) -> int:
+    """The smallest power of two >= ``max(n, 16)``: a tile width for ``n`` columns (tl.dot and
+    tl.arange want powers of two, the MMA at least 16)."""
+    return max(16, next_power_of_2(n))
+
+
+def check_tiles(owner: str, block_m: object, block_n: object, num_warps: object,
+                num_stages: object) -> None:
+    """``ValueError`` naming ``owner.field`` unless the tiles are powers of two >= 16 (tl.dot's
+    minimum), ``num_warps`` one of 1, 2, 4, 8, 16 and ``num_stages`` an int >= 1: the fields a
+    kernel config of :mod:`~mlaprefill.kernels.attention` or
+    :mod:`~mlaprefill.kernels.fp8_attention` shares."""
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"{owner}.{name} must be a power of two >= 16 (tl.dot's minimum "
+                             f"tile), got {value!r}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{owner}.num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"{owner}.num_stages must be an int >= 1, got {num_stages!r}")
 
 
 def device_reason(device_type: str) -> str | None:

@@ -52,8 +52,9 @@ from mlaprefill.kernels import hopper_attention
 from mlaprefill.kernels._triton import (
     HAS_TRITON,
     cdiv,
+    check_tiles,
     ensure_allocator,
-    next_power_of_2,
+    pow2_at_least_16,
     tl,
     triton,
     use_triton,
@@ -116,17 +117,8 @@ class AttentionConfig:
     warp_specialize: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16 "
-                                 f"(tl.dot's minimum tile), got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"AttentionConfig.num_warps must be 1, 2, 4, 8 or 16, "
-                             f"got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"AttentionConfig.num_stages must be an int >= 1, "
-                             f"got {self.num_stages!r}")
+        check_tiles("AttentionConfig", self.block_m, self.block_n, self.num_warps,
+                    self.num_stages)
         for name in ("tma", "warp_specialize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionConfig.{name} must be a bool, "
@@ -472,10 +464,6 @@ def _dense_args(dense: tuple[tuple[int, int, int, int], ...], cfg: AttentionConf
     return args + [0, 0, 0, 0] * (MAX_DENSE_BLOCKS - len(dense))
 
 
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, next_power_of_2(n))
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
            k_rope: torch.Tensor | None) -> None:
@@ -698,8 +686,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_pt, stride_ph,
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         CAUSAL=bool(causal), ACCUMULATE=state is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, D1=d1, D2=d2, BLOCK_D2=_pow2_at_least_16(d2) if d2 else 16,
-        DV=v_dim, BLOCK_DV=_pow2_at_least_16(v_dim), TMA=cfg.tma, WS=cfg.warp_specialize,
+        BLOCK_N=cfg.block_n, D1=d1, D2=d2, BLOCK_D2=pow2_at_least_16(d2) if d2 else 16,
+        DV=v_dim, BLOCK_DV=pow2_at_least_16(v_dim), TMA=cfg.tma, WS=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

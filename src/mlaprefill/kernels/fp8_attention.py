@@ -45,7 +45,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator, tl, triton, use_triton
+from mlaprefill.kernels._triton import (
+    HAS_TRITON,
+    cdiv,
+    check_tiles,
+    ensure_allocator,
+    pow2_at_least_16,
+    tl,
+    triton,
+    use_triton,
+)
 
 __all__ = ["FP8_MAX", "FP8AttentionConfig", "FP8Context", "fp8_context_attention",
            "quantize_context", "quantize_rows"]
@@ -65,21 +74,8 @@ class FP8AttentionConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"FP8AttentionConfig.{name} must be a power of two >= 16, got "
-                                 f"{value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"FP8AttentionConfig.num_warps must be 1, 2, 4, 8 or 16, got "
-                             f"{self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"FP8AttentionConfig.num_stages must be an int >= 1, got "
-                             f"{self.num_stages!r}")
-
-    @property
-    def name(self) -> str:
-        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+        check_tiles("FP8AttentionConfig", self.block_m, self.block_n, self.num_warps,
+                    self.num_stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,10 +325,6 @@ if HAS_TRITON:
         tl.store(l_ptrs, lse, mask=m_ok)
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << max(n - 1, 0).bit_length())
-
-
 def _check_rows(x: torch.Tensor, name: str) -> None:
     if x.dim() != 3 or x.stride(2) != 1:
         raise ValueError(f"{name} must be [T, H, D] with a contiguous last dim, got shape "
@@ -351,7 +343,7 @@ def _quantize(x: torch.Tensor, y: torch.Tensor, scales: torch.Tensor, stride_yt:
                          f"TRITON_INTERPRET=1), got {x.device}")
     block_t = 32 if transposed else 16
     _quantize_kernel[(cdiv(t, block_t), h)](
-        x, y, scales, t, h, x.stride(0), x.stride(1), stride_yt, D=d, BLOCK_D=_pow2(d),
+        x, y, scales, t, h, x.stride(0), x.stride(1), stride_yt, D=d, BLOCK_D=pow2_at_least_16(d),
         BLOCK_T=block_t, PER_ROW=per_row, TRANSPOSED=transposed, ROUND=x.device.type == "cpu",
         num_warps=4)
 
@@ -360,7 +352,7 @@ def _amax(x: torch.Tensor, out: torch.Tensor) -> None:
     t, h, d = x.shape
     if t and h:
         _amax_kernel[(cdiv(t, 64), h)](x, out, t, x.stride(0), x.stride(1), D=d,
-                                       BLOCK_D=_pow2(d), BLOCK_T=64, num_warps=4)
+                                       BLOCK_D=pow2_at_least_16(d), BLOCK_T=64, num_warps=4)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
