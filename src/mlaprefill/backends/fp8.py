@@ -90,38 +90,17 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
             return ("fp8",)
         return super().launch_key(seqs, num_heads, causal)
 
-    def _fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-             softmax_scale: float, k_rope: torch.Tensor, state=None, into=None
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
+             state: tuple[torch.Tensor, torch.Tensor] | None, causal: bool,
+             softmax_scale: float, k_rope: torch.Tensor | None,
+             into: tuple[torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # What attend, attend_and_merge and attend_and_store all run (state: merged into; into:
+        # overwritten). FP8 takes split keys with the rope key shared by every head only.
+        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
+            return super()._run(q, k, v, seqs, state, causal, softmax_scale, k_rope, into)
         q8, q_scale = quantize_rows(q)
         ctx = quantize_context(k, k_rope, v)
         return fp8_context_attention(q8, q_scale, ctx, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                      max_seqlen_q=seqs.max_seqlen_q, softmax_scale=softmax_scale,
                                      state=state, out=into, out_dtype=q.dtype)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs, *,
-               causal: bool, softmax_scale: float, k_rope: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
-            return super().attend(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale,
-                                  k_rope=k_rope)
-        return self._fp8(q, k, v, seqs, softmax_scale, k_rope)
-
-    def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
-                         out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                         softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:
-        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
-            super().attend_and_merge(q, k, v, seqs, out, lse, causal=causal,
-                                     softmax_scale=softmax_scale, k_rope=k_rope)
-            return
-        self._fp8(q, k, v, seqs, softmax_scale, k_rope, state=(out, lse))
-
-    def attend_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         seqs: VarlenSeqs, out: torch.Tensor, lse: torch.Tensor, *,
-                         causal: bool, softmax_scale: float,
-                         k_rope: torch.Tensor | None = None) -> None:
-        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
-            super().attend_and_store(q, k, v, seqs, out, lse, causal=causal,
-                                     softmax_scale=softmax_scale, k_rope=k_rope)
-            return
-        self._fp8(q, k, v, seqs, softmax_scale, k_rope, into=(out, lse))
