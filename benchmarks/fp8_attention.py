@@ -39,6 +39,7 @@ import torch
 
 from _common import add_cpu_smoke, empty_cache, kernel_ms, write_json
 from mlaprefill._env import machine_info, utc_now
+from mlaprefill.backends import BACKENDS, VarlenSeqs
 from mlaprefill.kernels.attention import varlen_attention
 from mlaprefill.kernels.fp8_attention import (
     FP8AttentionConfig,
@@ -83,7 +84,7 @@ def make_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtyp
     cu_q = torch.arange(0, tq + 1, q_len, dtype=torch.int32, device=device)
     cu_k = torch.arange(0, tk + 1, k_len, dtype=torch.int32, device=device)
     return {"q": q, "k": kv[..., :nope], "v": kv[..., nope:], "k_rope": kr, "cu_q": cu_q,
-            "cu_k": cu_k, "q_len": q_len, "scale": (nope + rope) ** -0.5}
+            "cu_k": cu_k, "q_len": q_len, "k_len": k_len, "scale": (nope + rope) ** -0.5}
 
 
 def run_bf16(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,21 +101,12 @@ def run_fp8(x: dict, cfg: FP8AttentionConfig | None = None, quantized=None):
 
 
 def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention of the inputs, one sequence and head block at a time."""
-    q, k, v, kr = x["q"].double(), x["k"].double(), x["v"].double(), x["k_rope"].double()
-    tq, h = q.shape[:2]
-    out = torch.empty(tq, h, v.shape[2], dtype=torch.float64, device=q.device)
-    lse = torch.empty(tq, h, dtype=torch.float64, device=q.device)
-    cq, ck = x["cu_q"].tolist(), x["cu_k"].tolist()
-    for s in range(len(cq) - 1):
-        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        kk = torch.cat([k[c:d], kr[c:d, None].expand(-1, h, -1)], -1)
-        for h0 in range(0, h, 8):
-            hs = slice(h0, h0 + 8)
-            sc = torch.einsum("qhd,khd->hqk", q[a:b, hs], kk[:, hs]) * x["scale"]
-            lse[a:b, hs] = torch.logsumexp(sc, -1).T
-            out[a:b, hs] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d, hs])
-    return out, lse
+    """float64 attention of the inputs: the ``math`` backend on the joined key."""
+    heads = x["q"].shape[1]
+    k = torch.cat([x["k"].double(), x["k_rope"].double()[:, None].expand(-1, heads, -1)], -1)
+    seqs = VarlenSeqs(x["cu_q"], x["cu_k"], x["q_len"], x["k_len"])
+    return BACKENDS["math"]().attend(x["q"].double(), k, x["v"].double(), seqs, causal=False,
+                                     softmax_scale=x["scale"])
 
 
 def _errors(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]

@@ -87,6 +87,21 @@ def paged_mla_inputs(query_lens, context_lens, *, heads=3, rank=16, nope=8, rope
     )
 
 
+def split_key_reference(q, k_nope, k_rope, v, cu_q, cu_k, softmax_scale):
+    """float64 attention of split keys (``k_nope [Tk, H, nope]``, the rope key ``k_rope [Tk,
+    rope]`` shared by every head), non-causal, by the ``math`` backend on the joined key:
+    ``(out [Tq, H, v], lse [Tq, H])``, rows without keys 0 / -inf."""
+    from mlaprefill.backends import BACKENDS, VarlenSeqs
+
+    heads = k_nope.shape[1]
+    k = torch.cat([k_nope.double(), k_rope.double()[:, None].expand(-1, heads, -1)], -1)
+    lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    seqs = VarlenSeqs(cu_q, cu_k, int(lens_q.max()) if lens_q.numel() else 0,
+                      int(lens_k.max()) if lens_k.numel() else 0)
+    return BACKENDS["math"]().attend(q.double(), k, v.double(), seqs, causal=False,
+                                     softmax_scale=softmax_scale)
+
+
 def run_interpreter_tests(module, *, passed, timeout=1200):
     """Run ``tests/interpreter/<module>`` in a fresh pytest process with ``TRITON_INTERPRET=1``.
 

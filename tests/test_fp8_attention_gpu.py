@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import paged_mla_inputs
+from conftest import paged_mla_inputs, split_key_reference
 from mlaprefill import IterationGraphs, MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
 from mlaprefill.kernels.fp8_attention import (
@@ -75,22 +75,6 @@ def _case(lq, lk, heads, seed=0):
     return q, kv[..., :NOPE], kr, kv[..., NOPE:], cq, ck
 
 
-def _reference(q, kn, kp, v, cq, ck, scale):
-    tq, h = q.shape[:2]
-    out = torch.zeros(tq, h, v.shape[2], dtype=torch.float64, device="cuda")
-    lse = torch.full((tq, h), float("-inf"), dtype=torch.float64, device="cuda")
-    cq, ck = cq.tolist(), ck.tolist()
-    for s in range(len(cq) - 1):
-        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        if a == b or c == d:
-            continue
-        k = torch.cat([kn[c:d], kp[c:d, None].expand(-1, h, -1)], -1)
-        sc = torch.einsum("qhd,khd->hqk", q[a:b], k) * scale
-        lse[a:b] = torch.logsumexp(sc, -1).T
-        out[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d])
-    return out, lse
-
-
 @pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
 @pytest.mark.parametrize("lq,lk", [([1], [1]), ([3, 0, 130], [129, 7, 0]),
                                    ([128, 257], [128, 1000]), ([5, 64, 1], [4097, 33, 130])])
@@ -101,7 +85,7 @@ def test_kernel_against_float64_of_dequantized_inputs(lq, lk):
     deq = (q8.double() * qs[..., None].double(), *ctx.dequantized())
     out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
                                      softmax_scale=192 ** -0.5)
-    ref_out, ref_lse = _reference(*deq, cq, ck, 192 ** -0.5)
+    ref_out, ref_lse = split_key_reference(*deq, cq, ck, 192 ** -0.5)
     empty = ref_lse == float("-inf")
     assert torch.equal(lse.isinf() & (lse < 0), empty)
     assert bool((out[empty] == 0).all())

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import split_key_reference
 from mlaprefill.kernels.fp8_attention import (
     FP8AttentionConfig,
     fp8_context_attention,
@@ -102,22 +103,6 @@ def _case(lq, lk, heads=2, nope=16, rope=16, dv=16, seed=0, scale_k=1.0):
     return q, kn, kp, v, cq, ck
 
 
-def _reference(q, kn, kp, v, cq, ck, softmax_scale):
-    """float64 attention of the given (already dequantized) tensors; empty rows 0 / -inf."""
-    tq, h = q.shape[:2]
-    out = torch.zeros(tq, h, v.shape[2], dtype=torch.float64)
-    lse = torch.full((tq, h), float("-inf"), dtype=torch.float64)
-    for s in range(len(cq) - 1):
-        a, b, c, d = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
-        if a == b or c == d:
-            continue
-        k = torch.cat([kn[c:d].double(), kp[c:d].double()[:, None].expand(-1, h, -1)], -1)
-        sc = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * softmax_scale
-        lse[a:b] = torch.logsumexp(sc, -1).T
-        out[a:b] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[c:d].double())
-    return out, lse
-
-
 def _dequantized(q, kn, kp, v):
     q8, qs = quantize_rows(q)
     ctx = quantize_context(kn, kp, v)
@@ -135,7 +120,7 @@ def test_against_float64_of_the_dequantized_inputs(lq, lk):
     (q8, qs, ctx), deq = _dequantized(q, kn, kp, v)
     out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
                                      softmax_scale=0.3, out_dtype=torch.float32, config=CFG)
-    ref_out, ref_lse = _reference(*deq, cq, ck, 0.3)
+    ref_out, ref_lse = split_key_reference(*deq, cq, ck, 0.3)
     empty = ref_lse == float("-inf")
     assert torch.equal(lse.isinf() & (lse < 0), empty)  # no keys: exactly -inf, out 0
     assert bool((out[empty] == 0).all())
@@ -222,7 +207,7 @@ def test_property_random_lengths(lens, heads, seed, merge):
     q, kn, kp, v, cq, ck = _case(lq, lk, heads=heads, seed=seed)
     q, kn, kp, v = q.half(), kn.half(), kp.half(), v.half()
     (q8, qs, ctx), deq = _dequantized(q, kn, kp, v)
-    ref_out, ref_lse = _reference(*deq, cq, ck, 0.3)
+    ref_out, ref_lse = split_key_reference(*deq, cq, ck, 0.3)
     tq = q.shape[0]
     if merge:
         g = torch.Generator().manual_seed(seed)
