@@ -558,13 +558,13 @@ def summary_rows(results_dir: Path = RESULTS_DIR) -> list[tuple[str, str, str]]:
         prows = hit[1]["shapes"]["rows"]
         fast = [r["speedup_share_vs_noshare"] for r in prows
                 if r["heads"] == 16 and r["shape"].startswith("issue")]
-        rows.append(("Prefix sharing: forward vs a cuDNN bound; vs no sharing (16 heads)",
+        rows.append(("Prefix sharing: vs a cuDNN bound; vs none (16 heads)",
                      f"{_range([r['share_over_bound'] for r in prows])}x; "
                      f"{_range(fast)}x faster", link("prefix_sharing")))
     hit = _latest(data, "fp8_cache")
     if hit:
         fr = [r[f"{f}_over_bf16"] for r in hit[1]["forward"]["rows"] for f in ("fp8", "fp8_ds_mla")]
-        rows.append(("FP8 caches (e4m3, fp8_ds_mla): forward vs the bf16 cache",
+        rows.append(("FP8 caches (e4m3, ds_mla): forward vs bf16 cache",
                      f"{_range(fr, '.2f')}x ({len(fr)} pairs)", link("fp8_cache")))
     return rows[:7]
 
