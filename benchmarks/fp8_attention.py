@@ -18,9 +18,19 @@ Sections:
   cuDNN SDPA on the equal-length batch with whole keys ``[B, H, L, 192]`` (the rope key copied
   into every head beforehand, not timed). TFLOP/s = ``4 * num_seqs * q_len * k_len * H * (192 +
   128) / 2 / time`` (two matrix products, 2 FLOP per multiply-add; ``flop_formula`` in the JSON).
+* ``chunk`` — one context step from latent rows, as the forward runs it (``num_seqs`` x
+  ``q_len`` queries over ``k_len`` latent rows ``[kv_c 512 | k_pe 64]`` each, the weight
+  ``[H * 256, 512]``), timed whole per path in the same run: ``bf16`` (``torch.mm`` up-projection
+  to bf16 K/V, then the bf16 kernel), ``fp8_quantize`` (the same GEMM, then
+  :func:`quantize_context` and :func:`quantize_rows`, then the FP8 kernel: no fused epilogue),
+  ``fp8_fused`` (:func:`upproject_fp8`: e4m3 K/V from the GEMM's epilogue, then
+  :func:`quantize_rows` and the FP8 kernel), and the up-projections alone (``upproj_bf16``,
+  ``upproj_quantize``, ``upproj_fused`` for each config of ``--upproj-configs``).
 * ``accuracy`` — out and LSE of the bf16 and the FP8 kernel against float64 attention of the same
   bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4
-  channels of q, k and v x 30 with random signs; 4 key channels offset by +30).
+  channels of q, k and v x 30 with random signs; 4 key channels offset by +30); and, on K/V
+  up-projected from random latent rows, the FP8 kernel with the amax scales
+  (``quantize_context``) beside the fused up-projection's Cauchy-Schwarz bounds.
 
 Times: ``triton.testing.do_bench`` medians (CUDA events, L2 flushed); CPU smoke: tiny shapes in
 Triton's interpreter (float16; the bf16 kernel's stand-in), host wall clock, meaningless.
@@ -47,6 +57,7 @@ from mlaprefill.kernels.fp8_attention import (
     quantize_context,
     quantize_rows,
 )
+from mlaprefill.kernels.fp8_upproj import FP8UpProjConfig, upproject_fp8, weight_row_norms
 
 NOPE, ROPE, VDIM = 128, 64, 128
 # (heads, num_seqs, q_len, k_len): long contexts at 16 and 128 heads, then shorter chunks
@@ -56,12 +67,138 @@ SHAPES = [
 ]
 SMOKE_SHAPES = [(2, 2, 20, 40)]
 CONFIGS = "m128_n128_w8_s3,m128_n64_w8_s3,m128_n128_w8_s2,m64_n128_w4_s3,m128_n128_w4_s2"
+UPPROJ_CONFIGS = "m128_k64_w8_s3,m128_k64_w4_s3,m64_k64_w4_s3,m128_k128_w8_s2"
+RANK = 512
+# (heads, num_seqs, q_len, k_len) of the chunk section: the forward's context steps
+CHUNK_SHAPES = [(16, 1, 4096, 16384), (16, 1, 4096, 65536), (16, 4, 1024, 32768),
+                (128, 1, 4096, 16384), (128, 4, 1024, 16384), (128, 16, 256, 8192)]
+SMOKE_CHUNK_SHAPES = [(2, 2, 20, 40)]
 FLOP_FORMULA = "4 * num_seqs * q_len * k_len * heads * (qk_head_dim + v_head_dim) / 2"
 
 
 def parse_config(name: str) -> FP8AttentionConfig:
     parts = dict((p[0], int(p[1:])) for p in name.split("_"))
     return FP8AttentionConfig(parts["m"], parts["n"], parts["w"], parts["s"])
+
+
+def parse_upproj_config(name: str) -> FP8UpProjConfig:
+    parts = dict((p[0], int(p[1:])) for p in name.split("_"))
+    return FP8UpProjConfig(parts["m"], parts["k"], parts["w"], parts["s"])
+
+
+def make_latent_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtype,
+                       device: str, seed: int = 0) -> dict:
+    """Latent rows ``[kv_c | k_pe]`` and a weight ``[H * (nope + v), rank]`` (N(0, 1 / rank)
+    entries: K and V of unit scale), and the queries."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    tq, tk = seqs * q_len, seqs * k_len
+    latent = torch.randn(tk, RANK + ROPE, generator=g, device=device).to(dtype)
+    w = (torch.randn(heads * (NOPE + VDIM), RANK, generator=g, device=device)
+         / RANK ** 0.5).to(dtype)
+    q = torch.randn(tq, heads, NOPE + ROPE, generator=g, device=device).to(dtype)
+    cu_q = torch.arange(0, tq + 1, q_len, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, tk + 1, k_len, dtype=torch.int32, device=device)
+    return {"q": q, "latent": latent, "w": w, "w_norms": weight_row_norms(w, NOPE, VDIM),
+            "cu_q": cu_q, "cu_k": cu_k, "q_len": q_len, "k_len": k_len,
+            "scale": (NOPE + ROPE) ** -0.5, "kv": torch.empty(tk, heads, NOPE + VDIM,
+                                                             dtype=dtype, device=device)}
+
+
+def upproj_bf16(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv, lat = x["kv"], x["latent"]
+    torch.mm(lat[:, :RANK], x["w"].t(), out=kv.view(kv.shape[0], -1))
+    return kv[..., :NOPE], lat[:, RANK:], kv[..., NOPE:]
+
+
+def upproj_fused(x: dict, cfg: FP8UpProjConfig | None = None):
+    lat = x["latent"]
+    return upproject_fp8(lat[:, :RANK], lat[:, RANK:], x["w"], x["w_norms"], nope=NOPE, v=VDIM,
+                         config=cfg)
+
+
+def chunk_step(x: dict, path: str, cfg: FP8UpProjConfig | None = None):
+    """One context step from latent rows (the ``chunk`` section's paths)."""
+    if path == "bf16":
+        k, kr, v = upproj_bf16(x)
+        return varlen_attention(x["q"], k, v, x["cu_q"], x["cu_k"], max_seqlen_q=x["q_len"],
+                                causal=False, softmax_scale=x["scale"], k_rope=kr)
+    ctx = quantize_context(*upproj_bf16(x)) if path == "fp8_quantize" else upproj_fused(x, cfg)
+    q8, qs = quantize_rows(x["q"])
+    return fp8_context_attention(q8, qs, ctx, x["cu_q"], x["cu_k"], max_seqlen_q=x["q_len"],
+                                 softmax_scale=x["scale"], out_dtype=x["q"].dtype)
+
+
+def bench_chunks(shapes, upproj_configs: list[str], dtype: torch.dtype, device: str) -> list[dict]:
+    rows = []
+    for heads, seqs, q_len, k_len in shapes:
+        empty_cache()
+        x = make_latent_inputs(heads, seqs, q_len, k_len, dtype, device)
+        row: dict = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                     "times": {}}
+
+        def record(name: str, fn) -> None:
+            try:
+                t = kernel_ms(fn)
+            except Exception as exc:  # a config that does not fit (shared memory, registers)
+                row["times"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(f"  chunk {name}: {type(exc).__name__}", flush=True)
+                return
+            row["times"][name] = t
+            print(f"  chunk H={heads} {seqs}x{q_len} over {k_len}: {name:>24} "
+                  f"{t['median_ms']:8.3f} ms", flush=True)
+
+        record("upproj_bf16", lambda: upproj_bf16(x))
+        record("upproj_quantize", lambda: quantize_context(*upproj_bf16(x)))
+        fused = {}
+        for name in upproj_configs:
+            cfg = parse_upproj_config(name)
+            record(f"upproj_fused:{name}", lambda: upproj_fused(x, cfg))
+            if "median_ms" in row["times"][f"upproj_fused:{name}"]:
+                fused[name] = row["times"][f"upproj_fused:{name}"]["median_ms"]
+        best = min(fused, key=fused.get) if fused else None
+        row["upproj_best_config"] = best
+        cfg = parse_upproj_config(best) if best else None
+        for path in ("bf16", "fp8_quantize", "fp8_fused"):
+            if path == "fp8_fused" and cfg is None:
+                continue
+            record(path, lambda: chunk_step(x, path, cfg))
+        ts = row["times"]
+        for a, b in (("fp8_fused", "bf16"), ("fp8_quantize", "bf16"), ("fp8_fused",
+                                                                      "fp8_quantize")):
+            if "median_ms" in ts.get(a, {}) and "median_ms" in ts.get(b, {}):
+                row[f"{a}_over_{b}_time"] = ts[a]["median_ms"] / ts[b]["median_ms"]
+        if best:
+            row["upproj_fused_over_bf16_time"] = fused[best] / ts["upproj_bf16"]["median_ms"]
+        rows.append(row)
+        x = None  # free it before the next shape
+    return rows
+
+
+def bench_latent_accuracy(shapes, dtype: torch.dtype, device: str) -> list[dict]:
+    """FP8 on K/V up-projected from latent rows: amax scales against the fused bounds."""
+    rows = []
+    for heads, seqs, q_len, k_len in shapes:
+        x = make_latent_inputs(heads, seqs, q_len, k_len, dtype, device, seed=2)
+        k, kr, v = upproj_bf16(x)
+        y = {"q": x["q"], "k": k, "v": v, "k_rope": kr, "cu_q": x["cu_q"], "cu_k": x["cu_k"],
+             "q_len": q_len, "k_len": k_len, "scale": x["scale"]}
+        ref = reference(y)
+        fused = upproj_fused(x)
+        kk = fused.dequantized()
+        row = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+               "inputs": "K/V up-projected from N(0, 1) latent rows",
+               "bf16": _errors(run_bf16(y), ref), "fp8": _errors(run_fp8(y), ref),
+               "fp8_fused": _errors(chunk_step(x, "fp8_fused"), ref),
+               "bound_over_amax": [float(fused.bound[0]) / max(float(k.abs().max()),
+                                                               float(kr.abs().max())),
+                                   float(fused.bound[1]) / float(v.abs().max())],
+               "fused_k_rel_rmse": float((kk[0] - k.double()).pow(2).mean().sqrt()
+                                         / k.double().pow(2).mean().sqrt())}
+        print(f"  latent accuracy H={heads}: out rmse bf16 {row['bf16']['out_rmse']:.2e} fp8 "
+              f"{row['fp8']['out_rmse']:.2e} fused {row['fp8_fused']['out_rmse']:.2e}; bound/amax "
+              f"{row['bound_over_amax'][0]:.1f} {row['bound_over_amax'][1]:.1f}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def make_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtype, device: str,
@@ -202,16 +339,19 @@ def bench_accuracy(shapes, dtype: torch.dtype, device: str) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
-    p.add_argument("--sections", default="kernel,accuracy", help="comma list")
+    p.add_argument("--sections", default="kernel,chunk,accuracy", help="comma list")
     p.add_argument("--configs", default=CONFIGS, help="FP8 configs mM_nN_wW_sS, comma list")
+    p.add_argument("--upproj-configs", default=UPPROJ_CONFIGS,
+                   help="fused up-projection configs mM_kK_wW_sS, comma list")
     p.add_argument("--shapes", default="", help="HEADS:SEQS:QLEN:KLEN comma list (kernel)")
     add_cpu_smoke(p)
     args = p.parse_args()
     if args.cpu_smoke:
         device, dtype, shapes = "cpu", torch.float16, SMOKE_SHAPES
         acc_shapes, configs = SMOKE_SHAPES, ["m16_n16_w4_s1"]
-        global NOPE, ROPE, VDIM
-        NOPE, ROPE, VDIM = 16, 16, 16
+        chunk_shapes, upproj_configs = SMOKE_CHUNK_SHAPES, ["m16_k16_w4_s1"]
+        global NOPE, ROPE, VDIM, RANK
+        NOPE, ROPE, VDIM, RANK = 16, 16, 16, 32
     else:
         if not torch.cuda.is_available():
             print("needs CUDA (or --cpu-smoke)", file=sys.stderr)
@@ -221,17 +361,23 @@ def main() -> int:
             if args.shapes else SHAPES
         acc_shapes = [(16, 1, 1024, 4096), (128, 1, 512, 4096)]
         configs = [c for c in args.configs.split(",") if c]
+        chunk_shapes = CHUNK_SHAPES
+        upproj_configs = [c for c in args.upproj_configs.split(",") if c]
     sections = set(args.sections.split(","))
     machine = machine_info(torch.device(device))
     doc = {"benchmark": "fp8_attention", "date_utc": utc_now(), "machine": machine,
            "command": sys.argv,
            "settings": {"dtype": str(dtype), "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
-                        "v_head_dim": VDIM, "flop_formula": FLOP_FORMULA, "configs": configs,
+                        "v_head_dim": VDIM, "kv_lora_rank": RANK, "flop_formula": FLOP_FORMULA,
+                        "configs": configs, "upproj_configs": upproj_configs,
                         "cpu_smoke": args.cpu_smoke}}
     if "kernel" in sections:
         doc["kernel"] = bench_kernels(shapes, configs, dtype, device)
+    if "chunk" in sections:
+        doc["chunk"] = bench_chunks(chunk_shapes, upproj_configs, dtype, device)
     if "accuracy" in sections:
         doc["accuracy"] = bench_accuracy(acc_shapes, dtype, device)
+        doc["accuracy_latent"] = bench_latent_accuracy(acc_shapes, dtype, device)
     write_json(args.out, doc)
     return 0
 

@@ -12,10 +12,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/hostsync/src
 case "${1:-kernel}" in
   kernel)
-    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
       > "$OUT/fp8_attention_tests.txt" 2>&1
     grep -E "^E  |passed|failed" "$OUT/fp8_attention_tests.txt" | head -30
-    (cd benchmarks && timeout 330 python fp8_attention.py ${FP8_ARGS:-} \
+    (cd benchmarks && timeout 420 python fp8_attention.py ${FP8_ARGS:-} \
       --out "$OUT/fp8_attention_h200.json" 2>&1 | tail -60)
     ;;
   forward)

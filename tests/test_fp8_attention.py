@@ -1,6 +1,6 @@
 """The opt-in FP8 context attention on CPU: the ``mlaprefill-fp8`` backend's selection and
-errors, and its kernels in Triton's interpreter (tests/interpreter/test_interp_fp8_attention.py,
-in a subprocess with ``TRITON_INTERPRET=1``)."""
+errors, and its kernels in Triton's interpreter (tests/interpreter/test_interp_fp8_attention.py
+and test_interp_fp8_upproj.py, in a subprocess with ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_config_and_kernel_argument_errors():
     with pytest.raises(ValueError, match="softmax_scale"):
         fp8_context_attention(torch.zeros(4, 2, 32, dtype=f8), torch.ones(4, 2), ctx, cu, cu,
                               max_seqlen_q=4, softmax_scale=float("nan"))
-    bad = FP8Context(ctx.k8, torch.zeros(4, 24, dtype=f8), ctx.vt8, ctx.amax)
+    bad = FP8Context(ctx.k8, torch.zeros(4, 24, dtype=f8), ctx.vt8, ctx.bound)
     with pytest.raises(ValueError, match="rope head dim"):
         fp8_context_attention(torch.zeros(4, 2, 40, dtype=f8), torch.ones(4, 2), bad, cu, cu,
                               max_seqlen_q=4, softmax_scale=1.0)
@@ -54,12 +54,44 @@ def test_fp8_kernels_in_the_interpreter():
     from conftest import run_interpreter_tests
 
     run_interpreter_tests("test_interp_fp8_attention.py", passed=9)
+    run_interpreter_tests("test_interp_fp8_upproj.py", passed=17)
+
+
+def test_upproject_fp8_argument_errors_name_the_field():
+    from mlaprefill.kernels.fp8_upproj import FP8UpProjConfig, upproject_fp8, weight_row_norms
+
+    lat = torch.zeros(8, 48, dtype=torch.float16)
+    w = torch.zeros(2 * 32, 32, dtype=torch.float16)
+    wn = weight_row_norms(w, 16, 16)
+    assert wn.tolist() == [0.0, 0.0]
+    cases = [
+        ((lat[:, :32].float(), lat[:, 32:], w, wn), {}, "kv_c must be bfloat16 or float16"),
+        ((lat[:, 1:33], lat[:, 32:], w, wn), {}, "16-byte aligned"),
+        ((lat[:, :32], lat[:4, 32:], w, wn), {}, "k_pe must be"),
+        ((lat[:, :32], lat[:, 32:], w[:, :16], wn), {}, "w_kv must be"),
+        ((lat[:, :32], lat[:, 32:], w.float(), wn), {}, "w_kv must be"),
+        ((lat[:, :32], lat[:, 32:], w, wn.double()), {}, "w_norms must be"),
+        ((lat[:, :32], lat[:, 32:], w, wn), {"nope": 24}, "nope a power of two"),
+        ((lat[:, :32], lat[:, 32:], w, wn), {"valid_rows": torch.tensor([8])},
+         "valid_rows must be"),
+        ((lat[:, :32], lat[:, 32:], w, wn), {}, "runs on CUDA"),
+    ]
+    for args, extra, match in cases:
+        kwargs = {"nope": 16, "v": 16, **extra}
+        with pytest.raises(ValueError, match=match):
+            upproject_fp8(*args, **kwargs)
+    with pytest.raises(ValueError, match="block_k"):
+        FP8UpProjConfig(block_k=24)
+    with pytest.raises(ValueError, match="w_kv must be"):
+        weight_row_norms(torch.zeros(50, 8), 16, 16)
+    empty = upproject_fp8(lat[:0, :32], lat[:0, 32:], w, wn, nope=16, v=16)
+    assert empty.k8.shape == (0, 2, 16) and empty.bound.tolist() == [0.0, 0.0]
 
 
 @settings(max_examples=80, deadline=None)
 @given(dims=st.lists(st.integers(0, 5), min_size=1, max_size=4),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32]),
-       which=st.sampled_from(["rows", "context", "attention"]))
+       which=st.sampled_from(["rows", "context", "attention", "upproj"]))
 def test_fuzz_entry_points_fail_with_a_clear_error_on_cpu(dims, dtype, which):
     """Outside the interpreter every call on CPU tensors is refused with a ValueError that names
     what to fix (shape, dtype, device), never another exception; empty inputs are a no-op."""
@@ -75,6 +107,14 @@ def test_fuzz_entry_points_fail_with_a_clear_error_on_cpu(dims, dtype, which):
             ctx = quantize_context(x, x.flatten(1) if x.dim() == 3 else x, x)
             assert x.numel() == 0 or x.shape[0] == 0
             assert ctx.k8.shape == x.shape
+            return
+        if which == "upproj":
+            from mlaprefill.kernels.fp8_upproj import upproject_fp8
+
+            flat = x.flatten(1) if x.dim() > 1 else x
+            w = torch.zeros(64, flat.shape[-1] if flat.dim() == 2 else 16, dtype=flat.dtype)
+            ctx = upproject_fp8(flat, flat, w, torch.zeros(2), nope=16, v=16)
+            assert flat.shape[0] == 0
             return
         cu = torch.tensor([0, dims[0]], dtype=torch.int32)
         f8 = torch.float8_e4m3fn

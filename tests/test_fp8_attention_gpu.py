@@ -1,7 +1,8 @@
 """The opt-in FP8 context attention on CUDA (marked ``gpu``; skipped without CUDA): the quantizing
 pass bit for bit against torch's e4m3 rounding, the kernel against float64 attention of the
-dequantized inputs at MLA's head dims on awkward lengths, NaN kept in its sequence, and the
-``mlaprefill-fp8`` forward (eager and graph replays) against the float64 reference."""
+dequantized inputs at MLA's head dims on awkward lengths, NaN kept in its sequence, the
+up-projection's e4m3 epilogue against its float64 GEMM and bounds, and the ``mlaprefill-fp8``
+forward (eager and graph replays, through that epilogue) against the float64 reference."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_quantize_bitwise_like_torch():
     ctx = quantize_context(kv[..., :128], x[:, 0, 128:], kv[..., 64:])
     amax_k = max(float(kv[..., :128].abs().max()), float(x[:, 0, 128:].abs().max()))
     amax_v = float(kv[..., 64:].abs().max())
-    assert ctx.amax.tolist() == [amax_k, amax_v]
+    assert ctx.bound.tolist() == [amax_k, amax_v]
     assert torch.equal(ctx.k8.view(torch.uint8),
                        _torch_quantize(kv[..., :128], amax_k)[0].view(torch.uint8))
     assert torch.equal(ctx.vt8[:, :, :300].permute(2, 0, 1).view(torch.uint8),
@@ -137,3 +138,60 @@ def test_fp8_backend_forward_eager_and_graphs():
     # the same kernels in the same order: replays equal the eager forward bit for bit
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def _e4m3_close(got, want, scale):
+    """Within half an e4m3 step of ``want / scale`` plus one subnormal step (2^-9: the GEMM's
+    float32 sums), times ``scale``."""
+    x = (want / scale).abs()
+    e = torch.floor(torch.log2(torch.where(x > 0, x, 1.0))).clamp(min=-6.0)
+    return bool(((got - want).abs() <= (torch.exp2(e - 4.0) + 2.0 ** -9) * scale).all())
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+@pytest.mark.parametrize("n,heads", [(1, 16), (1000, 16), (4097, 128)])
+def test_upproject_fp8_against_float64(n, heads):
+    from mlaprefill.kernels.fp8_upproj import BOUND_MARGIN, upproject_fp8, weight_row_norms
+
+    rank = 512
+    g = torch.Generator(device="cuda").manual_seed(n)
+    lat = torch.randn(n, rank + ROPE, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(heads * (NOPE + V), rank, device="cuda", generator=g) / 23).bfloat16()
+    ctx = upproject_fp8(lat[:, :rank], lat[:, rank:], w, weight_row_norms(w, NOPE, V), nope=NOPE,
+                        v=V)
+    kv = (lat[:, :rank].double() @ w.double().t()).view(n, heads, NOPE + V)
+    wn = torch.linalg.vector_norm(w.double().view(heads, NOPE + V, rank), dim=2)
+    cn = torch.linalg.vector_norm(lat[:, :rank].double(), dim=1).max()
+    bound_k = max(float(cn * wn[:, :NOPE].max() * BOUND_MARGIN), float(lat[:, rank:].abs().max()))
+    bound_v = float(cn * wn[:, NOPE:].max() * BOUND_MARGIN)
+    assert abs(float(ctx.bound[0]) - bound_k) <= 1e-5 * bound_k
+    assert abs(float(ctx.bound[1]) - bound_v) <= 1e-5 * bound_v
+    got_k, got_pe, got_v = ctx.dequantized()
+    assert _e4m3_close(got_k, kv[..., :NOPE], float(ctx.bound[0]) / 448)
+    assert _e4m3_close(got_v, kv[..., NOPE:], float(ctx.bound[1]) / 448)
+    assert _e4m3_close(got_pe, lat[:, rank:].double(), float(ctx.bound[0]) / 448)
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+def test_upproject_fp8_nan_row_stays_in_its_row():
+    from mlaprefill.kernels.fp8_upproj import upproject_fp8, weight_row_norms
+
+    rank, heads, n = 512, 16, 300
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lat = torch.randn(n, rank + ROPE, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(heads * (NOPE + V), rank, device="cuda", generator=g) / 23).bfloat16()
+    wn = weight_row_norms(w, NOPE, V)
+    clean = upproject_fp8(lat[:, :rank], lat[:, rank:], w, wn, nope=NOPE, v=V)
+    bad = lat.clone()
+    bad[17, 3] = float("nan")
+    bad[200, rank + 5] = float("inf")  # a rope value
+    ctx = upproject_fp8(bad[:, :rank], bad[:, rank:], w, wn, nope=NOPE, v=V)
+    assert torch.equal(ctx.bound, clean.bound)
+    assert bool(ctx.k8[17].float().isnan().all()) and bool(ctx.vt8[:, :, 17].float().isnan().all())
+    # row 17's rope values are finite: only its GEMM outputs (nope, v) are NaN
+    assert bool(ctx.p8[200, 5].float().isnan()) and int(ctx.p8.float().isnan().sum()) == 1
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    keep[17] = False
+    assert torch.equal(ctx.k8.view(torch.uint8)[keep], clean.k8.view(torch.uint8)[keep])
+    assert torch.equal(ctx.vt8.view(torch.uint8)[:, :, :n][:, :, keep],
+                       clean.vt8.view(torch.uint8)[:, :, :n][:, :, keep])

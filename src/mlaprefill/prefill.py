@@ -374,8 +374,8 @@ class MLAChunkedPrefill:
                                      f"expected ({num_rows}, {rank + rope})")
                 if rows.stride(1) != 1:
                     rows = rows.contiguous()
-            k_i, v_i = self.upproj.project(rows[:, :rank], rows[:, rank:], kv_buf, rope,
-                                           joined=joined, v_padded=v_padded)
+            k_i, v_i = backend.project_context(self.upproj, rows[:, :rank], rows[:, rank:], kv_buf,
+                                               seqs_i, joined=joined, v_padded=v_padded)
             backend.attend_and_merge(q, k_i, v_i, seqs_i, out, lse, causal=False,
                                           softmax_scale=scale,
                                           k_rope=None if joined else rows[:, rank:])

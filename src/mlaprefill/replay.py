@@ -147,7 +147,7 @@ class _PaddedIteration:
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
-        seqs, max_q, rows, count, rope, scale, att_seqs = self.launch
+        seqs, max_q, rows, count, _rope, scale, att_seqs = self.launch
         joined = self.host is not None
         rank, v_padded = op.kv_lora_rank, op.backend.needs_v_padded
         cq, ck = self.host if joined else (None, None)
@@ -162,11 +162,12 @@ class _PaddedIteration:
             latent = gather_context_rows_with_spec(kv_cache, self.cache_spec,
                                                    arena.block_table[:seqs], cu, starts,
                                                    arena.workspace, rows, use_kernel=True)
-            k_i, v_i = op.upproj.project(latent[:, :rank], latent[:, rank:], arena.kv_buf,
-                                         rope, joined=joined, v_padded=v_padded)
-            op.backend.attend_and_merge(arena.q, k_i, v_i,
-                                        VarlenSeqs(cu_q, cu_att, max_q, rows,
-                                                   cu_seqlens_q_host=cq, cu_seqlens_k_host=ck),
+            seqs_i = VarlenSeqs(cu_q, cu_att, max_q, rows, cu_seqlens_q_host=cq,
+                                cu_seqlens_k_host=ck)
+            k_i, v_i = op.backend.project_context(op.upproj, latent[:, :rank], latent[:, rank:],
+                                                  arena.kv_buf, seqs_i, joined=joined,
+                                                  v_padded=v_padded)
+            op.backend.attend_and_merge(arena.q, k_i, v_i, seqs_i,
                                         arena.out, arena.lse, causal=False, softmax_scale=scale,
                                         k_rope=None if joined else latent[:, rank:])
             arena.counter.add_(1)

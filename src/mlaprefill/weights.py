@@ -16,6 +16,7 @@ Two layouts, chosen per attention call by the backend (``AttentionBackend.wants_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +88,15 @@ class UpProjection:
             w_pad[:, :v] = w[:, nope:]
             w_v = self._cache[(*base, "v")] = w_pad.view(h * v_out, rank)
         return w_key, w_v
+
+    def derived(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor derived from the weight (e.g. a backend's row norms of it), made by
+        ``make()`` when ``key`` is first asked for and kept with the re-laid copies."""
+        key = ("derived", *key)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = make()
+        return got
 
     def kv_numel(self, n: int, qk: int, v_padded: bool) -> int:
         """Elements of the buffer :meth:`project` needs for ``n`` rows (either layout)."""

@@ -77,7 +77,7 @@ def test_quantize_context_one_scale_per_chunk():
     finite = torch.where(kv.isfinite(), kv, 0)
     amax_k = max(float(finite[..., :16].abs().max()), float(kr.abs().max()))
     amax_v = float(finite[..., 16:].abs().max())
-    assert ctx.amax.tolist() == [amax_k, amax_v] and amax_k == 70.0
+    assert ctx.bound.tolist() == [amax_k, amax_v] and amax_k == 70.0
     want_k, _ = _torch_quantize(kv[..., :16], amax_k)
     want_p, _ = _torch_quantize(kr, amax_k)
     want_v, _ = _torch_quantize(kv[..., 16:], amax_v)
@@ -89,7 +89,7 @@ def test_quantize_context_one_scale_per_chunk():
     assert torch.equal(vt.view(torch.uint8)[fin_v], want_v.view(torch.uint8)[fin_v])
     # zero keys: amax 0 (scale 1), empty tensors
     empty = quantize_context(kv[:0, :, :16], kr[:0], kv[:0, :, 16:])
-    assert empty.amax.tolist() == [0.0, 0.0] and empty.k8.shape == (0, 3, 16)
+    assert empty.bound.tolist() == [0.0, 0.0] and empty.k8.shape == (0, 3, 16)
 
 
 def _case(lq, lk, heads=2, nope=16, rope=16, dv=16, seed=0, scale_k=1.0):

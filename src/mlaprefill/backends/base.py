@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ __all__ = [
     "isolate_nonfinite_values",
     "seq_ids_from_cu",
 ]
+
+if TYPE_CHECKING:
+    from mlaprefill.weights import UpProjection
 
 
 def seq_ids_from_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -200,6 +203,17 @@ class AttentionBackend(abc.ABC):
         records. ``MLAChunkedPrefill``'s iteration graphs put it in their key. Default: nothing
         (one launch whose arguments are the shapes)."""
         return ()
+
+    def project_context(self, upproj: UpProjection, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                        buf: torch.Tensor, seqs: VarlenSeqs, *, joined: bool,
+                        v_padded: bool) -> tuple[Any, Any]:
+        """One context iteration's keys and values from its latent rows ``kv_c [n, rank]``,
+        ``k_pe [n, rope]``, in the form this backend's :meth:`attend_and_merge` /
+        :meth:`attend_and_store` take for ``seqs`` (a non-causal call). The default is the
+        up-projection's ``(k, v)`` in the compute dtype, written into ``buf``
+        (:meth:`mlaprefill.weights.UpProjection.project`); ``mlaprefill-fp8`` returns its
+        e4m3 keys and values instead, written by the GEMM's epilogue."""
+        return upproj.project(kv_c, k_pe, buf, k_pe.shape[1], joined=joined, v_padded=v_padded)
 
     def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                          out: torch.Tensor, lse: torch.Tensor, *, causal: bool,

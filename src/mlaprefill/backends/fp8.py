@@ -1,36 +1,50 @@
 """``mlaprefill-fp8`` backend (opt-in): the context attention in FP8 on Hopper's FP8 tensor cores.
 
 The ``mlaprefill`` backend for everything but the context iterations' attention, which runs
-:func:`~mlaprefill.kernels.fp8_attention.fp8_context_attention`: the queries and each chunk's
-up-projected keys and values are rounded to ``float8_e4m3fn`` with one float32 scale per token
-and head (:func:`~mlaprefill.kernels.fp8_attention.quantize_context`, one pass over the
-up-projection's output), the softmax and the merge stay in float32. The new tokens' causal
-attention runs in bf16, as in ``mlaprefill``.
+:func:`~mlaprefill.kernels.fp8_attention.fp8_context_attention`. Each chunk's keys and values
+are written as ``float8_e4m3fn`` by the up-projection's epilogue
+(:func:`~mlaprefill.kernels.fp8_upproj.upproject_fp8`: no bf16 K/V, no quantizing pass), with one
+float32 scale per chunk for K and one for V, bounded from the latent rows' and the weight's row
+norms; the queries get one scale per token and head (:func:`~mlaprefill.kernels.fp8_attention.
+quantize_rows`, once per context iteration: a cached copy would go stale under graph replay);
+the softmax and the merge stay in float32. Given bf16 keys and values directly (``attend``, or
+latent rows a TMA descriptor cannot read), it quantizes them first
+(:func:`~mlaprefill.kernels.fp8_attention.quantize_context`). The new tokens' causal attention
+runs in bf16, as in ``mlaprefill``.
 
-Where it pays: the quantizing pass costs about 2.5x the bytes of the chunk's bf16 keys and values
-(a max pass, a read, a one-byte write) whatever the number of queries, while the FP8 kernel saves
-~15-20 % of the attention's time, which grows with the queries per key. On the H200 the forward
-was faster with FP8 at 4,096 queries per sequence (0.91-0.93x the bf16 forward's time at 32k-131k
-context) and slower at 1,024 and fewer (1.11-1.41x): benchmarks/results/
-attention_vs_ideal_fp8_h200.json. So a context call runs FP8 only when its ``max_seqlen_q`` (a
-host int) is at least ``min_queries`` (default :data:`FP8_MIN_QUERIES`), bf16 otherwise;
-``min_queries=0`` runs FP8 always. The result is *not* the bf16 path's to rounding:
-e4m3 keeps 3 mantissa bits, and the error it adds is measured against the float64 reference in
-benchmarks/fp8_attention.py (docs/RESULTS.md). Never picked by ``auto``: select it by name,
+Where it pays: the FP8 kernel saves part of the attention's time, which grows with the queries
+per key, while the queries' quantizing and the kernel's fixed costs do not shrink with them. A
+context call runs FP8 only when its ``max_seqlen_q`` (a host int) is at least ``min_queries``
+(default :data:`FP8_MIN_QUERIES`, from the H200's measured break-even:
+benchmarks/results/attention_vs_ideal_fp8*_h200.json), bf16 otherwise; ``min_queries=0`` runs
+FP8 always. The result is *not* the bf16 path's to rounding: e4m3 keeps 3 mantissa bits, and
+the error it adds is measured against the float64 reference in benchmarks/fp8_attention.py
+(docs/RESULTS.md). Never picked by ``auto``: select it by name,
 ``MLAChunkedPrefill(..., backend="mlaprefill-fp8")``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlaprefill.backends.base import VarlenSeqs
 from mlaprefill.backends.mlaprefill import MLAPrefillBackend
 from mlaprefill.kernels.fp8_attention import (
+    FP8Context,
     fp8_context_attention,
     quantize_context,
     quantize_rows,
 )
+from mlaprefill.kernels.fp8_upproj import (
+    aligned_for_upproject_fp8,
+    upproject_fp8,
+    weight_row_norms,
+)
+
+if TYPE_CHECKING:
+    from mlaprefill.weights import UpProjection
 
 __all__ = ["FP8_MIN_QUERIES", "MLAPrefillFP8Backend"]
 
@@ -90,17 +104,43 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
             return ("fp8",)
         return super().launch_key(seqs, num_heads, causal)
 
+    def project_context(self, upproj: UpProjection, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                        buf: torch.Tensor, seqs: VarlenSeqs, *, joined: bool,
+                        v_padded: bool) -> tuple[Any, Any]:
+        # FP8 calls: (FP8Context, None) from the GEMM's e4m3 epilogue; others as mlaprefill.
+        if (joined or not self.runs_fp8(seqs, False) or k_pe.dim() != 2
+                or kv_c.dtype not in (torch.bfloat16, torch.float16)
+                or not aligned_for_upproject_fp8(kv_c)):
+            return super().project_context(upproj, kv_c, k_pe, buf, seqs, joined=joined,
+                                           v_padded=v_padded)
+        nope, v = upproj.qk_nope_head_dim, upproj.v_head_dim
+        w_kv, _ = upproj.weights(k_pe.shape[1], kv_c.dtype, kv_c.device, joined=False,
+                                 v_padded=False)
+        if not w_kv.is_contiguous():  # (a caller's strided weight: as mlaprefill, then quantize)
+            return super().project_context(upproj, kv_c, k_pe, buf, seqs, joined=joined,
+                                           v_padded=v_padded)
+        norms = upproj.derived(("fp8-row-norms", kv_c.dtype, kv_c.device),
+                               lambda: weight_row_norms(w_kv, nope, v))
+        # Rows past the attention's last key are a graph bucket's padding: not in the scales.
+        return upproject_fp8(kv_c, k_pe, w_kv, norms, nope=nope, v=v,
+                             valid_rows=seqs.cu_seqlens_k[-1:]), None
+
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
              state: tuple[torch.Tensor, torch.Tensor] | None, causal: bool,
              softmax_scale: float, k_rope: torch.Tensor | None,
              into: tuple[torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
         # What attend, attend_and_merge and attend_and_store all run (state: merged into; into:
-        # overwritten). FP8 takes split keys with the rope key shared by every head only.
-        if not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
+        # overwritten).
+        # FP8 takes an FP8Context (project_context) or split bf16 keys with the rope key shared
+        # by every head, which it quantizes first.
+        if isinstance(k, FP8Context):
+            ctx = k
+        elif not self.runs_fp8(seqs, causal) or k_rope is None or k_rope.dim() != 2:
             return super()._run(q, k, v, seqs, state, causal, softmax_scale, k_rope, into)
+        else:
+            ctx = quantize_context(k, k_rope, v, valid_rows=seqs.cu_seqlens_k[-1:])
         q8, q_scale = quantize_rows(q)
-        ctx = quantize_context(k, k_rope, v)
         return fp8_context_attention(q8, q_scale, ctx, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
                                      max_seqlen_q=seqs.max_seqlen_q, softmax_scale=softmax_scale,
                                      state=state, out=into, out_dtype=q.dtype)

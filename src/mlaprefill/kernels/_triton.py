@@ -36,12 +36,13 @@ def pow2_at_least_16(n: int) -> int:
 
 
 def check_tiles(owner: str, block_m: object, block_n: object, num_warps: object,
-                num_stages: object) -> None:
+                num_stages: object, *, names: tuple[str, str] = ("block_m", "block_n")) -> None:
     """``ValueError`` naming ``owner.field`` unless the tiles are powers of two >= 16 (tl.dot's
     minimum), ``num_warps`` one of 1, 2, 4, 8, 16 and ``num_stages`` an int >= 1: the fields a
-    kernel config of :mod:`~mlaprefill.kernels.attention` or
-    :mod:`~mlaprefill.kernels.fp8_attention` shares."""
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
+    kernel config of :mod:`~mlaprefill.kernels.attention`,
+    :mod:`~mlaprefill.kernels.fp8_attention` or :mod:`~mlaprefill.kernels.fp8_upproj` shares
+    (``names``: the two tile fields' names)."""
+    for name, value in zip(names, (block_m, block_n), strict=True):
         if not isinstance(value, int) or value < 16 or value & (value - 1):
             raise ValueError(f"{owner}.{name} must be a power of two >= 16 (tl.dot's minimum "
                              f"tile), got {value!r}")

@@ -83,16 +83,18 @@ class FP8Context:
     """One chunk's keys and values in e4m3 (:func:`quantize_context`).
 
     ``k8 [Tk, H, nope]`` and ``p8 [Tk, rope]`` (the rope key, shared by every head) with the
-    scale ``amax[0] / 448``; ``vt8 [H, v, Tk_pad]`` (V transposed, ``Tk_pad`` = ``Tk`` rounded
-    up to 16 so every row is 16-byte aligned; the padding columns unwritten) with ``amax[1] /
-    448``. ``amax`` float32 ``[2]`` on the device: the largest finite magnitudes of K (nope and
-    rope) and of V (0 for none: scale 1).
+    scale ``bound[0] / 448``; ``vt8 [H, v, Tk_pad]`` (V transposed, ``Tk_pad`` = ``Tk`` rounded
+    up to 16 so every row is 16-byte aligned; the padding columns unwritten) with ``bound[1] /
+    448``. ``bound`` float32 ``[2]`` on the device: bounds of the finite magnitudes of K (nope
+    and rope) and of V (0 for none: scale 1): the amaxes themselves from
+    :func:`quantize_context`, upper bounds of them from
+    :func:`~mlaprefill.kernels.fp8_upproj.upproject_fp8`.
     """
 
     k8: torch.Tensor
     p8: torch.Tensor
     vt8: torch.Tensor
-    amax: torch.Tensor
+    bound: torch.Tensor
 
     @property
     def num_keys(self) -> int:
@@ -100,8 +102,8 @@ class FP8Context:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(k_nope, k_rope, v)`` in float64 as the kernel sees them (tests, accuracy)."""
-        amax = self.amax.double()
-        s = torch.where(amax > 0, amax.float() / 448, 1.0).double()
+        bound = self.bound.double()
+        s = torch.where(bound > 0, bound.float() / 448, 1.0).double()
         n = self.num_keys
         return (self.k8.double() * s[0], self.p8.double() * s[0],
                 self.vt8[:, :, :n].permute(2, 0, 1).double() * s[1])
@@ -130,9 +132,12 @@ if HAS_TRITON:
     def _amax_kernel(
         x_ptr,              # [T, H, D] (any float dtype), last dim contiguous
         amax_ptr,           # float32 [1]: atomically raised to the largest finite |x|
+        valid_ptr,          # HAS_VALID: int32, rows at and past it are padding (left out)
         num_rows, stride_xt, stride_xh,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_VALID: tl.constexpr,
     ):
+        if HAS_VALID:
+            num_rows = tl.minimum(num_rows, tl.load(valid_ptr))
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         head = tl.program_id(1).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
@@ -230,7 +235,7 @@ if HAS_TRITON:
         k_ptr,              # e4m3 [Tk, H, D1] contiguous
         p_ptr,              # e4m3 [Tk, D2] contiguous (one rope key for every head)
         vt_ptr,             # e4m3 [H, DV, Tk_pad] contiguous
-        amax_ptr,           # float32 [2]: K's and V's amax
+        bound_ptr,          # float32 [2]: K's and V's bounds (FP8Context.bound)
         out_ptr,            # [Tq, H, DV] (ACCUMULATE: the running output)
         lse_ptr,            # float32 [Tq, H] (ACCUMULATE: the running LSE)
         cu_seqlens_q_ptr,
@@ -278,10 +283,10 @@ if HAS_TRITON:
         q1 = tl.load(q_rows[:, None] + tl.arange(0, D1)[None, :], mask=m_ok[:, None], other=0.0)
         q2 = tl.load(q_rows[:, None] + (D1 + tl.arange(0, D2))[None, :], mask=m_ok[:, None],
                      other=0.0)
-        amax_k = tl.load(amax_ptr)
-        amax_v = tl.load(amax_ptr + 1)
-        sk = tl.where(amax_k > 0, tl.div_rn(amax_k, 448.0), 1.0)
-        sv = tl.where(amax_v > 0, tl.div_rn(amax_v, 448.0), 1.0)
+        bound_k = tl.load(bound_ptr)
+        bound_v = tl.load(bound_ptr + 1)
+        sk = tl.where(bound_k > 0, tl.div_rn(bound_k, 448.0), 1.0)
+        sv = tl.where(bound_v > 0, tl.div_rn(bound_v, 448.0), 1.0)
         # The query's scale, K's and the softmax scale in one per-row factor (> 0 or NaN).
         qf = tl.load(qs_ptr + t64 * num_heads + head64, mask=m_ok, other=1.0) * (sk * qk_scale)
 
@@ -348,11 +353,12 @@ def _quantize(x: torch.Tensor, y: torch.Tensor, scales: torch.Tensor, stride_yt:
         num_warps=4)
 
 
-def _amax(x: torch.Tensor, out: torch.Tensor) -> None:
+def _amax(x: torch.Tensor, out: torch.Tensor, valid_rows: torch.Tensor | None) -> None:
     t, h, d = x.shape
     if t and h:
-        _amax_kernel[(cdiv(t, 64), h)](x, out, t, x.stride(0), x.stride(1), D=d,
-                                       BLOCK_D=pow2_at_least_16(d), BLOCK_T=64, num_warps=4)
+        _amax_kernel[(cdiv(t, 64), h)](x, out, valid_rows, t, x.stride(0), x.stride(1), D=d,
+                                       BLOCK_D=pow2_at_least_16(d), BLOCK_T=64,
+                                       HAS_VALID=valid_rows is not None, num_warps=4)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,13 +377,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, scale
 
 
-def quantize_context(k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor) -> FP8Context:
+def quantize_context(k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, *,
+                     valid_rows: torch.Tensor | None = None) -> FP8Context:
     """Quantize one chunk's keys and values for :func:`fp8_context_attention`.
 
     ``k_nope [Tk, H, nope]``, ``v [Tk, H, v]`` (e.g. the two views of the up-projection's
     split-key output), ``k_rope [Tk, rope]`` (shared by every head); any float dtype, last dims
-    contiguous, any other strides. Six launches on the device (the amaxes of K and V over finite
-    values, then one pass per tensor that reads it once); never synchronizes.
+    contiguous, any other strides. ``valid_rows`` (an int32 tensor of one element on the
+    device, optional): rows at and past it are padding, left out of the amaxes (a CUDA graph's
+    row bucket; e.g. the attention's ``cu_seqlens_k[-1:]``). Seven launches on the device (a
+    zero fill, the amaxes of K and V over finite values, then one pass per tensor that reads it
+    once); never synchronizes.
     """
     _check_rows(k_nope, "k_nope")
     _check_rows(v, "v")
@@ -393,9 +403,13 @@ def quantize_context(k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor
     if t and not use_triton(k_nope):  # (no heads: the rope key is still quantized)
         raise ValueError(f"quantize_context runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got {device}")
-    _amax(k_nope, amax[0:1])
-    _amax(rope, amax[0:1])
-    _amax(v, amax[1:2])
+    if valid_rows is not None and (valid_rows.numel() != 1 or valid_rows.dtype != torch.int32
+                                   or valid_rows.device != device):
+        raise ValueError(f"valid_rows must be an int32 tensor of one element on {device}, got "
+                         f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}")
+    _amax(k_nope, amax[0:1], valid_rows)
+    _amax(rope, amax[0:1], valid_rows)
+    _amax(v, amax[1:2], valid_rows)
     k8 = torch.empty(t, h, k_nope.shape[2], dtype=torch.float8_e4m3fn, device=device)
     p8 = torch.empty(t, 1, k_rope.shape[1], dtype=torch.float8_e4m3fn, device=device)
     pad = -(-t // 16) * 16
@@ -439,9 +453,9 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     if q8.dim() != 3:
         raise ValueError(f"q8 must be float8_e4m3fn [Tq, H, nope + rope], got shape "
                          f"{tuple(q8.shape)}")
-    if ctx.k8.dim() != 3 or ctx.p8.dim() != 2 or ctx.vt8.dim() != 3 or ctx.amax.shape != (2,):
+    if ctx.k8.dim() != 3 or ctx.p8.dim() != 2 or ctx.vt8.dim() != 3 or ctx.bound.shape != (2,):
         raise ValueError("ctx must come from quantize_context: k8 [Tk, H, nope], p8 [Tk, rope], "
-                         "vt8 [H, v, Tk_pad], amax [2]")
+                         "vt8 [H, v, Tk_pad], bound [2]")
     tq, h, width = q8.shape
     nope, rope, dv = ctx.k8.shape[2], ctx.p8.shape[1], ctx.vt8.shape[1]
     for name, dim in (("nope", nope), ("rope", rope), ("v", dv)):
@@ -463,7 +477,7 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
                          f"{tuple(cu_seqlens_k.shape)} must both be [num_seqs + 1]")
-    devices = {t.device for t in (q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.amax, cu_seqlens_q,
+    devices = {t.device for t in (q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.bound, cu_seqlens_q,
                                   cu_seqlens_k)}
     if len(devices) != 1:
         raise ValueError(f"q8, q_scale, ctx and the offsets must share one device, got {devices}")
@@ -507,7 +521,7 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, h)
     _fp8_attention_kernel[grid](
-        q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.amax, out, lse,
+        q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.bound, out, lse,
         cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, h, ctx.num_keys, ctx.vt8.shape[2],
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         ACCUMULATE=state is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D1=nope,
