@@ -67,7 +67,7 @@ SHAPES = [
 ]
 SMOKE_SHAPES = [(2, 2, 20, 40)]
 CONFIGS = "m128_n128_w8_s3,m128_n64_w8_s3,m128_n128_w8_s2,m64_n128_w4_s3,m128_n128_w4_s2"
-UPPROJ_CONFIGS = "m128_k64_w8_s3,m128_k64_w4_s3,m64_k64_w4_s3,m128_k128_w8_s2"
+UPPROJ_CONFIGS = "m128_k64_w8_s3,m128_k64_w4_s3,m128_k64_w8_s4,m64_k64_w4_s3,m128_k128_w8_s2"
 RANK = 512
 # (heads, num_seqs, q_len, k_len) of the chunk section: the forward's context steps
 CHUNK_SHAPES = [(16, 1, 4096, 16384), (16, 1, 4096, 65536), (16, 4, 1024, 32768),

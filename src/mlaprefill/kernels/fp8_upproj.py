@@ -1,8 +1,8 @@
 """The up-projection with an e4m3 epilogue: latent rows to FP8 keys and values, no bf16 copy.
 
 What :class:`~mlaprefill.backends.fp8.MLAPrefillFP8Backend` runs for a context chunk instead of
-the bf16 GEMM and :func:`~mlaprefill.kernels.fp8_attention.quantize_context`: one GEMM per
-tensor whose epilogue scales, rounds and stores e4m3, in the layouts
+the bf16 GEMM and :func:`~mlaprefill.kernels.fp8_attention.quantize_context`: one GEMM whose
+epilogue scales, rounds and stores e4m3, in the layouts
 :func:`~mlaprefill.kernels.fp8_attention.fp8_context_attention` reads (``k8 [n, H, nope]``,
 ``vt8 [H, v, n_pad]``, ``p8 [n, rope]``)::
 
@@ -118,81 +118,76 @@ if HAS_TRITON:
                                             0))
 
     @triton.jit
+    def _e4m3_scaled(x, inv, ROUND: tl.constexpr):
+        # x * inv rounded to e4m3, clamped to +-448 (the bound's float32 margin); NaN and inf
+        # stored as NaN
+        y = x * inv
+        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # NaN stays NaN
+        return _to_e4m3(tl.where(tl.abs(x) < float("inf"), y, float("nan")), ROUND)
+
+    @triton.jit
     def _upproj_fp8_kernel(
         c_ptr,              # [n, rank] (16-byte aligned rows), last dim contiguous
         w_ptr,              # [H * (NOPE + DV), rank] contiguous: per head [nope rows | v rows]
         stats_ptr,          # float32 [2]: max ||c_t||, max |k_pe|
         wn_ptr,             # float32 [2]: max row norms of W_K and W_V
         bound_ptr,          # float32 [2] out: bound_K, bound_V (written by block (0, 0))
-        y_ptr,              # IS_V: e4m3 [H, DV, keys_pad]; else e4m3 [n, H, NOPE]
-        pe_ptr,             # [n, ROPE] (not IS_V: head 0's blocks quantize it into p8)
+        k8_ptr,             # e4m3 [n, H, NOPE]
+        vt8_ptr,            # e4m3 [H, DV, keys_pad]
+        pe_ptr,             # [n, ROPE] (head 0's blocks quantize it into p8)
         p8_ptr,             # e4m3 [n, ROPE]
         valid_ptr,          # HAS_VALID: int32, tiles wholly past it (padding) are skipped
         num_rows, num_heads, stride_c, stride_pe, keys_pad,
         RANK: tl.constexpr, NOPE: tl.constexpr, DV: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IS_V: tl.constexpr, ROUND: tl.constexpr, HAS_VALID: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr,
+        HAS_VALID: tl.constexpr,
     ):
-        # K: a [BLOCK_M tokens, NOPE] tile of c W_K^T. V: a [DV, BLOCK_M tokens] tile of
-        # W_V c^T, V^T's own layout, so the store needs no transpose.
-        pid_m = tl.program_id(0)
-        head = tl.program_id(1)
+        # One head's K and V for BLOCK_M tokens: a [BLOCK_M, NOPE] tile of c W_K^T and a
+        # [DV, BLOCK_M] tile of W_V c^T (V^T's own layout: the store needs no transpose), both
+        # from one pass over the tokens' latent rows. The head is the fastest grid axis, so the
+        # H blocks that read the same latent rows run together (the rows come from L2).
+        head = tl.program_id(0)
+        pid_m = tl.program_id(1)
         # The bounds (module docstring); 1.00390625 = BOUND_MARGIN.
         norm_c = tl.load(stats_ptr)
-        if IS_V:
-            bound = norm_c * tl.load(wn_ptr + 1) * 1.00390625
-        else:
-            bound = tl.maximum(norm_c * tl.load(wn_ptr) * 1.00390625, tl.load(stats_ptr + 1))
+        bound_k = tl.maximum(norm_c * tl.load(wn_ptr) * 1.00390625, tl.load(stats_ptr + 1))
+        bound_v = norm_c * tl.load(wn_ptr + 1) * 1.00390625
         if pid_m == 0 and head == 0:
-            if IS_V:
-                tl.store(bound_ptr + 1, bound)
-            else:
-                tl.store(bound_ptr, bound)
+            tl.store(bound_ptr, bound_k)
+            tl.store(bound_ptr + 1, bound_v)
         if HAS_VALID:  # noqa: SIM102 (a constexpr guard: no load without the pointer)
             if pid_m * BLOCK_M >= tl.load(valid_ptr):
                 return
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, RANK], strides=[stride_c, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_heads * (NOPE + DV), RANK],
-                                           strides=[RANK, 1], block_shape=[BLOCK_N, BLOCK_K])
+        wk_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_heads * (NOPE + DV), RANK],
+                                            strides=[RANK, 1], block_shape=[NOPE, BLOCK_K])
+        wv_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_heads * (NOPE + DV), RANK],
+                                            strides=[RANK, 1], block_shape=[DV, BLOCK_K])
         w_row = head * (NOPE + DV)
-        if IS_V:
-            w_row += NOPE
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_k = tl.zeros([BLOCK_M, NOPE], dtype=tl.float32)
+        acc_vt = tl.zeros([DV, BLOCK_M], dtype=tl.float32)
         for k in tl.range(0, RANK, BLOCK_K):
             a = c_desc.load([pid_m * BLOCK_M, k])
-            b = w_desc.load([w_row, k])
-            if IS_V:  # noqa: SIM108 (constexpr branches)
-                acc = tl.dot(b, tl.trans(a), acc=acc)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc=acc)
+            acc_k = tl.dot(a, tl.trans(wk_desc.load([w_row, k])), acc=acc_k)
+            acc_vt = tl.dot(wv_desc.load([w_row + NOPE, k]), tl.trans(a), acc=acc_vt)
 
-        inv = tl.where(bound > 0, tl.div_rn(448.0, tl.where(bound > 0, bound, 1.0)), 1.0)
-        y = acc * inv
-        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # NaN stays NaN
-        y = tl.where(tl.abs(acc) < float("inf"), y, float("nan"))
-        y8 = _to_e4m3(y, ROUND)
+        inv_k = tl.where(bound_k > 0, tl.div_rn(448.0, tl.where(bound_k > 0, bound_k, 1.0)), 1.0)
+        inv_v = tl.where(bound_v > 0, tl.div_rn(448.0, tl.where(bound_v > 0, bound_v, 1.0)), 1.0)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         r64 = rows.to(tl.int64)
         row_ok = rows < num_rows
-        cols = tl.arange(0, BLOCK_N)
-        if IS_V:  # V^T: keys contiguous
-            tl.store(y_ptr + head.to(tl.int64) * DV * keys_pad + cols[:, None] * keys_pad
-                     + r64[None, :], y8, mask=row_ok[None, :])
-        else:
-            tl.store(y_ptr + (r64[:, None] * num_heads + head) * NOPE + cols[None, :], y8,
-                     mask=row_ok[:, None])
-            if head == 0:  # the rope key, shared by every head, on K's scale
-                pcols = tl.arange(0, ROPE)
-                pe = tl.load(pe_ptr + r64[:, None] * stride_pe + pcols[None, :],
-                             mask=row_ok[:, None], other=0.0).to(tl.float32)
-                yp = pe * inv
-                yp = tl.where(yp > 448.0, 448.0, tl.where(yp < -448.0, -448.0, yp))
-                yp = tl.where(tl.abs(pe) < float("inf"), yp, float("nan"))
-                tl.store(p8_ptr + r64[:, None] * ROPE + pcols[None, :], _to_e4m3(yp, ROUND),
-                         mask=row_ok[:, None])
+        tl.store(k8_ptr + (r64[:, None] * num_heads + head) * NOPE + tl.arange(0, NOPE)[None, :],
+                 _e4m3_scaled(acc_k, inv_k, ROUND), mask=row_ok[:, None])
+        tl.store(vt8_ptr + head.to(tl.int64) * DV * keys_pad
+                 + tl.arange(0, DV)[:, None].to(tl.int64) * keys_pad + r64[None, :],
+                 _e4m3_scaled(acc_vt, inv_v, ROUND), mask=row_ok[None, :])
+        if head == 0:  # the rope key, shared by every head, on K's scale
+            pcols = tl.arange(0, ROPE)
+            pe = tl.load(pe_ptr + r64[:, None] * stride_pe + pcols[None, :], mask=row_ok[:, None],
+                         other=0.0).to(tl.float32)
+            tl.store(p8_ptr + r64[:, None] * ROPE + pcols[None, :],
+                     _e4m3_scaled(pe, inv_k, ROUND), mask=row_ok[:, None])
 
 
 def aligned_for_upproject_fp8(kv_c: torch.Tensor) -> bool:
@@ -225,8 +220,8 @@ def upproject_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor, w_kv: torch.Tensor,
         attention's ``cu_seqlens_k[-1:]``, whose keys end there.
 
     Returns an :class:`~mlaprefill.kernels.fp8_attention.FP8Context` whose ``bound`` holds the
-    Cauchy-Schwarz bounds. Four launches (a zero fill, the latent pass, K's GEMM, V's GEMM);
-    never synchronizes.
+    Cauchy-Schwarz bounds. Three launches (a zero fill, the latent pass, the GEMM that writes
+    K, V and the rope key); never synchronizes.
     """
     cfg = config or FP8UpProjConfig()
     if kv_c.dim() != 2 or kv_c.dtype not in (torch.bfloat16, torch.float16):
@@ -281,12 +276,9 @@ def upproject_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor, w_kv: torch.Tensor,
                   transposed=False)
         return FP8Context(k8, p8, vt8, bound)
     ensure_allocator()
-    round_ = device.type == "cpu"
-    for is_v, y in ((False, k8), (True, vt8)):
-        _upproj_fp8_kernel[(cdiv(n, cfg.block_m), h)](
-            kv_c, w_kv, stats, w_norms, bound, y, k_pe, p8, valid_rows, n, h, kv_c.stride(0),
-            k_pe.stride(0), pad, RANK=rank, NOPE=nope, DV=v, ROPE=rope, BLOCK_M=cfg.block_m,
-            BLOCK_N=v if is_v else nope, BLOCK_K=cfg.block_k, IS_V=is_v, ROUND=round_,
-            HAS_VALID=valid_rows is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+    _upproj_fp8_kernel[(h, cdiv(n, cfg.block_m))](
+        kv_c, w_kv, stats, w_norms, bound, k8, vt8, k_pe, p8, valid_rows, n, h, kv_c.stride(0),
+        k_pe.stride(0), pad, RANK=rank, NOPE=nope, DV=v, ROPE=rope, BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k, ROUND=device.type == "cpu", HAS_VALID=valid_rows is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return FP8Context(k8, p8, vt8, bound)
