@@ -13,8 +13,10 @@ Sections:
   ``k_len`` keys each, MLA's qk 192 = 128 + 64 with the rope key shared by every head, v 128),
   timed per kernel in the same run: ``bf16`` :func:`mlaprefill.kernels.varlen_attention` (on an
   sm_90 GPU its warp-specialized Gluon kernel), ``fp8`` :func:`fp8_context_attention` on inputs
-  quantized beforehand (each FP8 config of ``--configs``; the best is ``fp8``), ``fp8+quant`` the
-  same with the quantizing passes of q, k and v in the timed region, and ``cudnn`` PyTorch's
+  quantized beforehand as the library runs it (on an sm_90 GPU the Gluon FP8 kernel), each
+  tile config of the Triton FP8 kernel (``--configs``; the best is ``fp8_triton``) and of the
+  Gluon one (``fp8_gluon:nN_sS``), ``fp8+quant`` the default with the quantizing passes of q, k
+  and v in the timed region, and ``cudnn`` PyTorch's
   cuDNN SDPA on the equal-length batch with whole keys ``[B, H, L, 192]`` (the rope key copied
   into every head beforehand, not timed). TFLOP/s = ``4 * num_seqs * q_len * k_len * H * (192 +
   128) / 2 / time`` (two matrix products, 2 FLOP per multiply-add; ``flop_formula`` in the JSON).
@@ -50,6 +52,7 @@ import torch
 from _common import add_cpu_smoke, empty_cache, kernel_ms, write_json
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import BACKENDS, VarlenSeqs
+from mlaprefill.kernels import hopper_fp8_attention as hopper_fp8
 from mlaprefill.kernels.attention import varlen_attention
 from mlaprefill.kernels.fp8_attention import (
     FP8AttentionConfig,
@@ -67,6 +70,7 @@ SHAPES = [
 ]
 SMOKE_SHAPES = [(2, 2, 20, 40)]
 CONFIGS = "m128_n128_w8_s3,m128_n64_w8_s3,m128_n128_w8_s2,m64_n128_w4_s3,m128_n128_w4_s2"
+GLUON_VARIANTS = [(128, 2), (128, 3), (64, 3), (256, 2)]  # (block_n, stages) of the Gluon kernel
 UPPROJ_CONFIGS = "m128_k64_w8_s3,m128_k64_w4_s3,m128_k64_w8_s4,m64_k64_w4_s3,m128_k128_w8_s2"
 RANK = 512
 # (heads, num_seqs, q_len, k_len) of the chunk section: the forward's context steps
@@ -287,10 +291,33 @@ def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -
                  in v}
         if timed:
             best = min(timed, key=lambda k: timed[k]["median_ms"])
-            row["fp8_best_config"] = best.split(":", 1)[1]
-            row["kernels"]["fp8"] = dict(timed[best])
-            cfg = parse_config(row["fp8_best_config"])
-            record("fp8+quant", lambda: run_fp8(x, cfg))
+            row["fp8_triton_best_config"] = best.split(":", 1)[1]
+            row["kernels"]["fp8_triton"] = dict(timed[best])
+        if device == "cuda" and hopper_fp8.unsupported_reason(
+                quantized[0], quantized[2].k8, quantized[2].p8, quantized[2].vt8,
+                x["q"]) is None:
+            out = torch.empty(x["q"].shape[0], heads, VDIM, dtype=dtype, device=device)
+            lse = torch.empty(x["q"].shape[:2], dtype=torch.float32, device=device)
+            for block_n, stages in GLUON_VARIANTS:
+                name = f"fp8_gluon:n{block_n}_s{stages}"
+                q8, qs, ctx = quantized
+
+                def gluon_call():
+                    if not hopper_fp8.hopper_fp8_attention(
+                            q8, qs, ctx.k8, ctx.p8, ctx.vt8, ctx.bound, x["cu_q"], x["cu_k"],
+                            max_seqlen_q=x["q_len"], softmax_scale=x["scale"], out=out,
+                            lse=lse, accumulate=False, block_n=block_n, stages=stages):
+                        raise RuntimeError(hopper_fp8.failures().get(
+                            (dtype, False, block_n, stages), "did not run"))
+                try:
+                    record(name, gluon_call)
+                except Exception as exc:
+                    row["kernels"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    print(f"  {name}: {str(exc)[:200]}", flush=True)
+            del out, lse
+        # the default path (config None: the Gluon kernel where it applies, else Triton's)
+        record("fp8", lambda: run_fp8(x, None, quantized))
+        record("fp8+quant", lambda: run_fp8(x))
         quantized = None  # free it before cuDNN's copies
         if cudnn:
             b = seqs
@@ -310,7 +337,8 @@ def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -
                 row["kernels"]["cudnn"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             del kk, kd, vd
         ks = row["kernels"]
-        for a, b in (("fp8", "bf16"), ("bf16", "cudnn"), ("fp8", "cudnn")):
+        for a, b in (("fp8", "bf16"), ("bf16", "cudnn"), ("fp8", "cudnn"),
+                     ("fp8_triton", "bf16")):
             if "median_ms" in ks.get(a, {}) and "median_ms" in ks.get(b, {}):
                 row[f"{a}_over_{b}_throughput"] = ks[b]["median_ms"] / ks[a]["median_ms"]
         rows.append(row)

@@ -12,7 +12,9 @@ import torch
 from conftest import paged_mla_inputs, split_key_reference
 from mlaprefill import IterationGraphs, MLAChunkedPrefill
 from mlaprefill.batch import PrefillBatch
+from mlaprefill.kernels import hopper_fp8_attention as hopper_fp8
 from mlaprefill.kernels.fp8_attention import (
+    FP8AttentionConfig,
     fp8_context_attention,
     quantize_context,
     quantize_rows,
@@ -76,16 +78,27 @@ def _case(lq, lk, heads, seed=0):
     return q, kv[..., :NOPE], kr, kv[..., NOPE:], cq, ck
 
 
+def _gluon_runs(q8, ctx):
+    return hopper_fp8.unsupported_reason(q8, ctx.k8, ctx.p8, ctx.vt8, q8.new_empty(0,
+                                         dtype=torch.bfloat16)) is None
+
+
 @pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+@pytest.mark.parametrize("kernel", ["default", "triton"])
 @pytest.mark.parametrize("lq,lk", [([1], [1]), ([3, 0, 130], [129, 7, 0]),
                                    ([128, 257], [128, 1000]), ([5, 64, 1], [4097, 33, 130])])
-def test_kernel_against_float64_of_dequantized_inputs(lq, lk):
+def test_kernel_against_float64_of_dequantized_inputs(lq, lk, kernel):
+    """Both FP8 kernels: the default (on an sm_90 GPU the Gluon kernel, which must have run:
+    no compile failure recorded) and the Triton kernel (given tiles)."""
     q, kn, kr, v, cq, ck = _case(lq, lk, heads=3, seed=sum(lk))
     q8, qs = quantize_rows(q)
     ctx = quantize_context(kn, kr, v)
     deq = (q8.double() * qs[..., None].double(), *ctx.dequantized())
     out, lse = fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=max(lq),
-                                     softmax_scale=192 ** -0.5)
+                                     softmax_scale=192 ** -0.5,
+                                     config=FP8AttentionConfig() if kernel == "triton" else None)
+    if kernel == "default" and _gluon_runs(q8, ctx):
+        assert hopper_fp8.failures() == {}
     ref_out, ref_lse = split_key_reference(*deq, cq, ck, 192 ** -0.5)
     empty = ref_lse == float("-inf")
     assert torch.equal(lse.isinf() & (lse < 0), empty)
@@ -195,3 +208,28 @@ def test_upproject_fp8_nan_row_stays_in_its_row():
     assert torch.equal(ctx.k8.view(torch.uint8)[keep], clean.k8.view(torch.uint8)[keep])
     assert torch.equal(ctx.vt8.view(torch.uint8)[:, :, :n][:, :, keep],
                        clean.vt8.view(torch.uint8)[:, :, :n][:, :, keep])
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="needs FP8 matrix products (sm_89+)")
+def test_gluon_fp8_kernel_merges_state_like_the_triton_kernel():
+    """With ``state``: the Gluon kernel's merge against the Triton kernel's on the same inputs,
+    rows without keys left as they were."""
+    q, kn, kr, v, cq, ck = _case([130, 1, 64], [300, 0, 129], heads=2, seed=9)
+    q8, qs = quantize_rows(q)
+    ctx = quantize_context(kn, kr, v)
+    if not _gluon_runs(q8, ctx):
+        pytest.skip("the Gluon FP8 kernel needs an sm_90 GPU")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    run_out = torch.randn(q.shape[0], 2, V, generator=g, device="cuda").bfloat16()
+    run_lse = torch.randn(q.shape[0], 2, generator=g, device="cuda")
+    results = []
+    for config in (None, FP8AttentionConfig()):
+        state = (run_out.clone(), run_lse.clone())
+        fp8_context_attention(q8, qs, ctx, cq, ck, max_seqlen_q=130, softmax_scale=0.1,
+                              state=state, config=config)
+        results.append(state)
+    assert hopper_fp8.failures() == {}
+    (go, gl_), (to, tl_) = results
+    assert torch.equal(go[130], run_out[130]) and torch.equal(gl_[130], run_lse[130])
+    assert (gl_ - tl_).abs().max() < 1e-3
+    assert (go.float() - to.float()).abs().max() < 2 ** -4 * float(v.abs().max())

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaprefill.kernels import hopper_fp8_attention as hopper_fp8
 from mlaprefill.kernels._triton import (
     HAS_TRITON,
     cdiv,
@@ -444,6 +445,10 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
         Merged into in place by LSE.
     out : ``(out, lse)`` as ``state``, optional
         Overwritten instead (not with ``state``). Neither: new tensors, ``out`` of ``out_dtype``.
+    config : FP8AttentionConfig, optional
+        The Triton kernel's tiles. None: on an sm_90 GPU at MLA's head dims the warp-specialized
+        Gluon kernel (:mod:`~mlaprefill.kernels.hopper_fp8_attention`, same contract), else the
+        Triton kernel with the default tiles; given: the Triton kernel with these.
 
     Returns ``(out [Tq, H, v], lse float32 [Tq, H])``, natural-log LSE.
     """
@@ -518,6 +523,12 @@ def fp8_context_attention(q8: torch.Tensor, q_scale: torch.Tensor, ctx: FP8Conte
     if not use_triton(q8):
         raise ValueError(f"fp8_context_attention runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got {q8.device}")
+    if config is None and hopper_fp8.unsupported_reason(q8, ctx.k8, ctx.p8, ctx.vt8, out) is None \
+            and hopper_fp8.hopper_fp8_attention(
+                q8, q_scale, ctx.k8, ctx.p8, ctx.vt8, ctx.bound, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, out=out, lse=lse,
+                accumulate=state is not None):
+        return out, lse
     ensure_allocator()
     grid = (cdiv(max_seqlen_q, cfg.block_m), num_seqs, h)
     _fp8_attention_kernel[grid](
