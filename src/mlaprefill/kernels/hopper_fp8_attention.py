@@ -16,10 +16,13 @@ read transposed (``vt8 [H, v, Tk_pad]``, keys contiguous) and given to the PV pr
 permuted view of a ``[v, BLOCK_N]`` tile; P converted from the score accumulator's registers to
 the A operand's (8-bit: four values per register).
 
-Where a sequence's keys end: the K and rope descriptors span exactly the sequence's key rows and
-V^T's spans the head's columns up to the sequence's last key, so a tile past them reads zeros and
-no other sequence's keys or values are ever loaded (a NaN stays in its sequence); the last block's
-scores past the end are set to ``-inf`` with ``where``. Finish: the FP8 Triton kernel's rules
+Where a sequence's keys start and end: a V^T tile's first column must be 16-byte aligned (TMA
+faults otherwise), so a sequence's key blocks start at its first key rounded down to 16, as in the
+Triton kernel. The K, rope and V^T descriptors end at the sequence's last key, so a tile past it
+reads zeros; the up to 15 keys of the previous sequence that the first block holds get ``-inf``
+scores by ``where``, and their V^T columns are zeroed in shared memory before the PV product, so
+no other sequence's value reaches a row (a NaN stays in its sequence); the last block's scores
+past the end are ``-inf`` by ``where``. Finish: the FP8 Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``accumulate``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
@@ -63,22 +66,23 @@ if HAS_GLUON:
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _fp8_producer(k_ptr, r_ptr, vt_ptr, k_start, seqlen_k, head, num_heads, keys_pad, k_s,
-                      r_s, v_s, ready, empty, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+    def _fp8_producer(k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads, keys_pad, k_s, r_s,
+                      v_s, ready, empty, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr,
                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp; the ring's protocol is the bf16 kernel's (_producer there). K and rope
-        # descriptors span the sequence's key rows; V^T's the head's [DV, keys] block up to
-        # the sequence's last key (its base stays 16-byte aligned; columns start at k_start).
+        # One warp; the ring's protocol is the bf16 kernel's (_producer there). Blocks start at
+        # a0, the sequence's first key rounded down to 16 (a V^T tile's first column must be
+        # 16-byte aligned: TMA faults otherwise), and cover span = the keys from a0 to the
+        # sequence's end; descriptors end there, so a tile past it reads zeros.
         head64 = head.to(gl.int64)
-        rows = gl.maximum(seqlen_k, 1)
+        rows = gl.maximum(span, 1)
         k_desc = tma.make_tensor_descriptor(
-            k_ptr + k_start.to(gl.int64) * (num_heads * D1) + head64 * D1, shape=[rows, D1],
+            k_ptr + a0.to(gl.int64) * (num_heads * D1) + head64 * D1, shape=[rows, D1],
             strides=[num_heads * D1, 1], block_shape=[BLOCK_N, D1], layout=k_s.type.layout)
         r_desc = tma.make_tensor_descriptor(
-            r_ptr + k_start.to(gl.int64) * D2, shape=[rows, D2], strides=[D2, 1],
+            r_ptr + a0.to(gl.int64) * D2, shape=[rows, D2], strides=[D2, 1],
             block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
         v_desc = tma.make_tensor_descriptor(
-            vt_ptr + head64 * DV * keys_pad, shape=[DV, k_start + rows], strides=[keys_pad, 1],
+            vt_ptr + head64 * DV * keys_pad, shape=[DV, a0 + rows], strides=[keys_pad, 1],
             block_shape=[DV, BLOCK_N], layout=v_s.type.layout)
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
                                 + v_desc.block_type.nbytes)
@@ -90,22 +94,37 @@ if HAS_GLUON:
             row = i * BLOCK_N
             tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_s.index(st))
             tma.async_copy_global_to_shared(r_desc, [row, 0], bar, r_s.index(st))
-            tma.async_copy_global_to_shared(v_desc, [0, k_start + row], bar, v_s.index(st))
+            tma.async_copy_global_to_shared(v_desc, [0, a0 + row], bar, v_s.index(st))
 
     @gluon.jit
     def _fp8_key_blocks(acc, m_i, l_i, lo, hi, q1_s, q2_s, k_s, r_s, v_s, ready, empty, s_zero,
-                        qf, offs_n, seqlen_k, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                        qf, offs_n, shift, span, MASKED: gl.constexpr, FIRST: gl.constexpr,
+                        BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                        o_layout: gl.constexpr, p_layout: gl.constexpr):
+        # Block i holds keys [i * BLOCK_N, (i + 1) * BLOCK_N) counted from a0; the sequence's
+        # are [shift, span). FIRST (block 0 when shift > 0): its V^T columns below shift are the
+        # previous sequence's values, zeroed in the stage before the PV product (a NaN there
+        # times p = 0 would be NaN). Both consumer warpgroups write the same zeros, and a
+        # stage is refilled only after both released it.
         for i in range(lo, hi):
             st = i % STAGES
             mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            if FIRST:
+                v_io: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+                vt = v_s.index(st).load(v_io).to(gl.int8, bitcast=True)
+                vcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, v_io))
+                vt = gl.where(gl.expand_dims(vcols >= shift, 0), vt, gl.zeros_like(vt))
+                v_s.index(st).store(vt.to(gl.float8e4nv, bitcast=True))
+                fence_async_shared()
+                gl.thread_barrier()
             t = warpgroup_mma(q1_s, k_s.index(st).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
             t = warpgroup_mma(q2_s, r_s.index(st).permute((1, 0)), t, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
             if MASKED:  # where, not a multiply (0 * NaN)
-                visible = gl.expand_dims(i * BLOCK_N + offs_n < seqlen_k, 0)
-                s = gl.where(visible, s, float("-inf"))
+                cols = i * BLOCK_N + offs_n
+                s = gl.where(gl.expand_dims((cols >= shift) & (cols < span), 0), s,
+                             float("-inf"))
             # qf > 0 per row (or NaN: a query holding one), so max(s) * qf == max(s * qf)
             m_new = gl.maximum(m_i, gl.max(s, 1) * qf)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -125,7 +144,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_consumer(q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head,
-                      num_heads, stride_ot, stride_oh, stride_lt, stride_lh, seqlen_k, n_iter,
+                      num_heads, stride_ot, stride_oh, stride_lt, stride_lh, shift, span, n_iter,
                       qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
                       ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
@@ -182,13 +201,21 @@ if HAS_GLUON:
             m_i = gl.full([WM], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([WM], gl.float32, row_s)
             acc = gl.zeros([WM, DV], gl.float32, o_layout)
-            free = gl.minimum(seqlen_k // BLOCK_N, n_iter)  # blocks wholly inside the keys
-            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, 0, free, q1w, q2w, k_s, r_s, v_s,
-                                            ready, empty, s_zero, qf, offs_n, seqlen_k, False,
-                                            BLOCK_N, STAGES, o_layout, p_layout)
+            # block 0 when the sequence starts past a0 (masked, V fixed); then the blocks
+            # wholly inside the keys (no mask); then the last one where it passes their end
+            first = gl.where(shift > 0, 1, 0)
+            free = gl.maximum(gl.minimum(span // BLOCK_N, n_iter), first)
+            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, 0, first, q1w, q2w, k_s, r_s, v_s,
+                                            ready, empty, s_zero, qf, offs_n, shift, span, True,
+                                            True, BLOCK_N, DV, STAGES, o_layout, p_layout)
+            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, first, free, q1w, q2w, k_s, r_s,
+                                            v_s, ready, empty, s_zero, qf, offs_n, shift, span,
+                                            False, False, BLOCK_N, DV, STAGES, o_layout,
+                                            p_layout)
             acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, free, n_iter, q1w, q2w, k_s, r_s,
-                                            v_s, ready, empty, s_zero, qf, offs_n, seqlen_k,
-                                            True, BLOCK_N, STAGES, o_layout, p_layout)
+                                            v_s, ready, empty, s_zero, qf, offs_n, shift, span,
+                                            True, False, BLOCK_N, DV, STAGES, o_layout,
+                                            p_layout)
             # l_i and acc both hold 448 * p: the output divides it out, the LSE subtracts
             # log2(448)
             bound_v = gl.load(bound_ptr + 1)
@@ -249,7 +276,10 @@ if HAS_GLUON:
         k_start = gl.load(cu_k_ptr + seq)
         seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
         live = (m0 < seqlen_q) & (seqlen_k > 0)
-        n_iter = gl.where(live, gl.cdiv(seqlen_k, BLOCK_N), 0)
+        a0 = (k_start // 16) * 16
+        shift = k_start - a0
+        span = shift + seqlen_k
+        n_iter = gl.where(live, gl.cdiv(span, BLOCK_N), 0)
 
         q1_s = gl.allocate_shared_memory(f8, [2, WM, D1], q1_sl)
         q2_s = gl.allocate_shared_memory(f8, [2, WM, D2], q2_sl)
@@ -266,13 +296,13 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0,
                              head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-                             seqlen_k, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
+                             shift, span, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
                              empty, 0, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
             (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0,
                              head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-                             seqlen_k, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
+                             shift, span, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
                              empty, 1, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
-            (_fp8_producer, (k_ptr, r_ptr, vt_ptr, k_start, seqlen_k, head, num_heads,
+            (_fp8_producer, (k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads,
                              keys_pad, k_s, r_s, v_s, ready, empty, n_iter, BLOCK_N, D1, D2, DV,
                              STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
