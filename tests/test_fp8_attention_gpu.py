@@ -115,6 +115,9 @@ def test_kernel_nan_stays_in_its_sequence():
     q, kn, kr, v, cq, ck = _case([40, 70, 9], [300, 129, 77], heads=2, seed=3)
     v = v.clone()
     v[310, 1, 5] = float("nan")   # sequence 1, head 1
+    # sequence 0's last key: in sequence 1's first key block (its keys start at 300, not a
+    # multiple of 16), whose V columns of sequence 0 must not reach sequence 1's rows
+    v[299, 0, 7] = float("nan")
     kr = kr.clone()
     kr[12] = float("inf")         # sequence 0, every head
     q8, qs = quantize_rows(q)
