@@ -43,8 +43,10 @@ from mlaprefill.kernels._triton import cdiv, ensure_allocator
 
 __all__ = ["BLOCK_N", "STAGES", "hopper_fp8_attention", "unsupported_reason"]
 
-#: Keys per block and ring depth (the defaults; ``hopper_fp8_attention`` takes others).
-BLOCK_N, STAGES = 128, 2
+#: Keys per block and ring depth (the defaults; ``hopper_fp8_attention`` takes others): 256 x 2
+#: measured fastest of 64 x 3, 128 x 2, 128 x 3 and 256 x 2 on 8 shapes of 16 and 128 heads
+#: (benchmarks/results/fp8_attention_h200.json).
+BLOCK_N, STAGES = 256, 2
 _D1, _D2, _DV = 128, 64, 128
 _LOG2_448 = 8.807354922057604
 # (out dtype, accumulate, block_n, stages) whose compile failed here: the Triton kernel instead
