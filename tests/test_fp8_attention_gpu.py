@@ -141,7 +141,7 @@ def test_fp8_backend_forward_eager_and_graphs():
     for graphs in (None, IterationGraphs()):
         op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
                                backend="mlaprefill-fp8", graphs=graphs)
-        op.backend.min_queries = 0  # FP8 on every context call (the default needs 2048 queries)
+        op.backend.min_queries = 0  # FP8 on every context call (the default needs 1024 queries)
         for _ in range(2 if graphs is None else 3):  # graphs: eager, capture, replay
             out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
                                   x["block_table"], StagingRing("cuda").upload(plan),

@@ -191,7 +191,7 @@ def test_forward_with_the_fp8_backend():
         assert (out.double() - ref_out).abs().max() < 0.1 * ref_out.abs().max(), graphs
         assert (lse.double() - ref_lse).abs().max() < 0.1, graphs
         assert not torch.equal(out, bf16[0])  # the FP8 kernel ran
-        # below min_queries (the default, 2048 > 5 queries) every call is the bf16 backend's
+        # below min_queries (the default, 1024 > 5 queries) every call is the bf16 backend's
         out, lse = run("mlaprefill-fp8", graphs)
         assert torch.equal(out, bf16[0]) and torch.equal(lse, bf16[1]), graphs
 

@@ -48,9 +48,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FP8_MIN_QUERIES", "MLAPrefillFP8Backend"]
 
-#: Context calls with at least this many queries in a sequence (``max_seqlen_q``) run in FP8; the
-#: break-even between the H200's measured gain at 4,096 and loss at 1,024 (module docstring).
-FP8_MIN_QUERIES = 2048
+#: Context calls with at least this many queries in a sequence (``max_seqlen_q``) run in FP8: the
+#: smallest count measured faster on the H200, one context step from latent rows with the fused
+#: up-projection and the Gluon kernel (0.87-0.90x the bf16 step's time at 1,024 queries, 1.06x at
+#: 256; benchmarks/results/fp8_attention_h200.json "chunk").
+FP8_MIN_QUERIES = 1024
 
 
 def _pow2_in(n: int, lo: int, hi: int) -> bool:
