@@ -19,7 +19,7 @@ case "${1:-kernel}" in
       --out "$OUT/fp8_attention_h200.json" 2>&1 | tail -60)
     ;;
   forward)
-    (cd benchmarks && timeout 540 python attention.py \
+    (cd benchmarks && timeout "${FWD_TIMEOUT:-540}" python attention.py \
       --skip gather,merge,attention,forward,policies \
       --backends "${IDEAL_BACKENDS:-mlaprefill+graphs,mlaprefill-fp8+graphs}" \
       --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
