@@ -326,12 +326,22 @@ def ex_fp8_attention(d: dict) -> tuple[str, str]:
            for r in rows if "median_ms" in r["kernels"].get("cudnn", {})]
     if cud:
         parts.append(f"bf16 kernel time {_range(cud)}x cuDNN's")
+    chunk = [r["fp8_fused_over_bf16_time"] for r in d.get("chunk", [])
+             if "fp8_fused_over_bf16_time" in r]
+    if chunk:
+        parts.append(f"a context step from latent rows (fused up-projection + FP8) "
+                     f"{_range(chunk)}x the bf16 step's time ({len(chunk)} shapes)")
     acc = d.get("accuracy", [])
     if acc:
         for label in dict.fromkeys(r["inputs"] for r in acc):
             sel = [r for r in acc if r["inputs"] == label]
             parts.append(f"{label}: out RMSE bf16 {max(r['bf16']['out_rmse'] for r in sel):.1e} "
                          f"fp8 {max(r['fp8']['out_rmse'] for r in sel):.1e}")
+    lat = d.get("accuracy_latent", [])
+    if lat:
+        parts.append(f"K/V from latent rows: out RMSE fp8 (amax scales) "
+                     f"{max(r['fp8']['out_rmse'] for r in lat):.1e}, fused (bounds) "
+                     f"{max(r['fp8_fused']['out_rmse'] for r in lat):.1e}")
     return "context attention per kernel (same run), FP8 accuracy vs float64", "; ".join(parts)
 
 

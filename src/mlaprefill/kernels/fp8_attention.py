@@ -19,9 +19,13 @@ rounded as ``448 * p`` (``p <= 1``: e4m3's whole range, folded into the exponent
 free) and the row sum divides it out. LSE is float32, natural log.
 
 Layouts (what Hopper's FP8 MMA wants: both operands K-major): K as ``k8 [Tk, H, 128]``, the
-rope key ``p8 [Tk, 64]``, and V transposed, ``vt8 [H, 128, Tk_pad]`` (keys contiguous), all written
-by :func:`quantize_context` from the up-projection's bf16 output (a max pass, then one pass that
-reads each value once and writes one byte). K, rope and V^T tiles are loaded through device-side
+rope key ``p8 [Tk, 64]``, and V transposed, ``vt8 [H, 128, Tk_pad]`` (keys contiguous), written by
+the up-projection's epilogue (:func:`~mlaprefill.kernels.fp8_upproj.upproject_fp8`: what the
+``mlaprefill-fp8`` forward runs) or by :func:`quantize_context` from bf16 keys and values (a max
+pass, then one pass that reads each value once and writes one byte). On an sm_90 GPU at MLA's
+head dims the kernel is the warp-specialized Gluon one
+(:mod:`~mlaprefill.kernels.hopper_fp8_attention`), same contract; elsewhere, or with ``config=``,
+the Triton kernel below. K, rope and V^T tiles are loaded through device-side
 tensor descriptors; key blocks start at multiples of 16 in the packed order, so a V^T tile is
 16-byte aligned whatever the sequence's first key.
 
