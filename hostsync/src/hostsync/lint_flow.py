@@ -518,6 +518,8 @@ class _Flow:
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
+        if m == "register_buffer":
+            self._register_buffer(call, scope)
         if m in ("append", "extend", "insert") and call.args:
             item = call.args[-1]
             kind = model.kind(item, scope)
@@ -549,6 +551,22 @@ class _Flow:
             dst_kind = model.kind(f.value, scope)
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
+
+    def _register_buffer(self, call: ast.Call, scope: Scope) -> None:
+        """``self.register_buffer("name", tensor)`` assigns ``self.name``: a device tensor
+        stays one, but a host buffer is moved by ``module.to(device)`` / ``.cuda()`` with its
+        module, so where it lives after construction is unknown."""
+        f = call.func
+        assert isinstance(f, ast.Attribute)
+        name = call.args[0] if call.args else kwarg(call, "name")
+        value = call.args[1] if len(call.args) > 1 else kwarg(call, "tensor")
+        if not (isinstance(f.value, ast.Name) and f.value.id == "self" and scope.cls
+                and isinstance(name, ast.Constant) and isinstance(name.value, str)
+                and value is not None):
+            return
+        target = ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=name.value,
+                               ctx=ast.Store())
+        self._bind(target, value if self.model.kind(value, scope) == DEVICE else None, scope)
 
     # ------------------------------------------------------------------ checks
 

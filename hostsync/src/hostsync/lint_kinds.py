@@ -543,6 +543,8 @@ class KindModel:
         if isinstance(node, ast.IfExp):
             a, b = self.device_kind(node.body, scope), self.device_kind(node.orelse, scope)
             return a if a == b else None
+        if isinstance(node, ast.Call) and _lookup_or_none(node):
+            return SAME_DEV  # `kwargs.get("device", None)`: the CPU when absent, else unknown
         if isinstance(node, ast.Name) and scope.env.get(node.id) == ARG:
             return SAME_DEV  # the caller's device: the caller decides
         k = self.kind(node, scope)
@@ -837,6 +839,18 @@ def _dict_literal(node: ast.expr) -> dict[str, ast.expr] | None:
             and not node.args and all(k.arg for k in node.keywords)):
         return {k.arg: k.value for k in node.keywords}
     return None
+
+
+def _lookup_or_none(call: ast.Call) -> bool:
+    """``d.get(key)``, ``d.get(key, None)``, ``getattr(obj, name, None)``: None when absent."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == "get" and 1 <= len(call.args) <= 2:
+        default = call.args[1] if len(call.args) == 2 else None
+    elif isinstance(f, ast.Name) and f.id == "getattr" and len(call.args) == 3:
+        default = call.args[2]
+    else:
+        return False
+    return default is None or (isinstance(default, ast.Constant) and default.value is None)
 
 
 def _known(kind: str | None) -> str | None:
