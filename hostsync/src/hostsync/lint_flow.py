@@ -478,8 +478,10 @@ class _Flow:
         model = self.model
         if isinstance(a, (ast.List, ast.Tuple, ast.Set, ast.ListComp, ast.GeneratorExp,
                           ast.SetComp, ast.DictComp, ast.Dict)) or (
-                isinstance(a, ast.Name) and scope.env.get(a.id) == LIST):
-            return None, None
+                isinstance(a, ast.Name) and scope.env.get(a.id) == LIST) or (
+                (a.attr if isinstance(a, ast.Attribute) else getattr(a, "id", None))
+                == "device"):
+            return None, None  # a list, or a device object (`self.device`), is no tensor
         model.names_off = True
         try:
             kind = model.kind(a, scope)
