@@ -116,3 +116,86 @@ def test_a_device_hint_outweighs_a_guessed_call_result(tmp_path: pathlib.Path) -
                     "        q, k = rope(self.qkv(x_gpu), x_gpu)\n"
                     "        lens = lens.to(q.device)\n        return lens.max().item()\n")
     assert [f.line for f in lint_files([str(path)], ["HS"])] == [9]
+
+
+CALLEES = """\
+import torch
+
+
+def top_tokens(logprobs, accepted):
+    ids = accepted.tolist()     # HS201: every caller passes a device tensor
+    if accepted.any():          # HS201: strictly so (made with device=)
+        pass
+    return ids
+
+
+def host_helper(lens):
+    return lens.tolist()        # a caller passes a host tensor
+
+
+def mixed(lens):
+    return lens.tolist()        # a caller passes what the lint cannot place
+
+
+def escaped(lens):
+    return lens.tolist()        # also bound to a name: its other callers are unseen
+
+
+def spread(lens):
+    return lens.tolist()        # also called with *args
+
+
+def first(tensors):
+    if tensors:                 # a list of device tensors is no tensor
+        return tensors[0]
+
+
+class Helper:
+    def accept(self, draft):
+        return draft.cpu()      # HS201: `obj.accept(dev)` at every call of the name
+
+    def forward(self, x):
+        return x.cpu()          # an nn.Module's forward is called by module(x) too
+"""
+
+CALLERS = """\
+import torch
+from .callees import Helper, escaped, first, host_helper, mixed, spread, top_tokens
+
+
+def step(logits, n, helper, other, args):
+    lp = torch.log_softmax(logits.cuda(), -1)
+    acc = torch.ones(n, device="cuda")
+    top_tokens(lp, acc)
+    top_tokens(lp, accepted=acc + 1)
+    host_helper(torch.arange(n))
+    host_helper(acc)
+    mixed(acc)
+    mixed(other)
+    escaped(acc)
+    f = escaped
+    spread(acc)
+    spread(*args)
+    helper.accept(acc)
+    Helper().forward(acc)
+    first([acc, acc])
+    return f
+"""
+
+
+def test_a_parameter_every_call_site_gives_a_device_tensor(tmp_path: pathlib.Path) -> None:
+    """Call-site parameter facts (TGI's ``batch_top_tokens(..., logprobs, accepted_ids)``,
+    called from the model files with device tensors): host, unknown, hidden (``*args``) or
+    unseen callers (a function used as a value, ``forward``) leave the parameter unknown, and a
+    list of device tensors is no tensor (lightllm ``torch_cat_3([a, b])``: ``if tensors:``)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "callees.py").write_text(CALLEES)
+    (pkg / "callers.py").write_text(CALLERS)
+    found = [(pathlib.Path(f.path).name, f.line, f.code)
+             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    assert found == [("callees.py", 5, "HS201"), ("callees.py", 6, "HS201"),
+                     ("callees.py", 34, "HS201")]
+    # alone, the callees' parameters are unknown
+    assert lint_files([str(pkg / "callees.py")], ["HS"]) == []

@@ -282,6 +282,14 @@ class _Flow:
             cls_name = _annotation_class(p.annotation)
             if cls_name is not None:
                 types[p.arg] = cls_name
+        if id(fn) in self.model.top_defs:
+            # what every call site of the linted modules passes (lint_modules' call-site facts)
+            given = self.model.imported.params.get((scope.cls if is_method else None, fn.name))
+            for name, (kind, strict) in (given or {}).items():
+                if kind is not None:
+                    env[name] = kind
+                if strict is not None:
+                    env[STRICT + name] = strict
         for default in [*args.defaults, *(d for d in args.kw_defaults if d is not None)]:
             self._expr(default, scope)
         hints = self.model.function_hints(fn)
@@ -441,9 +449,50 @@ class _Flow:
                       "to the host and waits for the device; format a host copy (or only its "
                       "shape and dtype)")
 
+    def _site(self, call: ast.Call, scope: Scope) -> None:
+        """Record what this call passes, when it may call a function a linted module defines
+        (``f(x)``, ``obj.m(x)``; not ``torch.*`` / ``np.*``): see lint_modules' call-site
+        parameter facts."""
+        model = self.model
+        f = call.func
+        if isinstance(f, ast.Name):
+            is_attr, name = False, f.id
+        elif isinstance(f, ast.Attribute) and not model.is_torch(f.value) and not (
+                isinstance(f.value, ast.Name) and f.value.id in model.numpy_names):
+            is_attr, name = True, f.attr
+        else:
+            return
+        if name not in model.imported.callees:
+            return
+        hidden = any(isinstance(a, ast.Starred) for a in call.args) or any(
+            kw.arg is None for kw in call.keywords)
+        pos = None if hidden else tuple(self._site_arg(a, scope) for a in call.args)
+        kws = tuple((kw.arg, self._site_arg(kw.value, scope))
+                    for kw in call.keywords if kw.arg is not None)
+        self.pending.sites[(call.lineno, call.col_offset)] = (is_attr, name, pos, kws)
+
+    def _site_arg(self, a: ast.expr, scope: Scope) -> tuple[str | None, str | None]:
+        """(kind, strict kind) of an argument, the kind without naming conventions: what the
+        code shows (a name ``device`` or ``x_gpu`` alone is no device tensor); none for a
+        list or tuple of tensors (``if tensors:`` of a list is no device read)."""
+        model = self.model
+        if isinstance(a, (ast.List, ast.Tuple, ast.Set, ast.ListComp, ast.GeneratorExp,
+                          ast.SetComp, ast.DictComp, ast.Dict)) or (
+                isinstance(a, ast.Name) and scope.env.get(a.id) == LIST) or (
+                (a.attr if isinstance(a, ast.Attribute) else getattr(a, "id", None))
+                == "device"):
+            return None, None  # a list, or a device object (`self.device`), is no tensor
+        model.names_off = True
+        try:
+            kind = model.kind(a, scope)
+        finally:
+            model.names_off = False
+        return kind, model.strictly(a, scope)
+
     def _call(self, call: ast.Call, scope: Scope) -> None:
         model = self.model
         f = call.func
+        self._site(call, scope)
         cls_name = model.is_class_call(f)
         if cls_name == "cls" and scope.cls is not None:
             cls_name = scope.cls  # cls(...) in a classmethod
@@ -471,6 +520,8 @@ class _Flow:
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
+        if m == "register_buffer":
+            self._register_buffer(call, scope)
         if m in ("append", "extend", "insert") and call.args:
             item = call.args[-1]
             kind = model.kind(item, scope)
@@ -502,6 +553,22 @@ class _Flow:
             dst_kind = model.kind(f.value, scope)
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
+
+    def _register_buffer(self, call: ast.Call, scope: Scope) -> None:
+        """``self.register_buffer("name", tensor)`` assigns ``self.name``: a device tensor
+        stays one, but a host buffer is moved by ``module.to(device)`` / ``.cuda()`` with its
+        module, so where it lives after construction is unknown."""
+        f = call.func
+        assert isinstance(f, ast.Attribute)
+        name = call.args[0] if call.args else kwarg(call, "name")
+        value = call.args[1] if len(call.args) > 1 else kwarg(call, "tensor")
+        if not (isinstance(f.value, ast.Name) and f.value.id == "self" and scope.cls
+                and isinstance(name, ast.Constant) and isinstance(name.value, str)
+                and value is not None):
+            return
+        target = ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=name.value,
+                               ctx=ast.Store())
+        self._bind(target, value if self.model.kind(value, scope) == DEVICE else None, scope)
 
     # ------------------------------------------------------------------ checks
 

@@ -31,9 +31,8 @@ from hostsync.lint_where import (
     op_result,
 )
 
-__all__ = ["LIST", "STRICT", "Facts", "Imported", "KindModel", "Scope", "device_kind_of_str",
-           "dotted", "is_dtype_expr",
-           "kwarg", "truthy_pin"]
+__all__ = ["LIST", "STRICT", "Arg", "Facts", "Imported", "KindModel", "Scope", "Site",
+           "device_kind_of_str", "dotted", "is_dtype_expr", "kwarg", "truthy_pin"]
 
 LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
 STRICT = "!"  # env prefix: the kind a binding has strictly (KindModel.strictly)
@@ -171,6 +170,10 @@ class Facts:
     # ``strict_attrs[(class, attr)]``: what every assignment of ``self.attr`` in the class's
     # methods gives strictly; ``(None, attr)``: assigned on another object too (no fact then)
     strict_attrs: dict[tuple[str | None, str], str] = dataclasses.field(default_factory=dict)
+    # call sites of names some linted module defines (see :mod:`hostsync.lint_modules`), by
+    # ``(lineno, col)``: ``(is_attribute, callee name, positional (kind, strict) pairs or None
+    # where a ``*`` / ``**`` argument hides them, keyword (name, (kind, strict)) pairs)``
+    sites: dict[tuple[int, int], Site] = dataclasses.field(default_factory=dict)
 
     def add_strict_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
         """What an assignment of ``attr`` gives it strictly (see :meth:`KindModel.strictly`):
@@ -212,6 +215,10 @@ class Facts:
                 HOST if prev in HOST_KINDS and kind in HOST_KINDS else UNKNOWN
 
 
+Arg = tuple[str | None, str | None]  # (kind, strict kind) of an argument at a call site
+Site = tuple[bool, str, tuple[Arg, ...] | None, tuple[tuple[str, Arg], ...]]
+
+
 @dataclasses.dataclass(slots=True)
 class Imported:
     """What the other linted modules say about the names this module imports from them (see
@@ -225,6 +232,13 @@ class Imported:
     classes: set[str] = dataclasses.field(default_factory=set)
     methods: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
     attrs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    # what every call site in the linted modules passes to a parameter of this module's
+    # top-level functions and methods: ``params[(class or None, function)][param] = (kind,
+    # strict kind)``; ``callees``: the function and method names the linted modules define
+    # (whose call sites are recorded, :attr:`Facts.sites`)
+    params: dict[tuple[str | None, str], dict[str, Arg]] = dataclasses.field(
+        default_factory=dict)
+    callees: frozenset[str] = dataclasses.field(default_factory=frozenset, compare=False)
 
 
 class KindModel:
@@ -236,6 +250,7 @@ class KindModel:
         self.numpy_names: set[str] = set()
         self.classes: set[str] = set()
         self.functions: set[str] = set()
+        self.top_defs: set[int] = set()  # id() of top-level functions and their classes' methods
         self.methods: set[tuple[str, str]] = set()
         self.identifiers: set[str] = set()
         self.hint_attrs: set[str] = set()
@@ -247,6 +262,8 @@ class KindModel:
         # Evidence of construction only (see :meth:`strictly`): no naming conventions, no
         # module facts of return values.
         self.strict = False
+        # No naming conventions (``*_gpu``, ``*_cpu``), otherwise as usual: call-site facts
+        self.names_off = False
         self._hints: dict[int, frozenset[str]] = {}  # by id() of the function node
         self._scan(tree)
 
@@ -284,6 +301,10 @@ class KindModel:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.add(node.name)
+                self.top_defs.add(id(node))
+            elif isinstance(node, ast.ClassDef):
+                self.top_defs.update(id(n) for n in node.body
+                                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
         seen: dict[str, set[str]] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
@@ -344,7 +365,8 @@ class KindModel:
                 out.add(a.value.id)
             elif isinstance(a, ast.Name) and aliases.get(a.id):
                 out.add(aliases[a.id])
-        return frozenset(out)
+        # ``self.device`` is the device an object serves, not that of a tensor ``self``
+        return frozenset(out - {"self", "cls"})
 
     def _hint_sources(self, tree: ast.Module) -> None:
         """``x = obj.attr`` in a function that uses ``x.device`` as a device: ``attr`` is a
@@ -396,7 +418,7 @@ class KindModel:
     def convention(self, name: str, *, attribute: bool = False, hint: bool = False) -> str | None:
         """What the name alone says (suffixes, a ``.device`` used as a device, and for
         attributes a ``<name>_cpu`` / ``_host`` / ``_np`` twin in the module)."""
-        if self.strict:
+        if self.strict or self.names_off:
             return DEVICE if hint else None
         k = name_kind(name, attribute=attribute)
         if k is not None:
@@ -521,6 +543,8 @@ class KindModel:
         if isinstance(node, ast.IfExp):
             a, b = self.device_kind(node.body, scope), self.device_kind(node.orelse, scope)
             return a if a == b else None
+        if isinstance(node, ast.Call) and _lookup_or_none(node):
+            return SAME_DEV  # `kwargs.get("device", None)`: the CPU when absent, else unknown
         if isinstance(node, ast.Name) and scope.env.get(node.id) == ARG:
             return SAME_DEV  # the caller's device: the caller decides
         k = self.kind(node, scope)
@@ -815,6 +839,18 @@ def _dict_literal(node: ast.expr) -> dict[str, ast.expr] | None:
             and not node.args and all(k.arg for k in node.keywords)):
         return {k.arg: k.value for k in node.keywords}
     return None
+
+
+def _lookup_or_none(call: ast.Call) -> bool:
+    """``d.get(key)``, ``d.get(key, None)``, ``getattr(obj, name, None)``: None when absent."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == "get" and 1 <= len(call.args) <= 2:
+        default = call.args[1] if len(call.args) == 2 else None
+    elif isinstance(f, ast.Name) and f.id == "getattr" and len(call.args) == 3:
+        default = call.args[2]
+    else:
+        return False
+    return default is None or (isinstance(default, ast.Constant) and default.value is None)
 
 
 def _known(kind: str | None) -> str | None:

@@ -26,7 +26,8 @@ from collections.abc import Iterable
 
 from hostsync.lint import LintFinding, lint_path
 from hostsync.lint_flow import summarize
-from hostsync.lint_kinds import Imported
+from hostsync.lint_kinds import Arg, Imported, Site
+from hostsync.lint_where import DEV_CALL, DEVICE, TENSOR_KINDS
 
 __all__ = ["ROUNDS", "Module", "imported_for", "lint_modules", "module_name", "summaries"]
 
@@ -53,6 +54,7 @@ class _Summary:
     classes: set[str]
     methods: dict[tuple[str, str], str]
     attrs: dict[tuple[str, str], str]
+    sites: dict[tuple[int, int], Site] = dataclasses.field(default_factory=dict)
 
 
 def module_name(path: str, root: str | None = None) -> str:
@@ -92,7 +94,7 @@ def _summarize(tree: ast.Module, imported: Imported | None) -> _Summary:
     methods = {(o, n): k for (o, n), k in facts.returns.items() if o is not None}
     attrs = {(o, a): k for (o, a), k in facts.attrs.items() if o is not None}
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    return _Summary(functions, classes, methods, attrs)
+    return _Summary(functions, classes, methods, attrs, facts.sites)
 
 
 class _Index:
@@ -147,11 +149,153 @@ def _add(out: Imported, local: str, summary: _Summary, name: str | None) -> None
                 out.attrs[(local, a)] = k
 
 
-def imported_for(module: Module, index: _Index, sums: dict[str, _Summary]) -> Imported:
-    """What ``module``'s imports of other linted modules bind, from their summaries."""
+@dataclasses.dataclass(slots=True)
+class _Def:
+    """A top-level function or a method of a top-level class, as call sites bind it."""
+
+    path: str
+    owner: str | None
+    name: str
+    positional: list[str]  # what positional arguments bind, in order (``self`` dropped)
+    names: frozenset[str]
+
+
+def _defs(module: Module) -> list[_Def]:
+    out: list[_Def] = []
+    assert module.tree is not None
+
+    def add(fn: ast.FunctionDef | ast.AsyncFunctionDef, owner: str | None) -> None:
+        decorators = [ast.unparse(d) for d in fn.decorator_list]
+        if any("register" in d or d.endswith(("property", "setter")) for d in decorators) \
+                or (fn.name.startswith("__") and fn.name.endswith("__")) \
+                or (owner is not None and fn.name == "forward"):
+            # called through a registry, read as an attribute, or called implicitly
+            # (``C(x)``, ``obj(x)``; an ``nn.Module``'s ``forward`` by ``module(x)``):
+            # its callers are not seen
+            return
+        a = fn.args
+        positional = [p.arg for p in [*a.posonlyargs, *a.args]]
+        if owner is not None and "staticmethod" not in decorators and positional:
+            positional = positional[1:]  # self / cls
+        names = frozenset([*positional, *(p.arg for p in a.kwonlyargs)])
+        out.append(_Def(module.path, owner, fn.name, positional, names))
+
+    for node in module.tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            add(node, None)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    add(item, node.name)
+    return out
+
+
+def _escapes(tree: ast.Module) -> set[str]:
+    """Names used other than as a callee (``to_thread(self.accept, x)``, ``fn = f``): what
+    such a function is given is not seen at its call sites."""
+    callees = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if id(n) in callees:
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+            out.add(n.attr)
+    return out
+
+
+class _Calls:
+    """Call-site parameter facts: a parameter of a top-level function or method holds a kind
+    when every call site in the linted modules that may call it passes that kind (``device``:
+    every caller passes a device tensor). A call ``f(x)`` binds the function ``f`` this module
+    defines or imports from a linted module; any other call of the name, and every ``obj.f(x)``
+    whatever ``obj`` is, counts for every function and method of that name (so a name many
+    classes define is rarely known). No fact for a function whose name is used other than as
+    a callee, registered by a decorator, or called with ``*args`` / ``**kwargs``."""
+
+    def __init__(self, modules: list[Module], index: _Index) -> None:
+        self.by_name: dict[str, list[_Def]] = {}
+        self.local: dict[str, dict[str, _Def]] = {}  # path -> what a plain name calls there
+        escapes: set[str] = set()
+        top: dict[str, dict[str, _Def]] = {}
+        for m in modules:
+            if m.tree is None:
+                continue
+            escapes |= _escapes(m.tree)
+            for d in _defs(m):
+                self.by_name.setdefault(d.name, []).append(d)
+                if d.owner is None:
+                    top.setdefault(m.path, {})[d.name] = d
+        for name in escapes:
+            self.by_name.pop(name, None)
+        self.callees = frozenset(self.by_name)
+        for m in modules:
+            if m.tree is None:
+                continue
+            local = dict(top.get(m.path, {}))
+            for node in m.tree.body:
+                if isinstance(node, ast.ImportFrom):
+                    source = _absolute(m, node)
+                    target = index.find(source) if source else None
+                    for alias in node.names:
+                        d = top.get(target.path, {}).get(alias.name) if target else None
+                        if d is not None:
+                            local[alias.asname or alias.name] = d
+            self.local[m.path] = {k: d for k, d in local.items() if d.name in self.callees}
+        self.params: dict[str, dict[tuple[str | None, str], dict[str, Arg]]] = {}
+
+    def update(self, sums: dict[str, _Summary]) -> None:
+        """Recompute the facts from the call sites of ``sums``."""
+        given: dict[int, dict[str, list[Arg]]] = {}
+        poisoned: set[int] = set()
+        defs: dict[int, _Def] = {}
+        for path, summary in sums.items():
+            local = self.local.get(path, {})
+            for is_attr, name, pos, kws in summary.sites.values():
+                exact = None if is_attr else local.get(name)
+                for d in [exact] if exact is not None else self.by_name.get(name, []):
+                    defs[id(d)] = d
+                    if pos is None or len(pos) > len(d.positional):
+                        poisoned.add(id(d))
+                        continue
+                    out = given.setdefault(id(d), {})
+                    for p, arg in zip(d.positional, pos, strict=False):
+                        out.setdefault(p, []).append(arg)
+                    for k, arg in kws:
+                        if k in d.names:
+                            out.setdefault(k, []).append(arg)
+        self.params = {}
+        for key, per_param in given.items():
+            if key in poisoned:
+                continue
+            d = defs[key]
+            facts = {p: _meet(args) for p, args in per_param.items()}
+            facts = {p: a for p, a in facts.items() if a != (None, None)}
+            if facts:
+                self.params.setdefault(d.path, {})[(d.owner, d.name)] = facts
+
+
+def _meet(args: list[Arg]) -> Arg:
+    """What every call site passes: one tensor kind (``dev-call`` for device tensors and device
+    calls' results), and ``device`` strictly only when every site's argument is so strictly."""
+    kinds = {k for k, _ in args}
+    kind = next(iter(kinds)) if len(kinds) == 1 and kinds <= TENSOR_KINDS | {DEV_CALL} else \
+        DEV_CALL if kinds == {DEVICE, DEV_CALL} else None
+    strict = DEVICE if {s for _, s in args} == {DEVICE} else None
+    return kind, strict
+
+
+def imported_for(module: Module, index: _Index, sums: dict[str, _Summary],
+                 calls: _Calls | None = None) -> Imported:
+    """What ``module``'s imports of other linted modules bind, from their summaries; with
+    ``calls``, what the call sites in ``sums`` pass to its functions' parameters too."""
     out = Imported()
     if module.tree is None:
         return out
+    if calls is not None:
+        out.callees = calls.callees
+        out.params = calls.params.get(module.path, {})
     for node in ast.walk(module.tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -174,20 +318,23 @@ def imported_for(module: Module, index: _Index, sums: dict[str, _Summary]) -> Im
     return out
 
 
-def summaries(modules: list[Module]) -> tuple[_Index, dict[str, _Summary]]:
+def summaries(modules: list[Module]) -> tuple[_Index, dict[str, _Summary], _Calls]:
     """Summaries of every parsed module, :data:`ROUNDS` rounds (fewer when one changes
-    nothing)."""
+    nothing), and the call-site parameter facts of the last round's call sites."""
     index = _Index(modules)
+    calls = _Calls(modules, index)
     sums: dict[str, _Summary] = {}
+    given: dict[str, Imported] = {}
     for _ in range(ROUNDS):
         new: dict[str, _Summary] = {}
         for m in modules:
             if m.tree is None:
                 continue
-            imported = imported_for(m, index, sums) if sums else None
-            if imported is not None and imported == Imported() and m.path in sums:
-                new[m.path] = sums[m.path]  # imports nothing summarized: as before
+            imported = imported_for(m, index, sums, calls)
+            if m.path in sums and given.get(m.path) == imported:
+                new[m.path] = sums[m.path]  # given what it was given before: as before
                 continue
+            given[m.path] = imported
             try:
                 new[m.path] = _summarize(m.tree, imported)
             except (RecursionError, MemoryError):
@@ -195,7 +342,8 @@ def summaries(modules: list[Module]) -> tuple[_Index, dict[str, _Summary]]:
         if new == sums:
             break
         sums = new
-    return index, sums
+        calls.update(sums)
+    return index, sums, calls
 
 
 def lint_modules(files: Iterable[tuple[str, str | None]], *,
@@ -207,9 +355,9 @@ def lint_modules(files: Iterable[tuple[str, str | None]], *,
     modules = [Module(p, module_name(p, r)) for p, r in files]
     for m in modules:
         m.tree = _read(m.path)
-    index, sums = summaries(modules)
+    index, sums, calls = summaries(modules)
     findings: list[LintFinding] = []
     for m in modules:
-        imported = imported_for(m, index, sums) if m.tree is not None else None
+        imported = imported_for(m, index, sums, calls) if m.tree is not None else None
         findings.extend(lint_path(m.path, select=select, imported=imported))
     return findings
