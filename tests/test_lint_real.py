@@ -96,9 +96,13 @@ def _ratio(num: int, den: int) -> float:
 #: held out) was read for the register_buffer rule, so it is dev now with its two HS101
 #: misses: dev HS101 13/24 -> 13/26 (the one bound lowered, by the move, not by a rule),
 #: held-out HS101 1/6 -> 1/4 (its bound left as it was).
+#: Seventh round, held-out batch: 21 files of 10 engines labelled and committed (82c96e6..bf24046)
+#: before being linted, measured once with the rules above (README): HS101 18/25, HS201 15/64
+#: with four false positives. Held-out now (47 files): HS101 19/29, HS201 49/121 (precision
+#: 49/54). Issue #29's targets are not met.
 REACHED = {
     ("dev", "HS101"): (1.0, 13 / 26), ("dev", "HS201"): (1.0, 33 / 56),
-    ("held-out", "HS101"): (1.0, 1 / 6), ("held-out", "HS201"): (34 / 35, 34 / 57),
+    ("held-out", "HS101"): (1.0, 19 / 29), ("held-out", "HS201"): (49 / 54, 49 / 121),
 }
 
 
