@@ -54,7 +54,7 @@ def test_fp8_kernels_in_the_interpreter():
     from conftest import run_interpreter_tests
 
     run_interpreter_tests("test_interp_fp8_attention.py", passed=9)
-    run_interpreter_tests("test_interp_fp8_upproj.py", passed=17)
+    run_interpreter_tests("test_interp_fp8_upproj.py", passed=18)
 
 
 def test_upproject_fp8_argument_errors_name_the_field():

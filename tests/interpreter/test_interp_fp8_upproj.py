@@ -187,3 +187,14 @@ def test_padding_rows_past_valid_rows_change_no_scale():
     cut = quantize_context(kv[..., :16], padded[:, 32:], kv[..., 16:], valid_rows=valid)
     want = quantize_context(kv[:20, :, :16], padded[:20, 32:], kv[:20, :, 16:])
     assert torch.equal(cut.bound, want.bound) and not torch.equal(full.bound, want.bound)
+
+
+def test_no_heads_still_scales_the_rope_key():
+    latent, _ = _case(9, 1, seed=4)
+    w = torch.zeros(0, 32, dtype=torch.float16)
+    ctx = upproject_fp8(latent[:, :32], latent[:, 32:], w, weight_row_norms(w, 16, 16), nope=16,
+                        v=16, config=CFG)
+    pe = latent[:, 32:].double()
+    assert ctx.k8.shape == (9, 0, 16) and ctx.vt8.shape == (0, 16, 16)
+    assert float(ctx.bound[0]) == float(pe.abs().max()) and float(ctx.bound[1]) == 0.0
+    assert _within_a_rounding(ctx.dequantized()[1], pe, float(ctx.bound[0]) / 448)

@@ -18,8 +18,9 @@ and ``scale = bound / 448``, one per chunk for K (nope and rope) and one for V, 
 ``quantize_context``'s amaxes. ``max_t ||c_t||`` and ``max |k_pe|`` (finite rows and values
 only, on the device: an atomic max per tile) take one pass over the latent rows, ``(rank +
 rope) / (2 H (nope + v))`` of the bf16 K/V's bytes; the weights' row norms are computed once
-per weight (:func:`weight_row_norms`). The bound is looser than the amax (by about
-``sqrt(rank)`` for random vectors), which costs e4m3 range, not precision: its relative step is
+per weight (:func:`weight_row_norms`). The bound is looser than the amax (4.6-5.4x on random
+latent rows at rank 512: benchmarks/results/fp8_attention_h200.json), which costs e4m3 range,
+not precision: its relative step is
 the same over its whole normal range (``2^-6 .. 448``, a factor of 2^14.8), so only values below
 ``bound / 28,672`` lose mantissa bits (subnormals); the margin ``2^-8`` covers the float32
 rounding of the norms and of the GEMM, and the epilogue clamps to ``+-448`` besides.
@@ -48,7 +49,8 @@ from mlaprefill.kernels._triton import (
 )
 from mlaprefill.kernels.fp8_attention import FP8Context, _quantize
 
-__all__ = ["BOUND_MARGIN", "FP8UpProjConfig", "upproject_fp8", "weight_row_norms"]
+__all__ = ["BOUND_MARGIN", "FP8UpProjConfig", "aligned_for_upproject_fp8", "upproject_fp8",
+           "weight_row_norms"]
 
 #: The Cauchy-Schwarz bounds are raised by this factor (module docstring).
 BOUND_MARGIN = 1.0 + 2.0 ** -8
@@ -264,14 +266,14 @@ def upproject_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor, w_kv: torch.Tensor,
         raise ValueError(f"upproject_fp8 runs on CUDA tensors (on CPU only under "
                          f"TRITON_INTERPRET=1), got {device}")
     stats = torch.zeros(2, dtype=torch.float32, device=device)
-    bound = torch.empty(2, dtype=torch.float32, device=device)  # both written by the GEMMs
+    bound = torch.empty(2, dtype=torch.float32, device=device)  # written by the GEMM's block 0
     _latent_stats_kernel[(cdiv(n, 16),)](
         kv_c, k_pe, stats, valid_rows, n, kv_c.stride(0), k_pe.stride(0), RANK=rank,
         BLOCK_R=pow2_at_least_16(rank), ROPE=rope, BLOCK_P=pow2_at_least_16(rope), BLOCK_T=16,
         HAS_VALID=valid_rows is not None, num_warps=4)
-    if h == 0:  # no heads: the rope key still gets its scale (its amax)
-        bound.copy_(stats)
-        bound[1] = 0.0
+    if h == 0:  # no heads: the rope key still gets its scale (its amax); V has none
+        bound[0:1].copy_(stats[1:2])
+        bound[1:2].zero_()
         _quantize(k_pe.unsqueeze(1), p8.view(n, 1, rope), bound[0:1], rope, per_row=False,
                   transposed=False)
         return FP8Context(k8, p8, vt8, bound)
