@@ -100,9 +100,12 @@ def _ratio(num: int, den: int) -> float:
 #: before being linted, measured once with the rules above (README): HS101 18/25, HS201 15/64
 #: with four false positives. Held-out now (47 files): HS101 19/29, HS201 49/121 (precision
 #: 49/54). Issue #29's targets are not met.
+#: Eighth round: the 21 round-7 files moved to dev (8d99497), measured once right after with no
+#: rule changed: dev HS101 31/51, HS201 48/120 (precision 48/52); held-out (26 files) HS101 1/4,
+#: HS201 34/57 (precision 34/35). The held-out bounds are these and are not tuned on.
 REACHED = {
-    ("dev", "HS101"): (1.0, 13 / 26), ("dev", "HS201"): (1.0, 33 / 56),
-    ("held-out", "HS101"): (1.0, 19 / 29), ("held-out", "HS201"): (49 / 54, 49 / 121),
+    ("dev", "HS101"): (1.0, 31 / 51), ("dev", "HS201"): (48 / 52, 48 / 120),
+    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 
 
