@@ -25,6 +25,7 @@ from hostsync.lint_kinds import (
     Scope,
     device_kind_of_str,
     dotted,
+    falsy_locals,
     is_dtype_expr,
     kwarg,
 )
@@ -299,7 +300,8 @@ class _Flow:
             hints = hints - {p.arg for p in params if p is not None}
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
-                      scope.function is None) else None, uses=_attribute_uses(fn))
+                      scope.function is None) else None, uses=_attribute_uses(fn),
+                      falsy=falsy_locals(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None

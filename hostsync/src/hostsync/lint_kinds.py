@@ -32,7 +32,8 @@ from hostsync.lint_where import (
 )
 
 __all__ = ["LIST", "STRICT", "Arg", "Facts", "Imported", "KindModel", "Scope", "Site",
-           "device_kind_of_str", "dotted", "is_dtype_expr", "kwarg", "truthy_pin"]
+           "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
+           "truthy_pin"]
 
 LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
 STRICT = "!"  # env prefix: the kind a binding has strictly (KindModel.strictly)
@@ -123,6 +124,29 @@ def truthy_pin(node: ast.expr | None) -> bool:
                                      and node.value in (False, None))
 
 
+def falsy_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
+    """The local names of ``fn`` every binding of which is ``name = False`` / ``name = None``
+    (not a parameter, not global or nonlocal, bound no other way anywhere in it)."""
+    stores: dict[str, int] = {}
+    literal: dict[str, int] = {}
+    other: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            stores[node.id] = stores.get(node.id, 0) + 1
+        elif isinstance(node, ast.arg):
+            other.add(node.arg)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            other.update(node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            other.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and (node.value.value is False or node.value.value is None):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    literal[t.id] = literal.get(t.id, 0) + 1
+    return frozenset(n for n, c in literal.items() if stores.get(n) == c and n not in other)
+
+
 def is_dtype_expr(node: ast.expr) -> bool:
     """``torch.int32``, ``x.dtype``, ``dtype``, ``positions_dtype``: a dtype, not a device."""
     if isinstance(node, ast.Attribute):
@@ -144,6 +168,9 @@ class Scope:
     # the attributes this function uses of each name (``step_context.q_seqlens`` ->
     # ``{"step_context": {"q_seqlens", ...}}``); None at module or class level
     uses: dict[str, frozenset[str]] | None = None
+    # local names every binding of which in this function is a literal ``False`` / ``None``
+    # (``pin_memory = False`` ... ``torch.empty(n, pin_memory=pin_memory)``)
+    falsy: frozenset[str] = frozenset()
 
     def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
         """The same scope over another env (a copy of this one by default)."""
@@ -254,6 +281,10 @@ class KindModel:
         self.methods: set[tuple[str, str]] = set()
         self.identifiers: set[str] = set()
         self.hint_attrs: set[str] = set()
+        # ``a`` of every ``self.a(...)`` call: a called attribute is a module, a method or
+        # another callable, not a tensor (``self.encoder = self.encoder.to("cpu")`` moves a
+        # module, which is no host read)
+        self.called_attrs: set[str] = set()
         # keyword dicts written as literals (``CPU_KWARGS = {"pin_memory": True, ...}``,
         # ``self.kw = dict(device="cpu")``) by name or attribute; None where assigned twice
         # differently
@@ -296,6 +327,9 @@ class KindModel:
                 self.identifiers.add(node.id)
             elif isinstance(node, ast.Attribute):
                 self.identifiers.add(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+                self.called_attrs.add(node.func.attr)
             elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
                 self.identifiers.add(node.arg)
         for node in tree.body:
@@ -457,6 +491,9 @@ class KindModel:
 
     def attribute(self, node: ast.Attribute, scope: Scope) -> str | None:
         a = node.attr
+        if a in self.called_attrs and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            return None  # called somewhere in the module: not a tensor
         if self.strict and a == "device":
             return None
         if a == "device":
@@ -735,12 +772,20 @@ class KindModel:
             return None
         return PAGEABLE if any(k in HOST_KINDS for k in kinds) else None
 
+    def pins(self, call: ast.Call, scope: Scope) -> bool:
+        """Whether ``call`` asks for pinned memory: ``pin_memory=`` anything but a literal
+        ``False`` / ``None`` or a local name bound only to one (see :func:`falsy_locals`)."""
+        pin = self.kw(call, "pin_memory")
+        if isinstance(pin, ast.Name) and pin.id in scope.falsy:
+            return False
+        return truthy_pin(pin)
+
     def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
         if m == "device":
             return self.device_kind(call, scope)
         if m in _NOT_TENSOR_TORCH:
             return None
-        if truthy_pin(self.kw(call, "pin_memory")):
+        if self.pins(call, scope):
             return PINNED
         out = self.kw(call, "out")
         if out is not None:
@@ -776,7 +821,7 @@ class KindModel:
         if m == "to":
             return self.to_result(call, rk, scope)
         if m in _NEW_LIKE:
-            if truthy_pin(self.kw(call, "pin_memory")):
+            if self.pins(call, scope):
                 return PINNED
             dev = self.kw(call, "device")
             return self.made_on(dev, scope) if dev is not None else op_result([rk])
