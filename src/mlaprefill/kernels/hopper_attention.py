@@ -14,17 +14,21 @@ and the CTA's two warpgroups run in lockstep. Reordering the source does not cha
 ``warp_specialize=True`` compiles the identical binary (attention_variants_h200.json). Here the
 key loop is laid out by hand, FlashAttention-3 style:
 
-* one producer warp (24 registers after ``setmaxnreg``) loads each key block's K, rope and V by
-  TMA into a ``STAGES``-deep ring of shared buffers, arming a "ready" mbarrier per stage, and
-  refills a stage only after an "empty" mbarrier says both consumers are done with it;
+* one producer warp (24 registers after ``setmaxnreg``) loads each key block by TMA, its K and
+  rope into one ``STAGES``-deep ring of shared buffers and its V into another, arming a "ready"
+  mbarrier per stage, and refills a stage only after an "empty" mbarrier says both consumers
+  are done with it (K and rope after the block's scores, V after its PV product);
 * two consumer warpgroups (240 registers each), 64 query rows apiece, each with its own Q
   buffer and running max, sum and output, waiting only on those mbarriers: nothing keeps them
-  in step, so one's softmax runs while the other's wgmma do (ping-pong left to the scheduler).
+  in step, so one's softmax runs while the other's wgmma do (ping-pong left to the scheduler);
+* within a warpgroup the key loop is software-pipelined (FA3's intra-warpgroup overlap): block
+  i's scores S = Q1 K^T + Q2 R^T are issued (two wgmma groups), then block i - 1's O += P V
+  behind them, and the online softmax of block i (exp2 domain, the scale applied to fp32
+  scores, safe max) runs as soon as the scores are done, while that PV product is still in
+  flight; then O is rescaled and P kept in registers for the next iteration.
 
-Per key block a consumer issues S = Q1 K^T + Q2 R^T (two wgmma groups), waits, runs the online
-softmax (exp2 domain, the scale applied to fp32 scores, safe max), issues O = O * alpha + P V
-with P from registers, waits, and releases the stage. Unmasked blocks first, then the masked
-ones (the tail, the causal diagonal), scores set to ``-inf`` with ``where``. K / rope / V
+Block 0's softmax runs masked (once per program), then unmasked blocks, then the masked ones
+(the tail, the causal diagonal), scores set to ``-inf`` with ``where``. K / rope / V
 descriptors span exactly the sequence's key rows, so a tile past them reads zeros and no other
 sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
@@ -87,17 +91,20 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                  stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, ready, empty,
-                  b_lo, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
-                  DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp. Iteration i loads key block b_lo + i into stage i % STAGES, round
-        # i // STAGES. mbarrier.wait(bar, parity) returns once the phase of that parity has
-        # completed (a fresh barrier counts as having completed parity 1):
-        #   empty[st] (count 2: one arrive per consumer warpgroup) completes phase r - 1 when
+                  stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
+                  v_ready, v_empty, b_lo, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        # One warp. Iteration i loads key block b_lo + i: its K and rope into stage i % STAGES
+        # of one ring, its V into the same stage of another, round i // STAGES. Two rings
+        # because a consumer is done with a block's K and rope after its scores, and with its V
+        # only after the next block's scores (the PV product is issued behind them).
+        # mbarrier.wait(bar, parity) returns once the phase of that parity has completed (a
+        # fresh barrier counts as having completed parity 1):
+        #   *_empty[st] (count 2: one arrive per consumer warpgroup) completes phase r - 1 when
         #   both consumers are done with iteration i - STAGES; round 0 waits parity 1 and passes
         #   (the ring starts empty), round r waits parity (r - 1) & 1.
-        #   ready[st] (count 1 + the TMA bytes) completes phase r when iteration i's three
-        #   copies land; the consumers wait parity r & 1.
+        #   *_ready[st] (count 1 + the TMA bytes) completes phase r when iteration i's copies
+        #   land; the consumers wait parity r & 1.
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # loop over the same n_iter, so every wait has its arrivals.
@@ -115,58 +122,84 @@ if HAS_GLUON:
         v_desc = tma.make_tensor_descriptor(
             v_ptr + k_start.to(gl.int64) * stride_vt + head64 * stride_vh, shape=[rows, DV],
             strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
-        nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
-                                + v_desc.block_type.nbytes)
+        kr_bytes: gl.constexpr = k_desc.block_type.nbytes + r_desc.block_type.nbytes
+        v_bytes: gl.constexpr = v_desc.block_type.nbytes
         for i in range(n_iter):
             st = i % STAGES
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(st)
-            mbarrier.expect(bar, nbytes)
+            phase = ((i // STAGES) & 1) ^ 1
             row = (b_lo + i) * BLOCK_N
+            mbarrier.wait(kr_empty.index(st), phase)
+            bar = kr_ready.index(st)
+            mbarrier.expect(bar, kr_bytes)
             tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_s.index(st))
             tma.async_copy_global_to_shared(r_desc, [row, 0], bar, r_s.index(st))
+            mbarrier.wait(v_empty.index(st), phase)
+            bar = v_ready.index(st)
+            mbarrier.expect(bar, v_bytes)
             tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
 
     @gluon.jit
-    def _key_blocks(acc, m_i, l_i, lo, hi, b_lo, q1_s, q2_s, k_s, r_s, v_s, ready, empty,
-                    s_zero, qk_scale, offs_m, offs_n, kv_end, MASKED: gl.constexpr,
-                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr):
-        # Iterations i in [lo, hi) (key block b_lo + i), one after the other in this
-        # warpgroup; the other consumer warpgroup's MMAs fill the gaps.
+    def _scores(q1_s, q2_s, k_s, r_s, kr_ready, i, s_zero, STAGES: gl.constexpr):
+        # S = Q1 K^T + Q2 R^T of iteration i, issued (two wgmma groups), not waited for
+        st = i % STAGES
+        mbarrier.wait(kr_ready.index(st), (i // STAGES) & 1)
+        t = warpgroup_mma(q1_s, k_s.index(st).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        return warpgroup_mma(q2_s, r_s.index(st).permute((1, 0)), t, is_async=True)
+
+    @gluon.jit
+    def _values(p, acc, v_s, v_ready, i, STAGES: gl.constexpr):
+        # acc + P V of iteration i, issued (one wgmma group), not waited for
+        st = i % STAGES
+        mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
+        return warpgroup_mma(p, v_s.index(st), acc, is_async=True)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, block, qk_scale, offs_m, offs_n, kv_end, MASKED: gl.constexpr,
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        # The online softmax of one block's scores: (P, alpha, m, l), exp2 domain.
+        if MASKED:  # where, not a multiply (0 * NaN)
+            cols = block * BLOCK_N + offs_n
+            visible = gl.expand_dims(cols < kv_end, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
+            s = gl.where(visible, s, float("-inf"))
+        # qk_scale > 0, so max(s) * qk_scale == max(s * qk_scale); the safe max keeps a row
+        # that has seen only -inf at m = -inf without exp2(-inf - -inf) = NaN
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _key_blocks(acc, m_i, l_i, p, lo, hi, b_lo, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
+                    kr_empty, v_ready, v_empty, s_zero, qk_scale, offs_m, offs_n, kv_end,
+                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        # Iterations i in [lo, hi) (key block b_lo + i), software-pipelined FA3-style within
+        # this warpgroup: on entry p holds iteration i - 1's probabilities and acc is rescaled
+        # for them; iteration i issues its scores, then i - 1's PV product behind them, and runs
+        # its softmax while that product is in flight. Returns (acc, m, l, p) in the same form.
         for i in range(lo, hi):
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            t = warpgroup_mma(q1_s, k_s.index(st).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            t = warpgroup_mma(q2_s, r_s.index(st).permute((1, 0)), t, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
-            if MASKED:  # where, not a multiply (0 * NaN)
-                cols = (b_lo + i) * BLOCK_N + offs_n
-                visible = gl.expand_dims(cols < kv_end, 0)
-                if CAUSAL:
-                    visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
-                s = gl.where(visible, s, float("-inf"))
-            # qk_scale > 0, so max(s) * qk_scale == max(s * qk_scale); the safe max keeps a row
-            # that has seen only -inf at m = -inf without exp2(-inf - -inf) = NaN
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            t = _scores(q1_s, q2_s, k_s, r_s, kr_ready, i, s_zero, STAGES)
+            o = _values(p, acc, v_s, v_ready, i - 1, STAGES)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[t])  # the scores, not the PV
+            mbarrier.arrive(kr_empty.index(i % STAGES), count=1)
+            p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, b_lo + i, qk_scale, offs_m, offs_n,
+                                              kv_end, MASKED, CAUSAL, BLOCK_N)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
+            mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p = gl.convert_layout(p.to(v_s.dtype), p_layout)
-            t = warpgroup_mma(p, v_s.index(st), acc, is_async=True)
-            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[t, p])
-            # every wgmma that read this stage is complete: one arrive for this warpgroup
-            mbarrier.arrive(empty.index(st), count=1)
-        return acc, m_i, l_i
+            p = gl.convert_layout(p_new.to(v_s.dtype), p_layout)
+        return acc, m_i, l_i, p
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt, stride_qh,
                   stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free, b_lo, n_iter,
-                  qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
+                  qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                  WG: gl.constexpr,
                   CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr,
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
@@ -216,15 +249,27 @@ if HAS_GLUON:
             m_i = gl.full([WM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([WM, DV], gl.float32, o_layout)
-            # iterations [0, free) need no mask: blocks below n_free (every row sees them whole)
-            free = gl.minimum(gl.maximum(n_free - b_lo, 0), n_iter)
-            acc, m_i, l_i = _key_blocks(acc, m_i, l_i, 0, free, b_lo, q1w, q2w, k_s, r_s, v_s,
-                                        ready, empty, s_zero, qk_scale, offs_m, offs_n, kv_end,
-                                        False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-            acc, m_i, l_i = _key_blocks(acc, m_i, l_i, free, n_iter, b_lo, q1w, q2w, k_s, r_s,
-                                        v_s, ready, empty, s_zero, qk_scale, offs_m, offs_n,
-                                        kv_end, True, CAUSAL, BLOCK_N, STAGES, o_layout,
-                                        p_layout)
+            # iteration 0 (masked: once per program), then [1, free) without a mask (blocks
+            # below n_free, every row sees them whole), then the masked rest; the last
+            # iteration's PV product after the loop
+            t = _scores(q1w, q2w, k_s, r_s, kr_ready, 0, s_zero, STAGES)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+            mbarrier.arrive(kr_empty.index(0), count=1)
+            p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
+                                      True, CAUSAL, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_iter)
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, b_lo, q1w, q2w, k_s, r_s,
+                                           v_s, kr_ready, kr_empty, v_ready, v_empty, s_zero,
+                                           qk_scale, offs_m, offs_n, kv_end, False, CAUSAL,
+                                           BLOCK_N, STAGES, o_layout, p_layout)
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_iter, b_lo, q1w, q2w, k_s,
+                                           r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                                           s_zero, qk_scale, offs_m, offs_n, kv_end, True,
+                                           CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+            o = _values(p, acc, v_s, v_ready, n_iter - 1, STAGES)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
+            mbarrier.arrive(v_empty.index((n_iter - 1) % STAGES), count=1)
             # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
             # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
             l_o = gl.convert_layout(l_i, row_o)
@@ -312,25 +357,34 @@ if HAS_GLUON:
         k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k_sl)
         r_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], r_sl)
         v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_sl)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        kr_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        kr_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA bytes finish it
-            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+            # ready: the producer's expect, then the TMA bytes; empty: one arrive per consumer
+            mbarrier.init(kr_ready.index(i), count=1)
+            mbarrier.init(kr_empty.index(i), count=2)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
 
         gl.warp_specialize([
             (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
                          stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
-                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 0,
+                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
+                         v_ready, v_empty, 0,
                          CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
             (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
                          stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
-                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, 1,
+                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
+                         v_ready, v_empty, 1,
                          CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
             (_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                         stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, ready,
-                         empty, b_lo, n_iter, BLOCK_N, D1, D2, DV, STAGES)),
+                         stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
+                         kr_empty, v_ready, v_empty, b_lo, n_iter, BLOCK_N, D1, D2, DV,
+                         STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
