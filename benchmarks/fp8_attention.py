@@ -28,6 +28,11 @@ Sections:
   ``fp8_fused`` (:func:`upproject_fp8`: e4m3 K/V from the GEMM's epilogue, then
   :func:`quantize_rows` and the FP8 kernel), and the up-projections alone (``upproj_bf16``,
   ``upproj_quantize``, ``upproj_fused`` for each config of ``--upproj-configs``).
+* ``ideal`` — the bf16 kernel against cuDNN on the two attention parts of each shape of
+  ``attention.py``'s ``vs_ideal`` set (``heads, requests, queries, context``): the context part
+  (each request's queries over its whole context, non-causal) and the causal part (its queries
+  over themselves); FLOPs = ``2 * pairs * H * (192 + 128)`` with ``q * k`` pairs non-causal and
+  ``q (q + 1) / 2`` causal per request.
 * ``accuracy`` — out and LSE of the bf16 and the FP8 kernel against float64 attention of the same
   bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4
   channels of q, k and v x 30 with random signs; 4 key channels offset by +30); and, on K/V
@@ -50,6 +55,7 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernels run in t
 import torch
 
 from _common import add_cpu_smoke, empty_cache, kernel_ms, write_json
+from attention import IDEAL_SHAPES
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import BACKENDS, VarlenSeqs
 from mlaprefill.kernels import hopper_fp8_attention as hopper_fp8
@@ -261,6 +267,59 @@ def _errors(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, tor
     return res
 
 
+def cudnn_call(x: dict, causal: bool):
+    """PyTorch's cuDNN SDPA on the equal-length batch of ``x`` with whole keys ``[B, H, L, 192]``
+    (the rope key copied into every head here, outside the timed call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, b, q_len, k_len = x["q"].shape[1], x["cu_q"].numel() - 1, x["q_len"], x["k_len"]
+    qd = x["q"].view(b, q_len, heads, -1).transpose(1, 2)
+    kk = torch.cat([x["k"], x["k_rope"][:, None].expand(-1, heads, -1)], -1)
+    kd = kk.view(b, k_len, heads, -1).transpose(1, 2)
+    vd = x["v"].contiguous().view(b, k_len, heads, -1).transpose(1, 2)
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, scale=x["scale"], is_causal=causal)
+    return call
+
+
+def bench_ideal(shapes, dtype: torch.dtype, device: str) -> list[dict]:
+    """The bf16 kernel and cuDNN on each vs-ideal shape's context part and causal part."""
+    rows = []
+    cudnn = device == "cuda" and hasattr(torch.nn.attention, "SDPBackend")
+    for heads, seqs, q_len, ctx in shapes:
+        for part in ("context", "causal"):
+            causal = part == "causal"
+            k_len = q_len if causal else ctx
+            empty_cache()
+            x = make_inputs(heads, seqs, q_len, k_len, dtype, device)
+            pairs = seqs * (q_len * (q_len + 1) // 2 if causal else q_len * k_len)
+            flop = 2 * pairs * heads * (NOPE + ROPE + VDIM)
+            row: dict = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                         "part": part, "causal": causal, "flop": flop, "kernels": {}}
+            for name, fn in (("bf16", lambda: varlen_attention(
+                    x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max_seqlen_q=q_len,
+                    causal=causal, softmax_scale=x["scale"], k_rope=x["k_rope"])),
+                             ("cudnn", cudnn_call(x, causal) if cudnn else None)):
+                if fn is None:
+                    continue
+                t = kernel_ms(fn)
+                t["tflops"] = flop / (t["median_ms"] * 1e-3) / 1e12
+                row["kernels"][name] = t
+            ks = row["kernels"]
+            if "cudnn" in ks:
+                row["bf16_over_cudnn_time"] = ks["bf16"]["median_ms"] / ks["cudnn"]["median_ms"]
+            print(f"  ideal H={heads} {seqs}x{q_len} over {k_len} {part:>7}: " + ", ".join(
+                f"{n} {t['median_ms']:.3f} ms {t['tflops']:.0f} TFLOP/s" for n, t in ks.items())
+                + (f", bf16/cudnn {row['bf16_over_cudnn_time']:.3f}" if "cudnn" in ks else ""),
+                flush=True)
+            rows.append(row)
+            x = None  # free it before the next shape
+    return rows
+
+
 def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -> list[dict]:
     rows = []
     cudnn = device == "cuda" and hasattr(torch.nn.attention, "SDPBackend")
@@ -320,22 +379,10 @@ def bench_kernels(shapes, configs: list[str], dtype: torch.dtype, device: str) -
         record("fp8+quant", lambda: run_fp8(x))
         quantized = None  # free it before cuDNN's copies
         if cudnn:
-            b = seqs
-            qd = x["q"].view(b, q_len, heads, -1).transpose(1, 2)
-            kk = torch.cat([x["k"], x["k_rope"][:, None].expand(-1, heads, -1)], -1)
-            kd = kk.view(b, k_len, heads, -1).transpose(1, 2)
-            vd = x["v"].contiguous().view(b, k_len, heads, -1).transpose(1, 2)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def cudnn_call():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qd, kd, vd, scale=x["scale"])
             try:
-                record("cudnn", cudnn_call)
+                record("cudnn", cudnn_call(x, causal=False))
             except Exception as exc:
                 row["kernels"]["cudnn"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            del kk, kd, vd
         ks = row["kernels"]
         for a, b in (("fp8", "bf16"), ("bf16", "cudnn"), ("fp8", "cudnn"),
                      ("fp8_triton", "bf16")):
@@ -367,7 +414,7 @@ def bench_accuracy(shapes, dtype: torch.dtype, device: str) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
-    p.add_argument("--sections", default="kernel,chunk,accuracy", help="comma list")
+    p.add_argument("--sections", default="kernel,ideal,chunk,accuracy", help="comma list")
     p.add_argument("--configs", default=CONFIGS, help="FP8 configs mM_nN_wW_sS, comma list")
     p.add_argument("--upproj-configs", default=UPPROJ_CONFIGS,
                    help="fused up-projection configs mM_kK_wW_sS, comma list")
@@ -378,6 +425,7 @@ def main() -> int:
         device, dtype, shapes = "cpu", torch.float16, SMOKE_SHAPES
         acc_shapes, configs = SMOKE_SHAPES, ["m16_n16_w4_s1"]
         chunk_shapes, upproj_configs = SMOKE_CHUNK_SHAPES, ["m16_k16_w4_s1"]
+        ideal_shapes = SMOKE_SHAPES
         global NOPE, ROPE, VDIM, RANK
         NOPE, ROPE, VDIM, RANK = 16, 16, 16, 32
     else:
@@ -390,6 +438,7 @@ def main() -> int:
         acc_shapes = [(16, 1, 1024, 4096), (128, 1, 512, 4096)]
         configs = [c for c in args.configs.split(",") if c]
         chunk_shapes = CHUNK_SHAPES
+        ideal_shapes = IDEAL_SHAPES
         upproj_configs = [c for c in args.upproj_configs.split(",") if c]
     sections = set(args.sections.split(","))
     machine = machine_info(torch.device(device))
@@ -401,6 +450,8 @@ def main() -> int:
                         "cpu_smoke": args.cpu_smoke}}
     if "kernel" in sections:
         doc["kernel"] = bench_kernels(shapes, configs, dtype, device)
+    if "ideal" in sections:
+        doc["ideal"] = bench_ideal(ideal_shapes, dtype, device)
     if "chunk" in sections:
         doc["chunk"] = bench_chunks(chunk_shapes, upproj_configs, dtype, device)
     if "accuracy" in sections:

@@ -326,6 +326,12 @@ def ex_fp8_attention(d: dict) -> tuple[str, str]:
            for r in rows if "median_ms" in r["kernels"].get("cudnn", {})]
     if cud:
         parts.append(f"bf16 kernel time {_range(cud)}x cuDNN's")
+    for part in ("context", "causal"):
+        ideal = [r["bf16_over_cudnn_time"] for r in d.get("ideal", [])
+                 if r["part"] == part and "bf16_over_cudnn_time" in r]
+        if ideal:
+            parts.append(f"vs-ideal shapes, {part} part: bf16 kernel time {_range(ideal)}x "
+                         f"cuDNN's ({sum(x <= 0.93 for x in ideal)}/{len(ideal)} <= 0.93)")
     chunk = [r["fp8_fused_over_bf16_time"] for r in d.get("chunk", [])
              if "fp8_fused_over_bf16_time" in r]
     if chunk:

@@ -20,7 +20,7 @@ SMOKE = {
     "attention.py": ("attention", "forward", "vs_ideal", "policies"),
     "determinism.py": ("rows", "shape"),
     "fp8_cache.py": ("gather", "forward"),
-    "fp8_attention.py": ("kernel", "accuracy"),
+    "fp8_attention.py": ("kernel", "ideal", "accuracy"),
     "dcp.py": ("cases", "all_match", "world"),
     "forward_profile.py": ("rows", "host_profile"),
     "audit_gpu.py": ("checks", "overhead", "command"),
