@@ -34,9 +34,10 @@ sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Trito
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
-Measured on the H200 (benchmarks/results/gluon_attention_ws_h200.json, its probe form with
-128 x 128 tiles): 0.76-0.88x the Triton kernel's time on 7 shapes of 16 and 128 heads, 0.90-1.08x
-cuDNN's. It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
+Measured on the H200 (benchmarks/results/fp8_attention_h200.json, ``ideal`` and ``kernel``
+sections, cuDNN in the same run): 0.78-0.97x cuDNN's time on the context parts of the 12
+vs-ideal shapes (595-746 TFLOP/s), 0.92-1.01x on 4096-query causal parts, but 1.29-1.75x on
+short causal ones (256-1024 queries per request, 86-333 TFLOP/s). It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
 """
 
 from __future__ import annotations
