@@ -37,7 +37,8 @@ sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Trito
 Measured on the H200 (benchmarks/results/fp8_attention_h200.json, ``ideal`` and ``kernel``
 sections, cuDNN in the same run): 0.78-0.97x cuDNN's time on the context parts of the 12
 vs-ideal shapes (595-746 TFLOP/s), 0.92-1.01x on 4096-query causal parts, but 1.29-1.75x on
-short causal ones (256-1024 queries per request, 86-333 TFLOP/s). It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
+short causal ones (256-1024 queries per request, 86-333 TFLOP/s).
+It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
 """
 
 from __future__ import annotations
