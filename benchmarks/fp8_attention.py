@@ -32,7 +32,10 @@ Sections:
   ``attention.py``'s ``vs_ideal`` set (``heads, requests, queries, context``): the context part
   (each request's queries over its whole context, non-causal) and the causal part (its queries
   over themselves); FLOPs = ``2 * pairs * H * (192 + 128)`` with ``q * k`` pairs non-causal and
-  ``q (q + 1) / 2`` causal per request.
+  ``q (q + 1) / 2`` causal per request. Each timed twice: eager (``kernels``: L2 flushed, the
+  host's launch cost counts where it exceeds the device's) and replayed from a CUDA graph
+  (``graph``: device time only, as the forward runs under graphs), with the host's enqueue time
+  of one call (``host_enqueue_ms``, median of 20).
 * ``accuracy`` — out and LSE of the bf16 and the FP8 kernel against float64 attention of the same
   bf16 inputs: RMSE and max |error|, on N(0, 1) inputs and on inputs with outlier channels (4
   channels of q, k and v x 30 with random signs; 4 key channels offset by +30); and, on K/V
@@ -54,7 +57,7 @@ if "--cpu-smoke" in sys.argv:  # before triton is imported: the kernels run in t
 
 import torch
 
-from _common import add_cpu_smoke, empty_cache, kernel_ms, write_json
+from _common import add_cpu_smoke, empty_cache, host_enqueue_ms, kernel_ms, write_json
 from attention import IDEAL_SHAPES
 from mlaprefill._env import machine_info, utc_now
 from mlaprefill.backends import BACKENDS, VarlenSeqs
@@ -305,15 +308,24 @@ def bench_ideal(shapes, dtype: torch.dtype, device: str) -> list[dict]:
                              ("cudnn", cudnn_call(x, causal) if cudnn else None)):
                 if fn is None:
                     continue
-                t = kernel_ms(fn)
-                t["tflops"] = flop / (t["median_ms"] * 1e-3) / 1e12
-                row["kernels"][name] = t
-            ks = row["kernels"]
-            if "cudnn" in ks:
-                row["bf16_over_cudnn_time"] = ks["bf16"]["median_ms"] / ks["cudnn"]["median_ms"]
+                for key, graph in (("kernels", False), ("graph", True)):
+                    t = kernel_ms(fn, graph=graph)
+                    t["tflops"] = flop / (t["median_ms"] * 1e-3) / 1e12
+                    row.setdefault(key, {})[name] = t
+                host = host_enqueue_ms(fn)  # sorted
+                row.setdefault("host_enqueue_ms", {})[name] = host[len(host) // 2]
+            for key, ratio in (("kernels", "bf16_over_cudnn_time"),
+                               ("graph", "bf16_over_cudnn_graph_time")):
+                ks = row[key]
+                if "cudnn" in ks:
+                    row[ratio] = ks["bf16"]["median_ms"] / ks["cudnn"]["median_ms"]
+            ks, gs = row["kernels"], row["graph"]
             print(f"  ideal H={heads} {seqs}x{q_len} over {k_len} {part:>7}: " + ", ".join(
-                f"{n} {t['median_ms']:.3f} ms {t['tflops']:.0f} TFLOP/s" for n, t in ks.items())
-                + (f", bf16/cudnn {row['bf16_over_cudnn_time']:.3f}" if "cudnn" in ks else ""),
+                f"{n} {t['median_ms']:.3f} ms {t['tflops']:.0f} TFLOP/s (graph "
+                f"{gs[n]['median_ms']:.3f} ms, host {row['host_enqueue_ms'][n]:.3f} ms)"
+                for n, t in ks.items())
+                + (f", bf16/cudnn {row['bf16_over_cudnn_time']:.3f} (graph "
+                   f"{row['bf16_over_cudnn_graph_time']:.3f})" if "cudnn" in ks else ""),
                 flush=True)
             rows.append(row)
             x = None  # free it before the next shape
