@@ -155,7 +155,7 @@ def test_replay_counter_set_by_the_host_only_after_a_skipped_iteration(monkeypat
     fail = False
 
     class Padded:  # stands for _PaddedIteration: reads the counter, adds one per iteration
-        def __init__(self, op, arena, kv_cache, cache_spec, seqs, max_q, rows, count, rope,
+        def __init__(self, op, arena, kv_cache, cache_spec, seqs, max_q, rows, count,
                      scale, host):
             self.arena, self.count = arena, count
             launches.append((rows, count))

@@ -139,15 +139,15 @@ class _PaddedIteration:
 
     def __init__(self, op: MLAChunkedPrefill, arena: Arena, kv_cache: torch.Tensor,
                  cache_spec: KVCacheSpec, seqs: int, max_q: int, rows: int, count: int,
-                 rope: int, scale: float, host: tuple[Any, Any] | None, *,
+                 scale: float, host: tuple[Any, Any] | None, *,
                  att_seqs: int = 0) -> None:
         self.op, self.arena, self.kv_cache, self.host = op, arena, kv_cache, host
         self.cache_spec = cache_spec
-        self.launch = (seqs, max_q, rows, count, rope, scale, att_seqs)
+        self.launch = (seqs, max_q, rows, count, scale, att_seqs)
 
     def __call__(self) -> None:
         arena, op, kv_cache = self.arena, self.op, self.kv_cache
-        seqs, max_q, rows, count, _rope, scale, att_seqs = self.launch
+        seqs, max_q, rows, count, scale, att_seqs = self.launch
         joined = self.host is not None
         rank, v_padded = op.kv_lora_rank, op.backend.needs_v_padded
         cq, ck = self.host if joined else (None, None)
@@ -276,7 +276,7 @@ class _ArenaReplay:
         backend wants joined keys for it. ``grid``: the iterations' attention (sequences,
         queries) buckets, in a plan that shares prefixes (default the new tokens')."""
         arena, op = self.arena, self.op
-        seqs, max_q, rope, scale = self.launch
+        seqs, max_q, _, scale = self.launch
         att_seqs = 0
         base = self.key
         if self.shared_plan and grid is not None:
@@ -291,7 +291,7 @@ class _ArenaReplay:
         arena.next = -1  # unknown, should the launches below raise
         extra = {"att_seqs": att_seqs} if att_seqs else {}  # (the plain launch as it was)
         self._launch(key, lambda: _PaddedIteration(op, arena, self.kv_cache, self.cache_spec,
-                                                   seqs, max_q, rows, count, rope, scale, host,
+                                                   seqs, max_q, rows, count, scale, host,
                                                    **extra),
                      stand_in=joined is None)
         arena.next = i + count  # each iteration added one to the counter
