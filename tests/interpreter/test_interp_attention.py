@@ -564,7 +564,7 @@ def test_stand_ins():
         for i, r in enumerate(rows):
             if plan.iteration_tokens[i]:
                 arena.counter.fill_(i)
-                _PaddedIteration(op, arena, x["kv_cache"], spec, seqs, max_q, 2 * r, 1, 8, scale,
+                _PaddedIteration(op, arena, x["kv_cache"], spec, seqs, max_q, 2 * r, 1, scale,
                                  None)()
         out, lse = replay.result(torch.float32, True, None, None)
         ref_out, ref_lse = mla_prefill_reference(

@@ -34,10 +34,14 @@ sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Trito
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
-Measured on the H200 (benchmarks/results/fp8_attention_h200.json, ``ideal`` and ``kernel``
-sections, cuDNN in the same run): 0.78-0.97x cuDNN's time on the context parts of the 12
-vs-ideal shapes (595-746 TFLOP/s), 0.92-1.01x on 4096-query causal parts, but 1.29-1.75x on
-short causal ones (256-1024 queries per request, 86-333 TFLOP/s).
+A context part runs persistent (one program per SM walks the tiles, the rings' iteration count
+running on across them, so a tile's first loads overlap the previous one's epilogue); a causal
+part one program per tile, heaviest first.
+
+Measured on the H200 (benchmarks/results/fp8_attention_ideal_h200.json, cuDNN in the same run):
+0.84-0.98x cuDNN's time on the context parts of the 12 vs-ideal shapes, 0.85-0.93x under CUDA
+graphs (574-705 TFLOP/s), 0.93-1.07x on 4096-query causal parts, but 1.24-1.98x on short causal
+ones (250-1024 queries per request, 64-328 TFLOP/s).
 It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
 """
 
@@ -62,7 +66,6 @@ DISABLE_ENV = "MLAPREFILL_DISABLE_HOPPER_KERNEL"
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 _D1, _D2, _DV = 128, 64, 128  # the key's first part, its rope part, the value
 _LOG2E = 1.4426950408889634
-_MAX_GRID_YZ = 65535
 # registers per thread: launched with _MAXNREG over 12 warps (4 + 4 + the producer warp padded
 # to a warpgroup: 12 * 32 * 168 <= 64 Ki); setmaxnreg then gives the producer warpgroup 24 and
 # each consumer warpgroup 240 (24 + 2 * 240 = 3 * 168)
@@ -86,18 +89,23 @@ except (ImportError, AttributeError):  # no Triton, or a Triton without this Glu
 _FAILED: dict[tuple, str] = {}
 # CUDA device index -> whether it is an sm_90 GPU (asked once: unsupported_reason runs per call)
 _SM90: dict[int, bool] = {}
+# CUDA device index -> its multiprocessor count (the persistent grid's size)
+_SMS: dict[int, int] = {}
 
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _producer(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                  stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
-                  v_ready, v_empty, b_lo, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp. Iteration i loads key block b_lo + i: its K and rope into stage i % STAGES
-        # of one ring, its V into the same stage of another, round i // STAGES. Two rings
+    def _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                       stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
+                       kr_empty, v_ready, v_empty, b_lo, n_iter, it0, BLOCK_N: gl.constexpr,
+                       D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                       STAGES: gl.constexpr):
+        # One warp, one tile. Its iteration i is the ring's iteration g = it0 + i (the count
+        # runs on across the program's tiles) and loads key block b_lo + i: its K and rope
+        # into stage g % STAGES of one ring, its V into the same stage of another, round
+        # g // STAGES. Two rings
         # because a consumer is done with a block's K and rope after its scores, and with its V
         # only after the next block's scores (the PV product is issued behind them).
         # mbarrier.wait(bar, parity) returns once the phase of that parity has completed (a
@@ -109,10 +117,18 @@ if HAS_GLUON:
         #   land; the consumers wait parity r & 1.
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
-        # loop over the same n_iter, so every wait has its arrivals.
+        # walk the same tiles with the same n_iter, so every wait has its arrivals.
         # The descriptors are made in this warp (Triton's tensormap fences run where they are
         # made), over exactly the sequence's key rows (at least one: a sequence without keys
-        # still gets a well-formed descriptor, and nothing is loaded then).
+        # still gets a well-formed descriptor, and nothing is loaded then). They are rewritten
+        # per tile in the same global scratch, so first every copy issued with the previous
+        # tile's must have landed: its last STAGES iterations' ready phases have completed
+        # (nothing else is issued into those stages until this warp issues it).
+        for j in gl.static_range(STAGES):
+            g = it0 - 1 - j
+            if g >= 0:
+                mbarrier.wait(kr_ready.index(g % STAGES), (g // STAGES) & 1)
+                mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
         head64 = head.to(gl.int64)
         rows = gl.maximum(seqlen_k, 1)
         k_desc = tma.make_tensor_descriptor(
@@ -127,8 +143,8 @@ if HAS_GLUON:
         kr_bytes: gl.constexpr = k_desc.block_type.nbytes + r_desc.block_type.nbytes
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
         for i in range(n_iter):
-            st = i % STAGES
-            phase = ((i // STAGES) & 1) ^ 1
+            st = (it0 + i) % STAGES
+            phase = (((it0 + i) // STAGES) & 1) ^ 1
             row = (b_lo + i) * BLOCK_N
             mbarrier.wait(kr_empty.index(st), phase)
             bar = kr_ready.index(st)
@@ -176,7 +192,7 @@ if HAS_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _key_blocks(acc, m_i, l_i, p, lo, hi, b_lo, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
+    def _key_blocks(acc, m_i, l_i, p, lo, hi, it0, b_lo, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
                     kr_empty, v_ready, v_empty, s_zero, qk_scale, offs_m, offs_n, kv_end,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -185,27 +201,28 @@ if HAS_GLUON:
         # for them; iteration i issues its scores, then i - 1's PV product behind them, and runs
         # its softmax while that product is in flight. Returns (acc, m, l, p) in the same form.
         for i in range(lo, hi):
-            t = _scores(q1_s, q2_s, k_s, r_s, kr_ready, i, s_zero, STAGES)
-            o = _values(p, acc, v_s, v_ready, i - 1, STAGES)
+            g = it0 + i  # the ring's iteration count: stages and phases run on across tiles
+            t = _scores(q1_s, q2_s, k_s, r_s, kr_ready, g, s_zero, STAGES)
+            o = _values(p, acc, v_s, v_ready, g - 1, STAGES)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[t])  # the scores, not the PV
-            mbarrier.arrive(kr_empty.index(i % STAGES), count=1)
+            mbarrier.arrive(kr_empty.index(g % STAGES), count=1)
             p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, b_lo + i, qk_scale, offs_m, offs_n,
                                               kv_end, MASKED, CAUSAL, BLOCK_N)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
-            mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index((g - 1) % STAGES), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p = gl.convert_layout(p_new.to(v_s.dtype), p_layout)
         return acc, m_i, l_i, p
 
     @gluon.jit
-    def _consumer(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt, stride_qh,
-                  stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free, b_lo, n_iter,
-                  qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
-                  WG: gl.constexpr,
-                  CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                  STAGES: gl.constexpr):
-        # One consumer warpgroup (4 warps): query rows m0 + 64 * WG + [0, 64).
+    def _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                       stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
+                       b_lo, n_iter, it0, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
+                       kr_empty, v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                       ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        # One consumer warpgroup (4 warps), one tile: query rows m0 + 64 * WG + [0, 64);
+        # its ring iterations are it0 + [0, n_iter).
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -254,24 +271,24 @@ if HAS_GLUON:
             # iteration 0 (masked: once per program), then [1, free) without a mask (blocks
             # below n_free, every row sees them whole), then the masked rest; the last
             # iteration's PV product after the loop
-            t = _scores(q1w, q2w, k_s, r_s, kr_ready, 0, s_zero, STAGES)
+            t = _scores(q1w, q2w, k_s, r_s, kr_ready, it0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
-            mbarrier.arrive(kr_empty.index(0), count=1)
+            mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
             p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
                                       True, CAUSAL, BLOCK_N)
             p = gl.convert_layout(p.to(dtype), p_layout)
             free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_iter)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, b_lo, q1w, q2w, k_s, r_s,
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1w, q2w, k_s, r_s,
                                            v_s, kr_ready, kr_empty, v_ready, v_empty, s_zero,
                                            qk_scale, offs_m, offs_n, kv_end, False, CAUSAL,
                                            BLOCK_N, STAGES, o_layout, p_layout)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_iter, b_lo, q1w, q2w, k_s,
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_iter, it0, b_lo, q1w, q2w, k_s,
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-            o = _values(p, acc, v_s, v_ready, n_iter - 1, STAGES)
+            o = _values(p, acc, v_s, v_ready, it0 + n_iter - 1, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
-            mbarrier.arrive(v_empty.index((n_iter - 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index((it0 + n_iter - 1) % STAGES), count=1)
             # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
             # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
             l_o = gl.convert_layout(l_i, row_o)
@@ -305,34 +322,16 @@ if HAS_GLUON:
             gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
             gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
 
-    @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
-                                  "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3"])
-    def _hopper_attention_kernel(
-            q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
-            dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
-            stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
-            CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-            STAGES: gl.constexpr, num_warps: gl.constexpr):
-        # The default partition (num_warps = 4) is consumer warpgroup 0; workers: consumer
-        # warpgroup 1 (4 warps) and the producer (1 warp). No early return: every program
-        # enters the warp-specialized region with its n_iter (0 for a query block past the
-        # sequence, or with no key left to it), and all three partitions loop n_iter times.
-        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
-        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-        WM: gl.constexpr = 64
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D1], dtype)
-        q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D2], dtype)
-        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
-        r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
-        v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
-
-        # heaviest causal query blocks (the last ones) first, so the short ones fill the tail
-        m_block = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-        seq = gl.program_id(1)
-        head = gl.program_id(2)
+    @gluon.jit
+    def _tile(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        # Tile t = (query block, sequence, head), query blocks fastest (the programs running
+        # at once share one head's keys in L2), causal ones heaviest (last) first so the short
+        # ones fill the tail. Returns where its rows and keys are and its key-block count.
+        mi = t % n_m
+        seq = (t // n_m) % num_seqs
+        head = t // (n_m * num_seqs)
+        m_block = n_m - 1 - mi if CAUSAL else mi
         q_start = gl.load(cu_q_ptr + seq)
         seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
         m0 = m_block * BLOCK_M
@@ -346,13 +345,99 @@ if HAS_GLUON:
             n_free = seqlen_k // BLOCK_N
         # keys [0, k_lo) of this block were left to another kernel (a dense rectangle)
         m_end = m0 + BLOCK_M
-        k_lo = gl.where((seq >= dlo0) & (seq < dhi0) & (m_end <= dq0), dk0, 0)
-        k_lo = gl.where((seq >= dlo1) & (seq < dhi1) & (m_end <= dq1), dk1, k_lo)
-        k_lo = gl.where((seq >= dlo2) & (seq < dhi2) & (m_end <= dq2), dk2, k_lo)
-        k_lo = gl.where((seq >= dlo3) & (seq < dhi3) & (m_end <= dq3), dk3, k_lo)
+        k_lo = 0
+        for r in gl.static_range(4):
+            lo, hi, dq, dk = dense[4 * r], dense[4 * r + 1], dense[4 * r + 2], dense[4 * r + 3]
+            k_lo = gl.where((seq >= lo) & (seq < hi) & (m_end <= dq), dk, k_lo)
         b_lo = k_lo // BLOCK_N
         live = (m0 < seqlen_q) & (k_lo < kv_end)
         n_iter = gl.where(live, gl.cdiv(kv_end, BLOCK_N) - b_lo, 0)
+        return q_start, seqlen_q, m0, head, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter
+
+    @gluon.jit
+    def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
+                  stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
+                  v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        if CAUSAL:  # one tile per program; the ring starts at iteration 0 (constants fold)
+            _, _, _, head, k_start, seqlen_k, _, _, b_lo, n_iter = _tile(
+                gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M,
+                BLOCK_N)
+            _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
+                           stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s,
+                           kr_ready, kr_empty, v_ready, v_empty, b_lo, n_iter, 0, BLOCK_N,
+                           D1, D2, DV, STAGES)
+        else:
+            it = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                _, _, _, head, k_start, seqlen_k, _, _, b_lo, n_iter = _tile(
+                    t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
+                _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt,
+                               stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
+                               v_s, kr_ready, kr_empty, v_ready, v_empty, b_lo, n_iter, it,
+                               BLOCK_N, D1, D2, DV, STAGES)
+                it += n_iter
+
+    @gluon.jit
+    def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+                  q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        if CAUSAL:  # one tile per program (as the producer)
+            q_start, seqlen_q, m0, head, _, _, kv_end, n_free, b_lo, n_iter = _tile(
+                gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M,
+                BLOCK_N)
+            _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
+                           stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end,
+                           n_free, b_lo, n_iter, 0, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                           kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, ACCUMULATE,
+                           BLOCK_N, D1, D2, DV, STAGES)
+        else:
+            it = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                q_start, seqlen_q, m0, head, _, _, kv_end, n_free, b_lo, n_iter = _tile(
+                    t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
+                _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head,
+                               stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                               stride_lh, kv_end, n_free, b_lo, n_iter, it, qk_scale, q1_s,
+                               q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
+                               CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)
+                it += n_iter
+
+    @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
+                                  "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
+                                  "n_m", "num_seqs", "n_tiles"])
+    def _hopper_attention_kernel(
+            q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
+            dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
+            n_m, num_seqs, n_tiles,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+            stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
+            CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+            STAGES: gl.constexpr, num_warps: gl.constexpr):
+        # A context part is persistent: program p runs tiles p, p + P, p + 2P, ... of the
+        # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM. A causal
+        # part runs one tile per program (n_tiles programs). The default partition
+        # (num_warps = 4) is consumer warpgroup 0; workers: consumer warpgroup 1 (4 warps) and
+        # the producer (1 warp). All three walk the same tiles, each with its n_iter (0 for a
+        # query block past its sequence, or with no key left to it), and run the shared rings'
+        # iteration count on across tiles, so the next tile's loads overlap this one's
+        # softmax and epilogue.
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+        WM: gl.constexpr = 64
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D1], dtype)
+        q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D2], dtype)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+        r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
+        v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
+        dense = (dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3,
+                 dq3, dk3)
 
         q1_s = gl.allocate_shared_memory(dtype, [2, WM, D1], q1_sl)
         q2_s = gl.allocate_shared_memory(dtype, [2, WM, D2], q2_sl)
@@ -373,21 +458,30 @@ if HAS_GLUON:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
-                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
-                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 0,
-                         CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
-            (_consumer, (q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
-                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
-                         b_lo, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 1,
-                         CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
-            (_producer, (k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                         stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
-                         kr_empty, v_ready, v_empty, b_lo, n_iter, BLOCK_N, D1, D2, DV,
+            (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                         n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                         stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
+                         v_ready, v_empty, 0, CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
                          STAGES)),
+            (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                         n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                         stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
+                         v_ready, v_empty, 1, CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
+                         STAGES)),
+            (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                         n_tiles, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+                         stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL,
+                         BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def _num_sms(device: torch.device) -> int:
+    # multiprocessors of a CUDA device (asked once per device: hopper_attention runs per call)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
 
 
 def _device_reason(device: torch.device) -> str | None:
@@ -442,8 +536,6 @@ def layout_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return f"needs bfloat16 or float16, got {q.dtype}"
     if q.shape[2] != _D1 + _D2 or v.shape[2] != _DV:
         return f"needs qk_head_dim {_D1 + _D2} and v_head_dim {_DV} (MLA's)"
-    if q.shape[1] > _MAX_GRID_YZ:
-        return "too many heads for the grid"
     if k_rope is None:
         if k.shape[2] != _D1 + _D2:
             return f"needs joined keys of {_D1 + _D2} dims"
@@ -482,15 +574,22 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_rt = k_rope.stride(0)
         stride_rh = k_rope.stride(1) if k_rope.dim() == 3 else 0
     ensure_allocator()  # device-side tensor descriptors need global scratch
-    grid = (cdiv(max_seqlen_q, BLOCK_M), cu_seqlens_q.shape[0] - 1, q.shape[1])
+    n_m, num_seqs = cdiv(max_seqlen_q, BLOCK_M), cu_seqlens_q.shape[0] - 1
+    n_tiles = n_m * num_seqs * q.shape[1]
+    # Persistent for a context part (tiles of one sequence cost the same, so a static round
+    # robin over the SMs stays balanced and the next tile's loads overlap this one's epilogue);
+    # one program per tile for a causal part, whose tiles differ in cost up to n_m times: the
+    # hardware's dynamic scheduling balances them better (an A/B on the H200: the persistent
+    # loop, even with one tile per program, cost the causal parts 4-16 %).
+    grid = (max(1, n_tiles if causal else min(n_tiles, _num_sms(q.device))),)
     try:
         _hopper_attention_kernel[grid](
             q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
-            *dense_args, q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_rt,
-            stride_rh, v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            lse.stride(1), CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N, D1=_D1, D2=_D2, DV=_DV, STAGES=STAGES, num_warps=4,
-            maxnreg=_MAXNREG)
+            *dense_args, n_m, num_seqs, n_tiles, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), stride_rt, stride_rh, v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), lse.stride(0), lse.stride(1), CAUSAL=bool(causal),
+            ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D1=_D1, D2=_D2,
+            DV=_DV, STAGES=STAGES, num_warps=4, maxnreg=_MAXNREG)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs

@@ -26,7 +26,9 @@ past the end are ``-inf`` by ``where``. Finish: the FP8 Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``accumulate``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
-Measured on the H200 against the FP8 Triton kernel and the bf16 kernels:
+Persistent, as the bf16 kernel on a context part: one program per SM walks the (query block,
+sequence, head) tiles, the ring's iteration count running on across them. Measured on the H200
+against the FP8 Triton kernel and the bf16 kernels:
 benchmarks/results/fp8_attention_h200.json (docs/RESULTS.md). Compiles once per (out dtype,
 accumulate, block_n, stages). ``MLAPREFILL_DISABLE_HOPPER_KERNEL=1`` (the one debug override,
 :data:`mlaprefill.kernels.hopper_attention.DISABLE_ENV`) runs the Triton kernel instead.
@@ -68,13 +70,20 @@ if HAS_GLUON:
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _fp8_producer(k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads, keys_pad, k_s, r_s,
-                      v_s, ready, empty, n_iter, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                      D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp; the ring's protocol is the bf16 kernel's (_producer there). Blocks start at
+    def _fp8_producer_tile(k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads, keys_pad, k_s,
+                           r_s, v_s, ready, empty, n_iter, it0, BLOCK_N: gl.constexpr,
+                           D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                           STAGES: gl.constexpr):
+        # One warp, one tile; the ring's protocol is the bf16 kernel's (_producer_tile there):
+        # iteration i is the ring's iteration it0 + i, and the descriptors, rewritten per tile
+        # in the same scratch, wait for the previous tile's copies to land. Blocks start at
         # a0, the sequence's first key rounded down to 16 (a V^T tile's first column must be
         # 16-byte aligned: TMA faults otherwise), and cover span = the keys from a0 to the
         # sequence's end; descriptors end there, so a tile past it reads zeros.
+        for j in gl.static_range(STAGES):
+            g = it0 - 1 - j
+            if g >= 0:
+                mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
         head64 = head.to(gl.int64)
         rows = gl.maximum(span, 1)
         k_desc = tma.make_tensor_descriptor(
@@ -89,8 +98,8 @@ if HAS_GLUON:
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + r_desc.block_type.nbytes
                                 + v_desc.block_type.nbytes)
         for i in range(n_iter):
-            st = i % STAGES
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            st = (it0 + i) % STAGES
+            mbarrier.wait(empty.index(st), (((it0 + i) // STAGES) & 1) ^ 1)
             bar = ready.index(st)
             mbarrier.expect(bar, nbytes)
             row = i * BLOCK_N
@@ -99,8 +108,9 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [0, a0 + row], bar, v_s.index(st))
 
     @gluon.jit
-    def _fp8_key_blocks(acc, m_i, l_i, lo, hi, q1_s, q2_s, k_s, r_s, v_s, ready, empty, s_zero,
-                        qf, offs_n, shift, span, MASKED: gl.constexpr, FIRST: gl.constexpr,
+    def _fp8_key_blocks(acc, m_i, l_i, lo, hi, it0, q1_s, q2_s, k_s, r_s, v_s, ready, empty,
+                        s_zero, qf, offs_n, shift, span, MASKED: gl.constexpr,
+                        FIRST: gl.constexpr,
                         BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
                         o_layout: gl.constexpr, p_layout: gl.constexpr):
         # Block i holds keys [i * BLOCK_N, (i + 1) * BLOCK_N) counted from a0; the sequence's
@@ -109,8 +119,9 @@ if HAS_GLUON:
         # times p = 0 would be NaN). Both consumer warpgroups write the same zeros, and a
         # stage is refilled only after both released it.
         for i in range(lo, hi):
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            g = it0 + i  # the ring's iteration count (runs on across a program's tiles)
+            st = g % STAGES
+            mbarrier.wait(ready.index(st), (g // STAGES) & 1)
             if FIRST:
                 v_io: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
                 vt = v_s.index(st).load(v_io).to(gl.int8, bitcast=True)
@@ -145,12 +156,14 @@ if HAS_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _fp8_consumer(q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head,
-                      num_heads, stride_ot, stride_oh, stride_lt, stride_lh, shift, span, n_iter,
-                      qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
-                      ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                      D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        # One consumer warpgroup (4 warps): query rows m0 + 64 * WG + [0, 64).
+    def _fp8_consumer_tile(q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0,
+                           head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh, shift,
+                           span, n_iter, it0, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty,
+                           WG: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr,
+                           D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                           STAGES: gl.constexpr):
+        # One consumer warpgroup (4 warps), one tile: query rows m0 + 64 * WG + [0, 64); its
+        # ring iterations are it0 + [0, n_iter).
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
@@ -207,14 +220,14 @@ if HAS_GLUON:
             # wholly inside the keys (no mask); then the last one where it passes their end
             first = gl.where(shift > 0, 1, 0)
             free = gl.maximum(gl.minimum(span // BLOCK_N, n_iter), first)
-            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, 0, first, q1w, q2w, k_s, r_s, v_s,
+            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, 0, first, it0, q1w, q2w, k_s, r_s, v_s,
                                             ready, empty, s_zero, qf, offs_n, shift, span, True,
                                             True, BLOCK_N, DV, STAGES, o_layout, p_layout)
-            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, first, free, q1w, q2w, k_s, r_s,
+            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, first, free, it0, q1w, q2w, k_s, r_s,
                                             v_s, ready, empty, s_zero, qf, offs_n, shift, span,
                                             False, False, BLOCK_N, DV, STAGES, o_layout,
                                             p_layout)
-            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, free, n_iter, q1w, q2w, k_s, r_s,
+            acc, m_i, l_i = _fp8_key_blocks(acc, m_i, l_i, free, n_iter, it0, q1w, q2w, k_s, r_s,
                                             v_s, ready, empty, s_zero, qf, offs_n, shift, span,
                                             True, False, BLOCK_N, DV, STAGES, o_layout,
                                             p_layout)
@@ -251,14 +264,67 @@ if HAS_GLUON:
             gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
 
     @gluon.jit
+    def _fp8_tile(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        # Tile t = (query block, sequence, head), query blocks fastest (the programs running
+        # at once share one head's keys in L2): where its rows and keys are, its block count.
+        m0 = (t % n_m) * BLOCK_M
+        seq = (t // n_m) % num_seqs
+        head = t // (n_m * num_seqs)
+        q_start = gl.load(cu_q_ptr + seq)
+        seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
+        k_start = gl.load(cu_k_ptr + seq)
+        seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
+        live = (m0 < seqlen_q) & (seqlen_k > 0)
+        a0 = (k_start // 16) * 16
+        shift = k_start - a0
+        span = shift + seqlen_k
+        n_iter = gl.where(live, gl.cdiv(span, BLOCK_N), 0)
+        return q_start, seqlen_q, m0, head, a0, shift, span, n_iter
+
+    @gluon.jit
+    def _fp8_producer(k_ptr, r_ptr, vt_ptr, cu_q_ptr, cu_k_ptr, n_m, num_seqs, n_tiles,
+                      num_heads, keys_pad, k_s, r_s, v_s, ready, empty, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+                      DV: gl.constexpr, STAGES: gl.constexpr):
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _, _, _, head, a0, _, span, n_iter = _fp8_tile(t, n_m, num_seqs, cu_q_ptr,
+                                                           cu_k_ptr, BLOCK_M, BLOCK_N)
+            _fp8_producer_tile(k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads, keys_pad, k_s,
+                               r_s, v_s, ready, empty, n_iter, it, BLOCK_N, D1, D2, DV, STAGES)
+            it += n_iter
+
+    @gluon.jit
+    def _fp8_consumer(q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, n_m,
+                      num_seqs, n_tiles, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+                      qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready, empty, WG: gl.constexpr,
+                      ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                      STAGES: gl.constexpr):
+        it = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            q_start, seqlen_q, m0, head, _, shift, span, n_iter = _fp8_tile(
+                t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, BLOCK_M, BLOCK_N)
+            _fp8_consumer_tile(q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q,
+                               m0, head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+                               shift, span, n_iter, it, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                               ready, empty, WG, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)
+            it += n_iter
+
+    @gluon.jit(do_not_specialize=["n_m", "num_seqs", "n_tiles"])
     def _hopper_fp8_kernel(
             q_ptr, qs_ptr, k_ptr, r_ptr, vt_ptr, bound_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
-            qk_scale, num_heads, keys_pad, stride_ot, stride_oh, stride_lt, stride_lh,
+            qk_scale, num_heads, keys_pad, n_m, num_seqs, n_tiles, stride_ot, stride_oh,
+            stride_lt, stride_lh,
             ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
             num_warps: gl.constexpr):
-        # As the bf16 kernel: the default partition is consumer warpgroup 0; workers: consumer
-        # warpgroup 1 and the producer warp; every program enters with its n_iter.
+        # As the bf16 kernel on a context part: persistent, program p runs tiles p, p + P, ...
+        # of the n_tiles (query block, sequence, head) tiles, P at most one per SM; the default
+        # partition is consumer warpgroup 0; workers: consumer warpgroup 1 and the producer
+        # warp; all three walk the same tiles with the same n_iter and run the ring's
+        # iteration count on across them.
         gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         WM: gl.constexpr = 64
@@ -269,19 +335,6 @@ if HAS_GLUON:
         r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], f8)
         v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DV, BLOCK_N], f8)
 
-        m_block = gl.program_id(0)
-        seq = gl.program_id(1)
-        head = gl.program_id(2)
-        q_start = gl.load(cu_q_ptr + seq)
-        seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
-        m0 = m_block * BLOCK_M
-        k_start = gl.load(cu_k_ptr + seq)
-        seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
-        live = (m0 < seqlen_q) & (seqlen_k > 0)
-        a0 = (k_start // 16) * 16
-        shift = k_start - a0
-        span = shift + seqlen_k
-        n_iter = gl.where(live, gl.cdiv(span, BLOCK_N), 0)
 
         q1_s = gl.allocate_shared_memory(f8, [2, WM, D1], q1_sl)
         q2_s = gl.allocate_shared_memory(f8, [2, WM, D2], q2_sl)
@@ -296,17 +349,17 @@ if HAS_GLUON:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0,
-                             head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-                             shift, span, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
-                             empty, 0, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
-            (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0,
-                             head, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-                             shift, span, n_iter, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
-                             empty, 1, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)),
-            (_fp8_producer, (k_ptr, r_ptr, vt_ptr, a0, span, head, num_heads,
-                             keys_pad, k_s, r_s, v_s, ready, empty, n_iter, BLOCK_N, D1, D2, DV,
-                             STAGES)),
+            (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                             n_m, num_seqs, n_tiles, num_heads, stride_ot, stride_oh,
+                             stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
+                             empty, 0, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+            (_fp8_consumer, (q_ptr, qs_ptr, bound_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                             n_m, num_seqs, n_tiles, num_heads, stride_ot, stride_oh,
+                             stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, ready,
+                             empty, 1, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+            (_fp8_producer, (k_ptr, r_ptr, vt_ptr, cu_q_ptr, cu_k_ptr, n_m, num_seqs, n_tiles,
+                             num_heads, keys_pad, k_s, r_s, v_s, ready, empty, BLOCK_M,
+                             BLOCK_N, D1, D2, DV, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -347,16 +400,17 @@ def hopper_fp8_attention(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tens
         return False
     num_seqs = cu_seqlens_q.shape[0] - 1
     h = q8.shape[1]
-    grid = (cdiv(max_seqlen_q, 128), num_seqs, h)
-    if grid[1] > _bf16._MAX_GRID_YZ or grid[2] > _bf16._MAX_GRID_YZ:
-        return False
+    n_m = cdiv(max_seqlen_q, 128)
+    n_tiles = n_m * num_seqs * h
+    grid = (max(1, min(n_tiles, _bf16._num_sms(q8.device))),)  # persistent
     ensure_allocator()
     try:
         _hopper_fp8_kernel[grid](
             q8, q_scale, k8, p8, vt8, bound, out, lse, cu_seqlens_q, cu_seqlens_k,
-            softmax_scale * 1.4426950408889634, h, vt8.shape[2], out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1), ACCUMULATE=accumulate, BLOCK_M=128, BLOCK_N=block_n,
-            D1=_D1, D2=_D2, DV=_DV, STAGES=stages, num_warps=4, maxnreg=_bf16._MAXNREG)
+            softmax_scale * 1.4426950408889634, h, vt8.shape[2], n_m, num_seqs, n_tiles,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), ACCUMULATE=accumulate,
+            BLOCK_M=128, BLOCK_N=block_n, D1=_D1, D2=_D2, DV=_DV, STAGES=stages, num_warps=4,
+            maxnreg=_bf16._MAXNREG)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs
