@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
 from collections.abc import Callable
 
 from hostsync.lint_kinds import (
+    COLLECTIVE_KEYWORDS,
+    COLLECTIVES,
     LIST,
     STRICT,
     Facts,
@@ -270,9 +273,16 @@ class _Flow:
             self._expr(d, scope)
         args = fn.args
         params = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-        env = {k: v for k, v in scope.env.items() if "." not in k}
-        types: dict[str, str] = {}
         is_method = scope.class_body
+        own = {p.arg for p in params if p is not None}
+        # A closure (a function defined in a function) sees what its enclosing function
+        # established: names, their strict kinds, list items, and the attribute paths
+        # (``step_context.q_seqlens``, ``self.buf``) and classes of its free names; its own
+        # parameters shadow them. A module-level function sees the module's names only.
+        closure = scope.uses is not None and not is_method
+        env = {k: v for k, v in scope.env.items()
+               if (closure or "." not in k) and _root(k) not in own}
+        types = {k: v for k, v in scope.types.items() if k not in own} if closure else {}
         # A free function's device parameter is the caller's choice (device-agnostic
         # helpers, CPU in tests); a method's is the device its component serves.
         marker = UNKNOWN if is_method else ARG
@@ -294,6 +304,8 @@ class _Flow:
         for default in [*args.defaults, *(d for d in args.kw_defaults if d is not None)]:
             self._expr(default, scope)
         hints = self.model.function_hints(fn)
+        if closure:
+            hints = hints | (scope.hints - own)
         if self.exporting and not is_method:
             # `device=x.device` of its own parameter x: in the function, x is on the device,
             # but what it returns to another module's caller lives where that caller's x does
@@ -495,6 +507,9 @@ class _Flow:
         model = self.model
         f = call.func
         self._site(call, scope)
+        collective = model.collective(call)
+        if collective is not None:
+            self._collective(call, collective, scope)
         cls_name = model.is_class_call(f)
         if cls_name == "cls" and scope.cls is not None:
             cls_name = scope.cls  # cls(...) in a classmethod
@@ -555,6 +570,38 @@ class _Flow:
             dst_kind = model.kind(f.value, scope)
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
+
+    def _collective(self, call: ast.Call, name: str, scope: Scope) -> None:
+        """``dist.all_reduce(t)``, ``dist.all_gather(outs, t)``, ...: the tensors a collective
+        reads and writes are on the device from here on (NCCL and HCCL take device tensors
+        only), unless the process group is a CPU one (``group=cpu_group``, gloo) or the
+        tensor is known to be on the host."""
+        targets = [call.args[i] for i in COLLECTIVES[name] if i < len(call.args)]
+        targets += [kw.value for kw in call.keywords if kw.arg in COLLECTIVE_KEYWORDS]
+        others = [a for a in [*call.args, *(kw.value for kw in call.keywords)]
+                  if not any(a is t for t in targets)]
+        if any(re.search(r"cpu|gloo|host", ast.unparse(a).lower()) for a in others):
+            return
+        for t in targets:
+            self._on_device(t, scope)
+
+    def _on_device(self, t: ast.expr, scope: Scope) -> None:
+        model = self.model
+        if isinstance(t, (ast.List, ast.Tuple)):
+            for e in t.elts:
+                self._on_device(e, scope)
+            return
+        while isinstance(t, ast.Subscript):
+            t = t.value
+        if isinstance(t, ast.Name) and scope.env.get(t.id) == LIST:
+            if model.kind(t, scope) not in HOST_KINDS:  # a list of output tensors
+                scope.env["[]" + t.id] = DEVICE
+            return
+        path = dotted(t)
+        if path is None or model.kind(t, scope) in HOST_KINDS:
+            return
+        scope.env[path] = DEVICE
+        scope.env[STRICT + path] = DEVICE
 
     def _register_buffer(self, call: ast.Call, scope: Scope) -> None:
         """``self.register_buffer("name", tensor)`` assigns ``self.name``: a device tensor
@@ -692,6 +739,11 @@ def summarize(tree: ast.Module, imported: Imported | None = None) -> Facts:
     flow.run((False, False))
     return flow.model.facts
 
+
+
+def _root(key: str) -> str:
+    """The name an env key is about: ``x`` for ``x``, ``!x``, ``[]x``, ``x.a.b``."""
+    return key.removeprefix(STRICT).removeprefix("[]").split(".")[0]
 
 
 def _attribute_uses(fn: ast.AST) -> dict[str, frozenset[str]]:
