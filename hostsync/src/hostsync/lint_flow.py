@@ -178,7 +178,7 @@ class _Flow:
             self._expr(s.test, scope)
             self._check_truth(s.test, "if", scope)
             return self._branches([s.body, s.orelse], scope, fallthrough_env=False,
-                                  refine=_guarded(s.test))
+                                  refine=_guards(s.test))
         elif isinstance(s, (ast.With, ast.AsyncWith)):
             for item in s.items:
                 self._expr(item.context_expr, scope)
@@ -211,20 +211,35 @@ class _Flow:
         return not isinstance(s, _TERMINATORS)
 
     def _branches(self, blocks: list[list[ast.stmt]], scope: Scope, *,
-                  fallthrough_env: bool, refine: list[str] = ()) -> bool:
+                  fallthrough_env: bool,
+                  refine: tuple[dict[str, str], ...] = ()) -> bool:
         """Walk alternative blocks from one state and merge the ones that fall through;
-        ``refine``: names the test proves to be device tensors in the first block."""
-        outs: list[dict[str, str]] = [dict(scope.env)] if fallthrough_env else []
+        ``refine[i]``: what the test proves of paths in block ``i`` (see :func:`_guards`).
+        A refinement holds after the statement only when its block alone falls through
+        (``if not x.is_cuda: return``); else each block's refined paths not rebound in it
+        merge as they were before the test."""
+        outs: list[tuple[int, dict[str, str]]] = [(-1, dict(scope.env))] \
+            if fallthrough_env else []
+        before = dict(scope.env)
         for i, block in enumerate(blocks):
             inner = scope.branch()
-            if i == 0:
-                _refine(inner, refine)
+            if i < len(refine):
+                _refine(inner, refine[i])
             if self._block(block, inner):
-                outs.append(inner.env)
+                outs.append((i, inner.env))
         if not outs:
             return False
+        if len(outs) > 1:
+            for i, env in outs:
+                for path, kind in (refine[i] if 0 <= i < len(refine) else {}).items():
+                    for key in (path, STRICT + path):
+                        if env.get(key) == kind:
+                            if key in before:
+                                env[key] = before[key]
+                            else:
+                                del env[key]
         scope.env.clear()
-        scope.env.update(_join_envs(outs))
+        scope.env.update(_join_envs([env for _, env in outs]))
         return True
 
     def _try(self, s: ast.Try, scope: Scope) -> bool:
@@ -445,10 +460,13 @@ class _Flow:
         if isinstance(e, ast.IfExp):  # `x.cpu() if x.is_cuda else x`: x is on the device there
             self._expr(e.test, scope)
             self._check_truth(e.test, "if", scope)
+            then, orelse = _guards(e.test)
             body = scope.branch()
-            _refine(body, _guarded(e.test))
+            _refine(body, then)
             self._expr(e.body, body)
-            self._expr(e.orelse, scope)
+            other = scope.branch()
+            _refine(other, orelse)
+            self._expr(e.orelse, other)
             return
         for child in ast.iter_child_nodes(e):
             if isinstance(child, ast.keyword):
@@ -689,30 +707,58 @@ class _Flow:
                       "make sure it is pinned (or on the device)")
 
 
-def _guarded(test: ast.expr) -> list[str]:
-    """Names (or ``a.b`` paths) that ``test`` proves to be on an accelerator where it holds:
-    ``x.is_cuda``, ``x.device.type == "cuda"`` (or another accelerator), and ``and`` of them."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return [n for v in test.values for n in _guarded(v)]
-    owner: ast.expr | None = None
-    if isinstance(test, ast.Attribute) and test.attr == "is_cuda":
-        owner = test.value
-    elif (isinstance(test, ast.Compare) and len(test.ops) == 1
-          and isinstance(test.ops[0], ast.Eq) and isinstance(test.left, ast.Attribute)
-          and test.left.attr == "type" and isinstance(test.left.value, ast.Attribute)
-          and test.left.value.attr == "device"
-          and isinstance(test.comparators[0], ast.Constant)
-          and isinstance(test.comparators[0].value, str)
-          and device_kind_of_str(test.comparators[0].value) == ACC_DEV):
-        owner = test.left.value.value
-    path = dotted(owner) if owner is not None else None
-    return [path] if path is not None else []
+def _guards(test: ast.expr) -> tuple[dict[str, str], dict[str, str]]:
+    """What ``test`` proves where it holds and where it does not, as ``{path: kind}`` for
+    names or ``a.b`` paths: ``x.is_cuda`` and ``x.device.type == "cuda"`` (or another
+    accelerator) put tensor ``x`` on the device where they hold; ``x.is_cpu`` and
+    ``x.device.type == "cpu"`` put it on the host where they hold and on the device where
+    they do not; ``d.type == "cpu"`` of a device object ``d`` (``self.device.type`` too) makes
+    ``d`` the CPU or an accelerator. ``not`` swaps them, ``and`` joins what holds, ``or``
+    what does not."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        then, orelse = _guards(test.operand)
+        return orelse, then
+    if isinstance(test, ast.BoolOp):
+        parts = [_guards(v) for v in test.values]
+        i = 0 if isinstance(test.op, ast.And) else 1
+        out: dict[str, str] = {}
+        for part in parts:
+            out.update(part[i])
+        return (out, {}) if i == 0 else ({}, out)
+    if isinstance(test, ast.Attribute) and test.attr in ("is_cuda", "is_cpu"):
+        path = dotted(test.value)
+        if path is None or path in ("self", "cls"):
+            return {}, {}
+        if test.attr == "is_cuda":
+            return {path: DEVICE}, {}
+        return {path: HOST}, {path: DEVICE}
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
+            and isinstance(test.left, ast.Attribute) and test.left.attr == "type"
+            and isinstance(test.comparators[0], ast.Constant)
+            and isinstance(test.comparators[0].value, str)):
+        return {}, {}
+    where = device_kind_of_str(test.comparators[0].value)
+    obj = test.left.value
+    tensor = obj.value if isinstance(obj, ast.Attribute) and obj.attr == "device" else None
+    if tensor is not None and isinstance(tensor, ast.Name) and tensor.id in ("self", "cls"):
+        tensor = None  # `self.device.type`: the device an object serves
+    path = dotted(tensor if tensor is not None else obj)
+    if path is None or where is None:
+        return {}, {}
+    if tensor is not None:
+        then, orelse = ({path: HOST}, {path: DEVICE}) if where == CPU_DEV else \
+            ({path: DEVICE}, {})
+    else:
+        then, orelse = ({path: CPU_DEV}, {path: ACC_DEV}) if where == CPU_DEV else \
+            ({path: ACC_DEV}, {})
+    return (then, orelse) if isinstance(test.ops[0], ast.Eq) else (orelse, then)
 
 
-def _refine(scope: Scope, names: list[str]) -> None:
-    for name in names:
-        scope.env[name] = DEVICE
-        scope.env[STRICT + name] = DEVICE
+def _refine(scope: Scope, facts: dict[str, str]) -> None:
+    for path, kind in facts.items():
+        scope.env[path] = kind
+        scope.env[STRICT + path] = kind
 
 
 def _is_list_value(value: ast.expr | None) -> bool:
