@@ -199,3 +199,54 @@ def test_a_parameter_every_call_site_gives_a_device_tensor(tmp_path: pathlib.Pat
                      ("callees.py", 34, "HS201")]
     # alone, the callees' parameters are unknown
     assert lint_files([str(pkg / "callees.py")], ["HS"]) == []
+
+
+UPLOADS = '''import torch
+
+
+def upload(x, device):
+    return x.to(device, non_blocking=True)
+
+
+def upload_kw(x, *, device):
+    y = x.to(device=device, non_blocking=True)
+    return y
+
+
+def upload_mixed(x, device):
+    return x.to(device, non_blocking=True)
+'''
+
+UPLOADERS = '''import torch
+from .uploads import upload, upload_kw, upload_mixed
+
+
+class Runner:
+    def __init__(self, device):
+        self.device = device
+
+    def step(self, n):
+        a = upload(torch.arange(n), self.device)
+        b = upload_kw(torch.zeros(n), device=self.device)
+        c = upload_mixed(torch.zeros(n), self.device)
+        d = upload_mixed(torch.zeros(n, pin_memory=True), self.device)
+        return a, b, c, d
+'''
+
+
+def test_a_free_function_uploading_its_argument_to_a_device_parameter(
+        tmp_path: pathlib.Path) -> None:
+    """A free function that uploads a parameter to a device parameter
+    (``def upload(x, device): return x.to(device, non_blocking=True)``): where every caller
+    passes a pageable host tensor, the upload site is HS101; one pinned argument among the
+    callers leaves the parameter unknown (no finding, and no HS103 at the upload either way:
+    the device is the caller's)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "uploads.py").write_text(UPLOADS)
+    (pkg / "uploaders.py").write_text(UPLOADERS)
+    found = [(pathlib.Path(f.path).name, f.line, f.code)
+             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS101", "HS201"])]
+    assert found == [("uploads.py", 5, "HS101"), ("uploads.py", 9, "HS101")]
+    assert lint_files([str(pkg / "uploads.py")], ["HS101", "HS201"]) == []

@@ -105,8 +105,12 @@ def _ratio(num: int, den: int) -> float:
 #: HS201 34/57 (precision 34/35). The held-out bounds are these and are not tuned on.
 #: Eighth round, rules (README): called attributes are not tensors, local pin flags bound only
 #: to False: dev HS101 33/51, HS201 48/120 (precision 48/49).
+#: Ninth round, rules (README): closures, torch.distributed collectives, loop items and strict
+#: loop targets, host guards, fresh NumPy arrays: dev HS101 36/51, HS201 67/120 (precision
+#: 67/68, the one false positive cache_3d.py:664 as before); held-out unchanged (HS101 1/4,
+#: HS201 34/57, precision 34/35), so its bounds are as they were.
 REACHED = {
-    ("dev", "HS101"): (1.0, 33 / 51), ("dev", "HS201"): (48 / 49, 48 / 120),
+    ("dev", "HS101"): (1.0, 36 / 51), ("dev", "HS201"): (67 / 68, 67 / 120),
     ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
 from collections.abc import Callable
 
 from hostsync.lint_kinds import (
+    COLLECTIVE_KEYWORDS,
+    COLLECTIVES,
     LIST,
     STRICT,
     Facts,
@@ -175,7 +178,7 @@ class _Flow:
             self._expr(s.test, scope)
             self._check_truth(s.test, "if", scope)
             return self._branches([s.body, s.orelse], scope, fallthrough_env=False,
-                                  refine=_guarded(s.test))
+                                  refine=_guards(s.test))
         elif isinstance(s, (ast.With, ast.AsyncWith)):
             for item in s.items:
                 self._expr(item.context_expr, scope)
@@ -208,20 +211,35 @@ class _Flow:
         return not isinstance(s, _TERMINATORS)
 
     def _branches(self, blocks: list[list[ast.stmt]], scope: Scope, *,
-                  fallthrough_env: bool, refine: list[str] = ()) -> bool:
+                  fallthrough_env: bool,
+                  refine: tuple[dict[str, str], ...] = ()) -> bool:
         """Walk alternative blocks from one state and merge the ones that fall through;
-        ``refine``: names the test proves to be device tensors in the first block."""
-        outs: list[dict[str, str]] = [dict(scope.env)] if fallthrough_env else []
+        ``refine[i]``: what the test proves of paths in block ``i`` (see :func:`_guards`).
+        A refinement holds after the statement only when its block alone falls through
+        (``if not x.is_cuda: return``); else each block's refined paths not rebound in it
+        merge as they were before the test."""
+        outs: list[tuple[int, dict[str, str]]] = [(-1, dict(scope.env))] \
+            if fallthrough_env else []
+        before = dict(scope.env)
         for i, block in enumerate(blocks):
             inner = scope.branch()
-            if i == 0:
-                _refine(inner, refine)
+            if i < len(refine):
+                _refine(inner, refine[i])
             if self._block(block, inner):
-                outs.append(inner.env)
+                outs.append((i, inner.env))
         if not outs:
             return False
+        if len(outs) > 1:
+            for i, env in outs:
+                for path, kind in (refine[i] if 0 <= i < len(refine) else {}).items():
+                    for key in (path, STRICT + path):
+                        if env.get(key) == kind:
+                            if key in before:
+                                env[key] = before[key]
+                            else:
+                                del env[key]
         scope.env.clear()
-        scope.env.update(_join_envs(outs))
+        scope.env.update(_join_envs([env for _, env in outs]))
         return True
 
     def _try(self, s: ast.Try, scope: Scope) -> bool:
@@ -270,9 +288,16 @@ class _Flow:
             self._expr(d, scope)
         args = fn.args
         params = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-        env = {k: v for k, v in scope.env.items() if "." not in k}
-        types: dict[str, str] = {}
         is_method = scope.class_body
+        own = {p.arg for p in params if p is not None}
+        # A closure (a function defined in a function) sees what its enclosing function
+        # established: names, their strict kinds, list items, and the attribute paths
+        # (``step_context.q_seqlens``, ``self.buf``) and classes of its free names; its own
+        # parameters shadow them. A module-level function sees the module's names only.
+        closure = scope.uses is not None and not is_method
+        env = {k: v for k, v in scope.env.items()
+               if (closure or "." not in k) and _root(k) not in own}
+        types = {k: v for k, v in scope.types.items() if k not in own} if closure else {}
         # A free function's device parameter is the caller's choice (device-agnostic
         # helpers, CPU in tests); a method's is the device its component serves.
         marker = UNKNOWN if is_method else ARG
@@ -294,6 +319,8 @@ class _Flow:
         for default in [*args.defaults, *(d for d in args.kw_defaults if d is not None)]:
             self._expr(default, scope)
         hints = self.model.function_hints(fn)
+        if closure:
+            hints = hints | (scope.hints - own)
         if self.exporting and not is_method:
             # `device=x.device` of its own parameter x: in the function, x is on the device,
             # but what it returns to another module's caller lives where that caller's x does
@@ -433,10 +460,13 @@ class _Flow:
         if isinstance(e, ast.IfExp):  # `x.cpu() if x.is_cuda else x`: x is on the device there
             self._expr(e.test, scope)
             self._check_truth(e.test, "if", scope)
+            then, orelse = _guards(e.test)
             body = scope.branch()
-            _refine(body, _guarded(e.test))
+            _refine(body, then)
             self._expr(e.body, body)
-            self._expr(e.orelse, scope)
+            other = scope.branch()
+            _refine(other, orelse)
+            self._expr(e.orelse, other)
             return
         for child in ast.iter_child_nodes(e):
             if isinstance(child, ast.keyword):
@@ -495,6 +525,9 @@ class _Flow:
         model = self.model
         f = call.func
         self._site(call, scope)
+        collective = model.collective(call)
+        if collective is not None:
+            self._collective(call, collective, scope)
         cls_name = model.is_class_call(f)
         if cls_name == "cls" and scope.cls is not None:
             cls_name = scope.cls  # cls(...) in a classmethod
@@ -555,6 +588,38 @@ class _Flow:
             dst_kind = model.kind(f.value, scope)
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
+
+    def _collective(self, call: ast.Call, name: str, scope: Scope) -> None:
+        """``dist.all_reduce(t)``, ``dist.all_gather(outs, t)``, ...: the tensors a collective
+        reads and writes are on the device from here on (NCCL and HCCL take device tensors
+        only), unless the process group is a CPU one (``group=cpu_group``, gloo) or the
+        tensor is known to be on the host."""
+        targets = [call.args[i] for i in COLLECTIVES[name] if i < len(call.args)]
+        targets += [kw.value for kw in call.keywords if kw.arg in COLLECTIVE_KEYWORDS]
+        others = [a for a in [*call.args, *(kw.value for kw in call.keywords)]
+                  if not any(a is t for t in targets)]
+        if any(re.search(r"cpu|gloo|host", ast.unparse(a).lower()) for a in others):
+            return
+        for t in targets:
+            self._on_device(t, scope)
+
+    def _on_device(self, t: ast.expr, scope: Scope) -> None:
+        model = self.model
+        if isinstance(t, (ast.List, ast.Tuple)):
+            for e in t.elts:
+                self._on_device(e, scope)
+            return
+        while isinstance(t, ast.Subscript):
+            t = t.value
+        if isinstance(t, ast.Name) and scope.env.get(t.id) == LIST:
+            if model.kind(t, scope) not in HOST_KINDS:  # a list of output tensors
+                scope.env["[]" + t.id] = DEVICE
+            return
+        path = dotted(t)
+        if path is None or model.kind(t, scope) in HOST_KINDS:
+            return
+        scope.env[path] = DEVICE
+        scope.env[STRICT + path] = DEVICE
 
     def _register_buffer(self, call: ast.Call, scope: Scope) -> None:
         """``self.register_buffer("name", tensor)`` assigns ``self.name``: a device tensor
@@ -642,30 +707,58 @@ class _Flow:
                       "make sure it is pinned (or on the device)")
 
 
-def _guarded(test: ast.expr) -> list[str]:
-    """Names (or ``a.b`` paths) that ``test`` proves to be on an accelerator where it holds:
-    ``x.is_cuda``, ``x.device.type == "cuda"`` (or another accelerator), and ``and`` of them."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return [n for v in test.values for n in _guarded(v)]
-    owner: ast.expr | None = None
-    if isinstance(test, ast.Attribute) and test.attr == "is_cuda":
-        owner = test.value
-    elif (isinstance(test, ast.Compare) and len(test.ops) == 1
-          and isinstance(test.ops[0], ast.Eq) and isinstance(test.left, ast.Attribute)
-          and test.left.attr == "type" and isinstance(test.left.value, ast.Attribute)
-          and test.left.value.attr == "device"
-          and isinstance(test.comparators[0], ast.Constant)
-          and isinstance(test.comparators[0].value, str)
-          and device_kind_of_str(test.comparators[0].value) == ACC_DEV):
-        owner = test.left.value.value
-    path = dotted(owner) if owner is not None else None
-    return [path] if path is not None else []
+def _guards(test: ast.expr) -> tuple[dict[str, str], dict[str, str]]:
+    """What ``test`` proves where it holds and where it does not, as ``{path: kind}`` for
+    names or ``a.b`` paths: ``x.is_cuda`` and ``x.device.type == "cuda"`` (or another
+    accelerator) put tensor ``x`` on the device where they hold; ``x.is_cpu`` and
+    ``x.device.type == "cpu"`` put it on the host where they hold and on the device where
+    they do not; ``d.type == "cpu"`` of a device object ``d`` (``self.device.type`` too) makes
+    ``d`` the CPU or an accelerator. ``not`` swaps them, ``and`` joins what holds, ``or``
+    what does not."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        then, orelse = _guards(test.operand)
+        return orelse, then
+    if isinstance(test, ast.BoolOp):
+        parts = [_guards(v) for v in test.values]
+        i = 0 if isinstance(test.op, ast.And) else 1
+        out: dict[str, str] = {}
+        for part in parts:
+            out.update(part[i])
+        return (out, {}) if i == 0 else ({}, out)
+    if isinstance(test, ast.Attribute) and test.attr in ("is_cuda", "is_cpu"):
+        path = dotted(test.value)
+        if path is None or path in ("self", "cls"):
+            return {}, {}
+        if test.attr == "is_cuda":
+            return {path: DEVICE}, {}
+        return {path: HOST}, {path: DEVICE}
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
+            and isinstance(test.left, ast.Attribute) and test.left.attr == "type"
+            and isinstance(test.comparators[0], ast.Constant)
+            and isinstance(test.comparators[0].value, str)):
+        return {}, {}
+    where = device_kind_of_str(test.comparators[0].value)
+    obj = test.left.value
+    tensor = obj.value if isinstance(obj, ast.Attribute) and obj.attr == "device" else None
+    if tensor is not None and isinstance(tensor, ast.Name) and tensor.id in ("self", "cls"):
+        tensor = None  # `self.device.type`: the device an object serves
+    path = dotted(tensor if tensor is not None else obj)
+    if path is None or where is None:
+        return {}, {}
+    if tensor is not None:
+        then, orelse = ({path: HOST}, {path: DEVICE}) if where == CPU_DEV else \
+            ({path: DEVICE}, {})
+    else:
+        then, orelse = ({path: CPU_DEV}, {path: ACC_DEV}) if where == CPU_DEV else \
+            ({path: ACC_DEV}, {})
+    return (then, orelse) if isinstance(test.ops[0], ast.Eq) else (orelse, then)
 
 
-def _refine(scope: Scope, names: list[str]) -> None:
-    for name in names:
-        scope.env[name] = DEVICE
-        scope.env[STRICT + name] = DEVICE
+def _refine(scope: Scope, facts: dict[str, str]) -> None:
+    for path, kind in facts.items():
+        scope.env[path] = kind
+        scope.env[STRICT + path] = kind
 
 
 def _is_list_value(value: ast.expr | None) -> bool:
@@ -692,6 +785,11 @@ def summarize(tree: ast.Module, imported: Imported | None = None) -> Facts:
     flow.run((False, False))
     return flow.model.facts
 
+
+
+def _root(key: str) -> str:
+    """The name an env key is about: ``x`` for ``x``, ``!x``, ``[]x``, ``x.a.b``."""
+    return key.removeprefix(STRICT).removeprefix("[]").split(".")[0]
 
 
 def _attribute_uses(fn: ast.AST) -> dict[str, frozenset[str]]:

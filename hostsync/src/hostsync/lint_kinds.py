@@ -31,10 +31,23 @@ from hostsync.lint_where import (
     op_result,
 )
 
-__all__ = ["LIST", "STRICT", "Arg", "Facts", "Imported", "KindModel", "Scope", "Site",
+__all__ = ["COLLECTIVES", "COLLECTIVE_KEYWORDS", "LIST", "STRICT", "Arg", "Facts", "Imported",
+           "KindModel", "Scope", "Site",
            "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
            "truthy_pin"]
 
+#: torch.distributed collectives and the positions of their tensor (or tensor list)
+#: arguments, which a NCCL/HCCL process group requires on the device; keywords by name
+COLLECTIVES: dict[str, tuple[int, ...]] = {
+    "all_reduce": (0,), "broadcast": (0,), "reduce": (0,), "all_gather": (0, 1),
+    "all_gather_into_tensor": (0, 1), "_all_gather_base": (0, 1), "all_to_all": (0, 1),
+    "all_to_all_single": (0, 1), "reduce_scatter": (0, 1), "reduce_scatter_tensor": (0, 1),
+    "_reduce_scatter_base": (0, 1), "gather": (0, 1), "scatter": (0, 1),
+}
+COLLECTIVE_KEYWORDS = frozenset({
+    "tensor", "tensor_list", "output", "input", "output_tensor", "input_tensor",
+    "output_tensor_list", "input_tensor_list", "gather_list", "scatter_list",
+})
 LIST = "list"  # env marker: a Python list; its element kind is stored under "[]" + name
 STRICT = "!"  # env prefix: the kind a binding has strictly (KindModel.strictly)
 
@@ -275,6 +288,13 @@ class KindModel:
         self.imported = imported or Imported()
         self.torch_names = {"torch"}
         self.numpy_names: set[str] = set()
+        # local names of ``torch.distributed`` (``import torch.distributed as dist``) and of
+        # its collectives imported by name (``from torch.distributed import all_reduce``)
+        self.dist_names: set[str] = set()
+        self.collective_names: dict[str, str] = {}
+        # names and attributes assigned a ``.numpy()`` view of a tensor somewhere in the module
+        # (``self.np = self.cpu.numpy()``): a NumPy array that may share a pinned buffer
+        self.numpy_views: set[str] = set()
         self.classes: set[str] = set()
         self.functions: set[str] = set()
         self.top_defs: set[int] = set()  # id() of top-level functions and their classes' methods
@@ -302,11 +322,18 @@ class KindModel:
         """The kind of ``node`` from what the code does, not from names: engines name flags
         ``has_cuda`` / ``on_device`` and devices ``device``, so a name says where a tensor lives
         only when the value is read as data (``.item()``), not when it is a condition."""
+        return self.strictly_with(self.kind, node, scope)
+
+    def strictly_with(self, fn, *args):
+        """``fn(*args)`` judged strictly; re-entrant: a strict judgment made inside another one
+        (a comprehension's loop target bound while its element is judged) leaves the outer
+        one strict."""
+        prev = self.strict
         self.strict = True
         try:
-            return self.kind(node, scope)
+            return fn(*args)
         finally:
-            self.strict = False
+            self.strict = prev
 
     # ------------------------------------------------------------------ syntax, once
 
@@ -318,6 +345,15 @@ class KindModel:
                         self.torch_names.add(alias.asname or "torch")
                     elif alias.name == "numpy":
                         self.numpy_names.add(alias.asname or "numpy")
+                    elif alias.name == "torch.distributed" and alias.asname:
+                        self.dist_names.add(alias.asname)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                for alias in node.names:
+                    local = alias.asname or alias.name
+                    if node.module == "torch" and alias.name == "distributed":
+                        self.dist_names.add(local)
+                    elif node.module == "torch.distributed" and alias.name in COLLECTIVES:
+                        self.collective_names[local] = alias.name
             elif isinstance(node, ast.ClassDef):
                 self.classes.add(node.name)
                 for item in node.body:
@@ -332,6 +368,12 @@ class KindModel:
                 self.called_attrs.add(node.func.attr)
             elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
                 self.identifiers.add(node.arg)
+            if isinstance(node, ast.Assign) and _is_numpy_call(_strip_views(node.value)):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        self.numpy_views.add(t.id)
+                    elif isinstance(t, ast.Attribute):
+                        self.numpy_views.add("." + t.attr)
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.add(node.name)
@@ -436,6 +478,32 @@ class KindModel:
         while isinstance(root, ast.Attribute):
             root = root.value
         return isinstance(root, ast.Name) and root.id in self.torch_names
+
+    def may_view_tensor(self, node: ast.expr, scope: Scope) -> bool:
+        """Whether the NumPy array ``node`` may be a view of a tensor's memory (then pinned
+        when that tensor is): anything but a local name bound in this function (not a
+        parameter) that the module never assigns a ``.numpy()`` view, or a call other than
+        ``.numpy()`` (``np.frombuffer(...)``, ``client.read(...)``: a fresh array)."""
+        base = _strip_views(node)
+        if isinstance(base, ast.Call):
+            return _is_numpy_call(base)
+        if isinstance(base, ast.Name):
+            return STRICT + base.id not in scope.env or base.id in self.numpy_views
+        return True
+
+    def collective(self, call: ast.Call) -> str | None:
+        """The name of the torch.distributed collective ``call`` calls (``dist.all_reduce``,
+        ``torch.distributed.all_gather_into_tensor``, an imported ``all_reduce``), else None."""
+        f = call.func
+        if isinstance(f, ast.Name):
+            return self.collective_names.get(f.id)
+        if not isinstance(f, ast.Attribute) or f.attr not in COLLECTIVES:
+            return None
+        owner = dotted(f.value)
+        if owner in self.dist_names or (owner is not None and owner.count(".") == 1 and (
+                owner.split(".")[0] in self.torch_names and owner.endswith(".distributed"))):
+            return f.attr
+        return None
 
     def is_class_call(self, func: ast.expr) -> str | None:
         """The class name of a constructor-looking callee (``Meta(...)``, ``self.meta_cls``)."""
@@ -805,6 +873,8 @@ class KindModel:
             return k if k in TENSOR_KINDS else None
         if m == "from_numpy" and first is not None:
             k = self.kind(first, scope)
+            if k == HOST and not self.may_view_tensor(first, scope):
+                return PAGEABLE  # a fresh NumPy array (`x_np = f(...)`): pageable memory
             return k if k in HOST_KINDS else PAGEABLE  # a NumPy array is pageable memory
         return op_result(self.inputs(call, scope))
 
@@ -842,27 +912,87 @@ class KindModel:
 
     # ------------------------------------------------------------------ loops
 
-    def elem_kinds(self, it: ast.expr, scope: Scope) -> list[str | None] | str | None:
-        """Kind of the items of an iterable: a list per position for ``zip`` / ``enumerate``."""
+    def elem_kinds(self, it: ast.expr, scope: Scope) -> list | str | None:
+        """Kind of the items of an iterable: a list per position for ``zip`` / ``enumerate``
+        (nested for ``enumerate(zip(a, b))``). Iterating a tensor gives tensors of its kind
+        (``for row in t``: a device tensor's rows are device tensors, a host one's host ones);
+        iterating a list gives its items' kind."""
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
             if it.func.id == "zip":
-                return [self.kind(a, scope) for a in it.args]
+                return [self.elem_kinds(a, scope) for a in it.args]
             if it.func.id == "enumerate" and it.args:
-                return [None, self.kind(it.args[0], scope)]
+                return [None, self.elem_kinds(it.args[0], scope)]
             if it.func.id in ("range", "len", "sorted", "reversed", "list", "set"):
                 return None
+        if isinstance(it, (ast.Tuple, ast.List, ast.Set)):
+            return self._literal_items(it.elts, scope)
         k = self.kind(it, scope)
         return k if k in TENSOR_KINDS else None
 
+    def _literal_items(self, elts: list[ast.expr], scope: Scope) -> list | str | None:
+        """Kinds of the items of a written-out tuple or list: per position when every item is
+        a tuple of one length (``for name, t in (("a", a), ("b", b))``: ``name`` is no
+        tensor), else the items' joined kind when each is known to be a tensor's."""
+        if elts and all(isinstance(e, (ast.Tuple, ast.List)) for e in elts) \
+                and len({len(e.elts) for e in elts}) == 1:
+            out: list = []
+            for i in range(len(elts[0].elts)):
+                k: str | None = None
+                for e in elts:
+                    k = join(k, self.kind(e.elts[i], scope) or UNKNOWN)
+                out.append(_known(k))
+            return out
+        if any(isinstance(e, (ast.Tuple, ast.List, ast.Starred)) for e in elts):
+            return None
+        kinds = [self.kind(e, scope) for e in elts]
+        if not kinds or any(k not in TENSOR_KINDS and k != NONE for k in kinds):
+            return None
+        out_kind: str | None = None
+        for k in kinds:
+            out_kind = join(out_kind, k)
+        return out_kind if out_kind in TENSOR_KINDS else None
+
     def bind_loop_target(self, target: ast.expr, it: ast.expr, scope: Scope) -> None:
-        """Bind a ``for`` / comprehension target in ``scope.env`` (no facts recorded)."""
+        """Bind a ``for`` / comprehension target in ``scope.env`` (no facts recorded), with
+        the kind it has strictly too (see :meth:`strictly`): a loop variable of a tensor that
+        is strictly on the device is so too, and a rebound one loses what it had before."""
         elems = self.elem_kinds(it, scope)
-        if isinstance(elems, list) and isinstance(target, (ast.Tuple, ast.List)) \
-                and len(elems) == len(target.elts):
-            for t, k in zip(target.elts, elems, strict=True):
-                _bind_plain(t, k if k in TENSOR_KINDS else None, scope)
+        strict = self.strictly_with(self.elem_kinds, it, scope)
+        _bind_items(target, elems, strict, scope)
+
+
+def _bind_items(target: ast.expr, elems: list | str | None, strict: list | str | None,
+                scope: Scope) -> None:
+    """Bind ``target`` to items of the kinds ``elems`` (per position when a list, see
+    :meth:`KindModel.elem_kinds`) and strict kinds ``strict``."""
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(elems, list) \
+            and len(elems) == len(target.elts):
+        strict_items = strict if isinstance(strict, list) and len(strict) == len(elems) \
+            else [None] * len(elems)
+        for t, k, sk in zip(target.elts, elems, strict_items, strict=True):
+            _bind_items(t, k, sk, scope)
+        return
+    kind = elems if isinstance(elems, str) and elems in TENSOR_KINDS else None
+    _bind_plain(target, kind, scope,
+                strict if isinstance(strict, str) and strict in TENSOR_KINDS else None)
+
+
+def _is_numpy_call(node: ast.expr) -> bool:
+    """``t.numpy()`` (any receiver): a NumPy view of a tensor's memory."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+        and node.func.attr == "numpy"
+
+
+def _strip_views(node: ast.expr) -> ast.expr:
+    """``a`` of ``a[i]``, ``a.reshape(...)``, ``a.view(...)``, ``a.ravel()``: what a view reads."""
+    while True:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in (*_VIEWS, "ravel"):
+            node = node.func.value
         else:
-            _bind_plain(target, elems if isinstance(elems, str) else None, scope)
+            return node
 
 
 def _dict_key(node: ast.expr) -> str | None:
@@ -902,12 +1032,17 @@ def _known(kind: str | None) -> str | None:
     return None if kind in (UNKNOWN, LIST, ARG) else kind
 
 
-def _bind_plain(target: ast.expr, kind: str | None, scope: Scope) -> None:
+def _bind_plain(target: ast.expr, kind: str | None, scope: Scope,
+                strict: str | None = None) -> None:
     if isinstance(target, ast.Name):
         scope.env[target.id] = kind or UNKNOWN
+        # the strict binding too: a stale one (``x = torch.zeros(n, device=d)`` before
+        # ``for x in host_items:``) would make ``if x:`` a read of a device tensor
+        scope.env[STRICT + target.id] = strict or UNKNOWN
+        scope.env.pop("[]" + target.id, None)
     elif isinstance(target, (ast.Tuple, ast.List)):
         for t in target.elts:
-            _bind_plain(t, kind if kind in TENSOR_KINDS else None, scope)
+            _bind_plain(t, kind if kind in TENSOR_KINDS else None, scope,
+                        strict if strict in TENSOR_KINDS else None)
     elif isinstance(target, ast.Starred):
-        _bind_plain(target.value, kind, scope)
-
+        _bind_plain(target.value, kind, scope, strict)

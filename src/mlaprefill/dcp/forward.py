@@ -218,7 +218,7 @@ def check_dcp_consistency(digest: tuple[int, int, int], process_group: Any,
     mine = np.asarray([*digest, 0 if local_error is None else 1], dtype=np.int64)
     both = torch.from_numpy(np.concatenate([mine, -mine])).to(device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=process_group)
-    values = both.cpu().numpy()  # the one documented host sync of debug mode
+    values = both.cpu().numpy()  # noqa: HS201 -- a real sync, the one documented of debug mode
     lo, hi = values[:4], -values[4:]
     bad = [name for name, a, b in zip(_DIGEST_FIELDS, lo[:3], hi[:3], strict=True) if a != b]
     if bad:
