@@ -109,9 +109,13 @@ def _ratio(num: int, den: int) -> float:
 #: loop targets, host guards, fresh NumPy arrays: dev HS101 36/51, HS201 67/120 (precision
 #: 67/68, the one false positive cache_3d.py:664 as before); held-out unchanged (HS101 1/4,
 #: HS201 34/57, precision 34/35), so its bounds are as they were.
+#: Ninth round, held-out batch: 15 files labelled and committed (111860e) before being linted,
+#: measured once with the rules above: HS101 3/4 with three false positives, HS201 11/37 with
+#: one. Held-out now (41 files): HS101 4/8 (precision 4/7), HS201 45/94 (precision 45/47): the
+#: bounds, lowered because the split grew, not because a rule lost a finding.
 REACHED = {
     ("dev", "HS101"): (1.0, 36 / 51), ("dev", "HS201"): (67 / 68, 67 / 120),
-    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
+    ("held-out", "HS101"): (4 / 7, 4 / 8), ("held-out", "HS201"): (45 / 47, 45 / 94),
 }
 
 
