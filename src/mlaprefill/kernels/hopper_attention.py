@@ -97,13 +97,14 @@ if HAS_GLUON:
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                       stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
-                       kr_empty, v_ready, v_empty, b_lo, n_iter, it0, BLOCK_N: gl.constexpr,
-                       D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                       STAGES: gl.constexpr):
-        # One warp, one tile. Its iteration i is the ring's iteration g = it0 + i (the count
-        # runs on across the program's tiles) and loads key block b_lo + i: its K and rope
+    def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                       stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
+                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
+                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        # One warp, one tile (_tile); returns its iteration count. Its iteration i is the
+        # ring's iteration g = it0 + i (the count runs on across the program's tiles) and
+        # loads key block b_lo + i: its K and rope
         # into stage g % STAGES of one ring, its V into the same stage of another, round
         # g // STAGES. Two rings
         # because a consumer is done with a block's K and rope after its scores, and with its V
@@ -124,6 +125,8 @@ if HAS_GLUON:
         # per tile in the same global scratch, so first every copy issued with the previous
         # tile's must have landed: its last STAGES iterations' ready phases have completed
         # (nothing else is issued into those stages until this warp issues it).
+        _qs, _nq, _m0, head, k_start, seqlen_k, _ke, _nf, b_lo, n_iter = _tile(
+            tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
         for j in gl.static_range(STAGES):
             g = it0 - 1 - j
             if g >= 0:
@@ -155,6 +158,7 @@ if HAS_GLUON:
             bar = v_ready.index(st)
             mbarrier.expect(bar, v_bytes)
             tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
+        return n_iter
 
     @gluon.jit
     def _scores(q1_s, q2_s, k_s, r_s, kr_ready, i, s_zero, STAGES: gl.constexpr):
@@ -215,14 +219,17 @@ if HAS_GLUON:
         return acc, m_i, l_i, p
 
     @gluon.jit
-    def _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
-                       stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end, n_free,
-                       b_lo, n_iter, it0, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
-                       kr_empty, v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                       ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        # One consumer warpgroup (4 warps), one tile: query rows m0 + 64 * WG + [0, 64);
-        # its ring iterations are it0 + [0, n_iter).
+    def _consumer_tile(tile, it0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m,
+                       num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                       stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
+                       v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                       ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                       STAGES: gl.constexpr):
+        # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
+        # its ring iterations are it0 + [0, n_iter). Returns n_iter.
+        q_start, seqlen_q, m0, head, _ks, _nk, kv_end, n_free, b_lo, n_iter = _tile(
+            tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -321,6 +328,7 @@ if HAS_GLUON:
         elif not ACCUMULATE:  # no key here: out = 0, lse = -inf (merging nothing: no write)
             gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
             gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
+        return n_iter
 
     @gluon.jit
     def _tile(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL: gl.constexpr,
@@ -361,23 +369,18 @@ if HAS_GLUON:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
                   D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
         if CAUSAL:  # one tile per program; the ring starts at iteration 0 (constants fold)
-            _, _, _, head, k_start, seqlen_k, _, _, b_lo, n_iter = _tile(
-                gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M,
-                BLOCK_N)
-            _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt, stride_kh,
-                           stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s,
-                           kr_ready, kr_empty, v_ready, v_empty, b_lo, n_iter, 0, BLOCK_N,
-                           D1, D2, DV, STAGES)
+            _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr,
+                           dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
+                           stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
+                           v_empty, CAUSAL, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                _, _, _, head, k_start, seqlen_k, _, _, b_lo, n_iter = _tile(
-                    t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
-                _producer_tile(k_ptr, r_ptr, v_ptr, k_start, seqlen_k, head, stride_kt,
-                               stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
-                               v_s, kr_ready, kr_empty, v_ready, v_empty, b_lo, n_iter, it,
-                               BLOCK_N, D1, D2, DV, STAGES)
-                it += n_iter
+                it += _producer_tile(t, it, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense,
+                                     n_m, num_seqs, stride_kt, stride_kh, stride_rt,
+                                     stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
+                                     kr_empty, v_ready, v_empty, CAUSAL, BLOCK_M, BLOCK_N, D1,
+                                     D2, DV, STAGES)
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -387,25 +390,20 @@ if HAS_GLUON:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
                   D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
         if CAUSAL:  # one tile per program (as the producer)
-            q_start, seqlen_q, m0, head, _, _, kv_end, n_free, b_lo, n_iter = _tile(
-                gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M,
-                BLOCK_N)
-            _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head, stride_qt,
-                           stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, kv_end,
-                           n_free, b_lo, n_iter, 0, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+            _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                           dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
+                           stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
                            kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, ACCUMULATE,
-                           BLOCK_N, D1, D2, DV, STAGES)
+                           BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                q_start, seqlen_q, m0, head, _, _, kv_end, n_free, b_lo, n_iter = _tile(
-                    t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
-                _consumer_tile(q_ptr, out_ptr, lse_ptr, q_start, seqlen_q, m0, head,
-                               stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                               stride_lh, kv_end, n_free, b_lo, n_iter, it, qk_scale, q1_s,
-                               q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
-                               CAUSAL, ACCUMULATE, BLOCK_N, D1, D2, DV, STAGES)
-                it += n_iter
+                it += _consumer_tile(t, it, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                                     dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot,
+                                     stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
+                                     k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
+                                     CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
+                                     STAGES)
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
