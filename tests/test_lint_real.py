@@ -113,9 +113,12 @@ def _ratio(num: int, den: int) -> float:
 #: measured once with the rules above: HS101 3/4 with three false positives, HS201 11/37 with
 #: one. Held-out now (41 files): HS101 4/8 (precision 4/7), HS201 45/94 (precision 45/47): the
 #: bounds, lowered because the split grew, not because a rule lost a finding.
+#: Tenth round: the 15 round-9 files moved to dev, measured once right after with no rule
+#: changed: dev HS101 39/55 (precision 39/42), HS201 78/157 (precision 78/80); held-out (26
+#: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
 REACHED = {
-    ("dev", "HS101"): (1.0, 36 / 51), ("dev", "HS201"): (67 / 68, 67 / 120),
-    ("held-out", "HS101"): (4 / 7, 4 / 8), ("held-out", "HS201"): (45 / 47, 45 / 94),
+    ("dev", "HS101"): (39 / 42, 39 / 55), ("dev", "HS201"): (78 / 80, 78 / 157),
+    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 
 
