@@ -288,19 +288,25 @@ def _attention_f64(q, k, v, q_lens, k_lens, causal, scale, heads=(0, 5)):
         softmax_scale=scale)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,short", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("keys", ["split", "joined"])
-def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, keys):
+def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, keys,
+                                                                  monkeypatch):
     """On an sm_90 GPU varlen_attention's default is the warp-specialized Gluon kernel (it
     compiles, nothing fell back): against the float64 reference and the Triton kernel on awkward
     sizes (one token, no keys, page and block boundaries, a tail), with state merged in, with a
-    dense rectangle left out, and a NaN key staying in its sequence."""
+    dense rectangle left out, and a NaN key staying in its sequence. ``short``: a causal part of
+    at most 256 queries per sequence, which runs persistent, bitwise equal to one program per
+    tile."""
     from mlaprefill.kernels import hopper_attention
     from mlaprefill.kernels.attention import default_config, varlen_attention
 
     if torch.cuda.get_device_capability() != (9, 0) or not hopper_attention.HAS_GLUON:
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
-    q_lens = [1, 300, 1024, 77, 128, 129] if causal else [1, 300, 2048, 77, 128, 1]
+    if causal:
+        q_lens = [1, 200, 256, 77, 128, 129] if short else [1, 300, 1024, 77, 128, 129]
+    else:
+        q_lens = [1, 300, 2048, 77, 128, 1]
     k_lens = q_lens if causal else [5000, 0, 8192, 129, 128, 64]
     h, scale = 16, 192 ** -0.5
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -323,6 +329,13 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, keys):
     torch.cuda.synchronize()
     assert hopper_attention.num_compiled_kernels() >= max(before, 1)
     assert not hopper_attention._FAILED
+    blocks = -(-max(q_lens) // hopper_attention.BLOCK_M)
+    assert (blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS) == short
+    if short:  # the persistent form against one program per tile: the same bits
+        with monkeypatch.context() as m:
+            m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)
+            tile_o, tile_l = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)
+        assert torch.equal(tile_o, out) and torch.equal(tile_l, lse)
     ref_o, ref_l = _attention_f64(q, k_joined, v, q_lens, k_lens, causal, scale)
     heads = [0, 5]
     got_o, got_l = out[:, heads].double(), lse[:, heads].double()

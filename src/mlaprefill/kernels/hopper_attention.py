@@ -35,14 +35,16 @@ sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Trito
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
 A context part runs persistent (one program per SM walks the tiles, the rings' iteration count
-running on across them, so a tile's first loads overlap the previous one's epilogue); a causal
-part one program per tile, heaviest first.
+running on across them, so a tile's first loads overlap the previous one's epilogue), and so does
+a causal part of at most ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence; a longer
+causal part runs one program per tile, heaviest first.
 
 Measured on the H200 (benchmarks/results/fp8_attention_ideal_h200.json, cuDNN in the same run):
 0.84-0.98x cuDNN's time on the context parts of the 12 vs-ideal shapes, 0.85-0.93x under CUDA
 graphs (574-705 TFLOP/s), 0.93-1.07x on 4096-query causal parts, but 1.24-1.98x on short causal
 ones (250-1024 queries per request, 64-328 TFLOP/s).
-It compiles once per (dtype, causal, accumulate); lengths come from ``cu_seqlens``.
+It compiles once per (dtype, causal, accumulate), the causal kernel in both forms at its first
+call; lengths come from ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ _FAILED: dict[tuple, str] = {}
 _SM90: dict[int, bool] = {}
 # CUDA device index -> its multiprocessor count (the persistent grid's size)
 _SMS: dict[int, int] = {}
+# (dtype, accumulate, device index) whose causal kernel was built in both forms (persistent and
+# one program per tile), so that a causal call of another length compiles nothing later
+_CAUSAL_BUILT: set[tuple] = set()
+#: Causal parts with at most this many query blocks per sequence run persistent too: their tiles
+#: hold one or two key blocks, so overlapping a tile's prologue with the previous tile's epilogue
+#: pays; longer ones run one program per tile (an A/B on the H200, cuDNN in the same run: 128
+#: queries per sequence 1.61-1.69x -> 1.22-1.26x cuDNN's time, 250-256 0-5 % faster, 512-4096
+#: 2-12 % slower persistent).
+CAUSAL_PERSISTENT_MAX_BLOCKS = 2
 
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
@@ -219,6 +230,33 @@ if HAS_GLUON:
         return acc, m_i, l_i, p
 
     @gluon.jit
+    def _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE: gl.constexpr,
+                    dtype: gl.constexpr, o_layout: gl.constexpr, io_layout: gl.constexpr):
+        # A consumer's finished rows (o [64, DV] in o_layout, natural-log lse) into out / lse,
+        # or with ACCUMULATE merged into what they hold, by kernels.merge's rules: "no keys" is
+        # exactly -inf, NaN propagates, a +inf LSE merges to NaN; where(), not a multiply, for
+        # a side without keys. Each thread stores only the elements it loaded (same layouts),
+        # so no barrier is needed. Shared with the FP8 kernel (hopper_fp8_attention).
+        if ACCUMULATE:
+            l1 = gl.load(l_ptrs, mask=l_ok, other=float("-inf"))
+            o1 = gl.convert_layout(gl.load(o_ptrs, mask=io_ok, other=0.0),
+                                   o_layout).to(gl.float32)
+            e1 = l1 == float("-inf")
+            e2 = lse == float("-inf")
+            empty_row = e1 & e2
+            mx = gl.where(empty_row, 0.0, gl.maximum(l1, lse))
+            w1 = gl.where(e1, 0.0, gl.exp(l1 - mx))
+            w2 = gl.where(e2, 0.0, gl.exp(lse - mx))
+            s_safe = gl.where(empty_row, 1.0, w1 + w2)
+            c1 = gl.expand_dims(w1 / s_safe, 1)
+            c2 = gl.expand_dims(w2 / s_safe, 1)
+            o = (gl.where(gl.expand_dims(e1, 1), 0.0, o1 * c1)
+                 + gl.where(gl.expand_dims(e2, 1), 0.0, o * c2))
+            lse = gl.where(empty_row, float("-inf"), mx + gl.log(s_safe))
+        gl.store(o_ptrs, gl.convert_layout(o.to(dtype), io_layout), mask=io_ok)
+        gl.store(l_ptrs, lse, mask=l_ok)
+
+    @gluon.jit
     def _consumer_tile(tile, it0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m,
                        num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
@@ -304,27 +342,8 @@ if HAS_GLUON:
             o = acc * gl.expand_dims(1.0 / l_o, 1)
             o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-            if ACCUMULATE:
-                # kernels.merge's rules: "no keys" is exactly -inf, NaN propagates, a +inf LSE
-                # merges to NaN; where(), not a multiply, for a side without keys. Each thread
-                # stores only the elements it loaded (same layouts), so no barrier is needed.
-                l1 = gl.load(l_ptrs, mask=l_ok, other=float("-inf"))
-                o1 = gl.convert_layout(gl.load(o_ptrs, mask=io_ok, other=0.0),
-                                       o_layout).to(gl.float32)
-                e1 = l1 == float("-inf")
-                e2 = lse == float("-inf")
-                empty_row = e1 & e2
-                mx = gl.where(empty_row, 0.0, gl.maximum(l1, lse))
-                w1 = gl.where(e1, 0.0, gl.exp(l1 - mx))
-                w2 = gl.where(e2, 0.0, gl.exp(lse - mx))
-                s_safe = gl.where(empty_row, 1.0, w1 + w2)
-                c1 = gl.expand_dims(w1 / s_safe, 1)
-                c2 = gl.expand_dims(w2 / s_safe, 1)
-                o = (gl.where(gl.expand_dims(e1, 1), 0.0, o1 * c1)
-                     + gl.where(gl.expand_dims(e2, 1), 0.0, o * c2))
-                lse = gl.where(empty_row, float("-inf"), mx + gl.log(s_safe))
-            gl.store(o_ptrs, gl.convert_layout(o.to(dtype), io_layout), mask=io_ok)
-            gl.store(l_ptrs, lse, mask=l_ok)
+            _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
+                        io_layout)
         elif not ACCUMULATE:  # no key here: out = 0, lse = -inf (merging nothing: no write)
             gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
             gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
@@ -366,9 +385,10 @@ if HAS_GLUON:
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
                   stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
                   v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        if CAUSAL:  # one tile per program; the ring starts at iteration 0 (constants fold)
+                  PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                  STAGES: gl.constexpr):
+        if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
             _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr,
                            dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
                            stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
@@ -386,10 +406,11 @@ if HAS_GLUON:
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
                   q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
-                  WG: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                  D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        if CAUSAL:  # one tile per program (as the producer)
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                  ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                  STAGES: gl.constexpr):
+        if not PERSISTENT:  # one tile per program (as the producer)
             _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                            dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                            stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
@@ -414,9 +435,9 @@ if HAS_GLUON:
             n_m, num_seqs, n_tiles,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
             stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
-            CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-            STAGES: gl.constexpr, num_warps: gl.constexpr):
+            CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+            DV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         # A context part is persistent: program p runs tiles p, p + P, p + 2P, ... of the
         # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM. A causal
         # part runs one tile per program (n_tiles programs). The default partition
@@ -459,17 +480,17 @@ if HAS_GLUON:
             (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                          n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                          stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 0, CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
-                         STAGES)),
+                         v_ready, v_empty, 0, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N,
+                         D1, D2, DV, STAGES)),
             (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                          n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                          stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 1, CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
-                         STAGES)),
+                         v_ready, v_empty, 1, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N,
+                         D1, D2, DV, STAGES)),
             (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                          n_tiles, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
                          stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL,
-                         BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                         PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -576,18 +597,27 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_tiles = n_m * num_seqs * q.shape[1]
     # Persistent for a context part (tiles of one sequence cost the same, so a static round
     # robin over the SMs stays balanced and the next tile's loads overlap this one's epilogue);
-    # one program per tile for a causal part, whose tiles differ in cost up to n_m times: the
-    # hardware's dynamic scheduling balances them better (an A/B on the H200: the persistent
-    # loop, even with one tile per program, cost the causal parts 4-16 %).
-    grid = (max(1, n_tiles if causal else min(n_tiles, _num_sms(q.device))),)
-    try:
-        _hopper_attention_kernel[grid](
-            q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
+    # one program per tile for a causal part of more than CAUSAL_PERSISTENT_MAX_BLOCKS query
+    # blocks, whose tiles differ in cost up to n_m times: the hardware's dynamic scheduling
+    # balances them better (an A/B on the H200: the persistent loop, even with one tile per
+    # program, cost those 2-16 %). Both causal forms are built on the first causal call.
+    persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
+    grid = (max(1, min(n_tiles, _num_sms(q.device)) if persistent else n_tiles),)
+    args = (q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
             *dense_args, n_m, num_seqs, n_tiles, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), stride_rt, stride_rh, v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), lse.stride(0), lse.stride(1), CAUSAL=bool(causal),
-            ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D1=_D1, D2=_D2,
-            DV=_DV, STAGES=STAGES, num_warps=4, maxnreg=_MAXNREG)
+            out.stride(1), lse.stride(0), lse.stride(1))
+    consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
+                  BLOCK_N=BLOCK_N, D1=_D1, D2=_D2, DV=_DV, STAGES=STAGES, num_warps=4,
+                  maxnreg=_MAXNREG)
+    try:
+        built = (q.dtype, bool(accumulate), q.device.index if q.device.index is not None
+                 else torch.cuda.current_device())
+        if causal and built not in _CAUSAL_BUILT:  # the other form too, compiled, not run
+            _hopper_attention_kernel.warmup(*args, grid=(1,), PERSISTENT=not persistent,
+                                            **consts)
+            _CAUSAL_BUILT.add(built)
+        _hopper_attention_kernel[grid](*args, PERSISTENT=persistent, **consts)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs

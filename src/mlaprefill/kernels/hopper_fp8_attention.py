@@ -241,24 +241,8 @@ if HAS_GLUON:
             o = acc * gl.expand_dims(sv / l_o, 1)
             o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-            if ACCUMULATE:  # kernels.merge's rules, as in the bf16 kernel
-                l1 = gl.load(l_ptrs, mask=l_ok, other=float("-inf"))
-                o1 = gl.convert_layout(gl.load(o_ptrs, mask=io_ok, other=0.0),
-                                       o_layout).to(gl.float32)
-                e1 = l1 == float("-inf")
-                e2 = lse == float("-inf")
-                empty_row = e1 & e2
-                mx = gl.where(empty_row, 0.0, gl.maximum(l1, lse))
-                w1 = gl.where(e1, 0.0, gl.exp(l1 - mx))
-                w2 = gl.where(e2, 0.0, gl.exp(lse - mx))
-                s_safe = gl.where(empty_row, 1.0, w1 + w2)
-                c1 = gl.expand_dims(w1 / s_safe, 1)
-                c2 = gl.expand_dims(w2 / s_safe, 1)
-                o = (gl.where(gl.expand_dims(e1, 1), 0.0, o1 * c1)
-                     + gl.where(gl.expand_dims(e2, 1), 0.0, o * c2))
-                lse = gl.where(empty_row, float("-inf"), mx + gl.log(s_safe))
-            gl.store(o_ptrs, gl.convert_layout(o.to(dtype), io_layout), mask=io_ok)
-            gl.store(l_ptrs, lse, mask=l_ok)
+            _bf16._store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
+                              io_layout)
         elif not ACCUMULATE:  # no key here: out = 0, lse = -inf (merging nothing: no write)
             gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
             gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
