@@ -39,10 +39,12 @@ running on across them, so a tile's first loads overlap the previous one's epilo
 a causal part of at most ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence; a longer
 causal part runs one program per tile, heaviest first.
 
-Measured on the H200 (benchmarks/results/fp8_attention_ideal_h200.json, cuDNN in the same run):
-0.84-0.98x cuDNN's time on the context parts of the 12 vs-ideal shapes, 0.85-0.93x under CUDA
-graphs (574-705 TFLOP/s), 0.93-1.07x on 4096-query causal parts, but 1.24-1.98x on short causal
-ones (250-1024 queries per request, 64-328 TFLOP/s).
+Measured on the H200 under CUDA graphs, cuDNN in the same run (benchmarks/results/
+fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this code; the
+context kernel is the same binary in both, so their spread is run-to-run): 0.85-0.93x and
+0.82-0.94x cuDNN's time on the context parts of the 12 vs-ideal shapes (562-667 TFLOP/s),
+0.93-0.98x on 4096-query causal parts, but 1.16-1.60x on short causal ones (250-1024 queries
+per request, 107-340 TFLOP/s).
 It compiles once per (dtype, causal, accumulate), the causal kernel in both forms at its first
 call; lengths come from ``cu_seqlens``.
 """
