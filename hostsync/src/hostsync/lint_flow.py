@@ -132,6 +132,7 @@ class _Flow:
         self._report = report
         self.reporting = False
         self.exporting = False  # summarizing for other modules (see summarize)
+        self.raising = False  # in a raise statement or an assert message (an error path)
         self.pending = Facts()
 
     def run(self, passes: tuple[bool, ...] = (False, False, True)) -> None:
@@ -145,8 +146,18 @@ class _Flow:
                 self.model.facts = self.pending
 
     def _add(self, node: ast.AST, code: str, message: str) -> None:
-        if self.reporting:
+        if self.reporting and not (self.raising and code == "HS201"):
             self._report(node, code, message)
+
+    def _error_path(self, e: ast.expr, scope: Scope) -> None:
+        """Walk ``e``, built only on the way to an exception (a ``raise``'s exception, an
+        ``assert``'s message): a host read there waits once, as the program fails, so it is
+        no HS201 (``raise ValueError(f"got {n}")`` after ``if n != m:``)."""
+        raising, self.raising = self.raising, True
+        try:
+            self._expr(e, scope)
+        finally:
+            self.raising = raising
 
     # ------------------------------------------------------------------ statements
 
@@ -203,8 +214,12 @@ class _Flow:
             self._expr(s.test, scope)
             self._check_truth(s.test, "assert", scope)
             if s.msg is not None:
-                self._expr(s.msg, scope)
-        elif isinstance(s, (ast.Raise, ast.Delete)):
+                self._error_path(s.msg, scope)
+        elif isinstance(s, ast.Raise):
+            for child in ast.iter_child_nodes(s):
+                if isinstance(child, ast.expr):
+                    self._error_path(child, scope)
+        elif isinstance(s, ast.Delete):
             for child in ast.iter_child_nodes(s):
                 if isinstance(child, ast.expr):
                     self._expr(child, scope)
@@ -586,6 +601,8 @@ class _Flow:
                 len(call.args) > 1 and _is_true(call.args[1]))):
             src = call.args[0] if call.args else kwarg(call, "src")
             dst_kind = model.kind(f.value, scope)
+            if src is not None and dst_kind != DEVICE and _host_copy_of_device(src, model, scope):
+                return  # `dst.copy_(dev.cpu(), ...)`: staging into a host buffer, no upload
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
 
@@ -705,6 +722,24 @@ class _Flow:
                       f"non_blocking=True copy of `{_src(src)}`, {where}: if it is pageable "
                       "host memory the host can block until all queued GPU work finishes; "
                       "make sure it is pinned (or on the device)")
+
+
+def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
+    """``src`` is a host copy just made of a device tensor (``dev.cpu()``,
+    ``dev.to("cpu")``): copying it on to a destination not known to be on the device is a
+    device-to-host transfer staged through the host, not an upload of pageable memory."""
+    if not (isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute)):
+        return False
+    m = src.func.attr
+    if m == "cpu":
+        pass
+    elif m == "to":
+        target = model.to_target(src)
+        if target is None or model.device_kind(target, scope) != CPU_DEV:
+            return False
+    else:
+        return False
+    return model.kind(src.func.value, scope) in (DEVICE, DEV_CALL)
 
 
 def _guards(test: ast.expr) -> tuple[dict[str, str], dict[str, str]]:

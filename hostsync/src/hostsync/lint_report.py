@@ -57,6 +57,8 @@ reused only after an event says its last copy is done (see mlaprefill.StagingRin
     starts_dev = host.to(device, non_blocking=True)             # clean
 
 Reported when one path makes the source pageable and no path pins it or puts it on a device.
+Not reported: `dst.copy_(dev.cpu(), non_blocking=True)` into a `dst` not known to be on a
+device (a host copy of a device tensor staged into a host buffer, no upload).
 A pageable fallback on purpose (no CUDA, a benchmark baseline): add `# noqa: HS101`.""",
     "HS102": """\
 HS102  pinning inside a loop
@@ -88,7 +90,9 @@ What: reading a device tensor's value on the host, in any of these forms:
     (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
-  - an f-string of a device tensor (`f"{t}"`, e.g. in an assert or log message).
+  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
+A read built only on the way to an exception (a `raise` statement, an `assert`'s message) is
+not reported: it waits once, as the program fails; the test that decides to fail still is.
 A tensor is known to be on the device when it is made with device= something not known to be
 the CPU (a free function's own device parameter excepted: the caller chooses it), also through a
 local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
