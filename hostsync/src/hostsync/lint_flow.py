@@ -26,6 +26,7 @@ from hostsync.lint_kinds import (
     Imported,
     KindModel,
     Scope,
+    bind_item,
     device_kind_of_str,
     dotted,
     falsy_locals,
@@ -207,6 +208,9 @@ class _Flow:
             if scope.function is not None:
                 kind = self.model.kind(s.value, scope) if s.value is not None else NONE
                 self.pending.add_return(scope.cls, scope.function, kind)
+                if kind != NONE:
+                    self.pending.add_items(scope.cls, scope.function,
+                                           self._written_tuple(s.value, scope))
             return False
         elif isinstance(s, ast.Expr):
             self._expr(s.value, scope)
@@ -392,8 +396,21 @@ class _Flow:
                 (isinstance(value, ast.Call) and isinstance(value.func, ast.Name))
                 or model.summarized(value, scope)
                 or model.foreign_callable(value, scope))) else None
-            for t in target.elts:
-                self._bind_kind(t, item, scope)
+            items = model.returned_items(value, scope)
+            if items is None or len(items) != len(target.elts) or any(
+                    isinstance(t, ast.Starred) for t in target.elts):
+                for t in target.elts:
+                    self._bind_kind(t, item, scope)
+                return
+            # `ids, n, lens = self._plan(...)` of a function of this module whose every
+            # return writes out such a tuple: each item what that position holds, strictly
+            # too; a position of unknown kind takes the item kind above
+            for t, (k, sk) in zip(target.elts, items, strict=True):
+                k = k if k in TENSOR_KINDS else item
+                if isinstance(t, ast.Name):
+                    bind_item(t, k, sk, scope)
+                else:
+                    self._bind_kind(t, k, scope)
         elif isinstance(target, ast.Starred):
             self._bind(target.value, value, scope)
         elif isinstance(target, ast.Attribute):
@@ -415,6 +432,14 @@ class _Flow:
                 self.pending.add_attr(None, target.attr, kind)
         elif isinstance(target, ast.Subscript):
             self._add_to_list(target.value, kind, scope)
+
+    def _written_tuple(self, value: ast.expr | None, scope: Scope) -> tuple | None:
+        """(kind, strict kind) of each item of a returned tuple written out without ``*``."""
+        if not isinstance(value, ast.Tuple) or any(isinstance(e, ast.Starred)
+                                                   for e in value.elts):
+            return None
+        model = self.model
+        return tuple((model.kind(e, scope), model.strictly(e, scope)) for e in value.elts)
 
     def _bind_kind(self, target: ast.expr, kind: str | None, scope: Scope) -> None:
         if isinstance(target, ast.Name):

@@ -32,7 +32,7 @@ from hostsync.lint_where import (
 )
 
 __all__ = ["COLLECTIVES", "COLLECTIVE_KEYWORDS", "LIST", "STRICT", "Arg", "Facts", "Imported",
-           "KindModel", "Scope", "Site",
+           "KindModel", "Scope", "Site", "bind_item",
            "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
            "truthy_pin"]
 
@@ -214,6 +214,11 @@ class Facts:
     # ``(lineno, col)``: ``(is_attribute, callee name, positional (kind, strict) pairs or None
     # where a ``*`` / ``**`` argument hides them, keyword (name, (kind, strict)) pairs)``
     sites: dict[tuple[int, int], Site] = dataclasses.field(default_factory=dict)
+    # ``items[(class or None, function)]``: per position, the (kind, strict kind) of the
+    # tuple every return of the function writes out (``return dev, n, host``); None where
+    # a return gives something else or a tuple of another length (see :meth:`add_items`)
+    items: dict[tuple[str | None, str], tuple[Arg, ...] | None] = dataclasses.field(
+        default_factory=dict)
 
     def add_strict_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
         """What an assignment of ``attr`` gives it strictly (see :meth:`KindModel.strictly`):
@@ -239,6 +244,25 @@ class Facts:
             return
         key = (owner, attr)
         self.attrs[key] = join(self.attrs.get(key), kind) or kind
+
+    def add_items(self, owner: str | None, name: str,
+                  items: tuple[Arg, ...] | None) -> None:
+        """What one return gives per position (None: not a written-out tuple; a bare
+        ``return`` / ``return None`` adds nothing). A position has a kind only when every
+        return gives it that kind, as for :meth:`add_return`."""
+        key = (owner, name)
+        if key in self.items and self.items[key] is None:
+            return
+        prev = self.items.get(key)
+        if items is None or (prev is not None and len(prev) != len(items)):
+            self.items[key] = None
+            return
+        if prev is None:
+            self.items[key] = tuple((k or UNKNOWN, sk or UNKNOWN) for k, sk in items)
+            return
+        self.items[key] = tuple(
+            (pk if pk == (k or UNKNOWN) else UNKNOWN, psk if psk == (sk or UNKNOWN) else UNKNOWN)
+            for (pk, psk), (k, sk) in zip(prev, items, strict=True))
 
     def add_return(self, owner: str | None, name: str, kind: str | None) -> None:
         """A function's summary is a tensor kind only when *every* return gives it (``None``
@@ -778,6 +802,24 @@ class KindModel:
             return known if known is not None else self.by_inputs(call, scope)
         return self.method(f.attr, call, f.value, scope)
 
+    def returned_items(self, value: ast.expr | None, scope: Scope) -> tuple[Arg, ...] | None:
+        """Per position, the (kind, strict kind) of the tuple that a call of this module's
+        function or of a method of a known class of it (``self._plan(...)``) returns, when
+        every return of it writes one out (see :attr:`Facts.items`); None otherwise."""
+        if not isinstance(value, ast.Call):
+            return None
+        f = value.func
+        if isinstance(f, ast.Name) and f.id in self.functions:
+            key: tuple[str | None, str] = (None, f.id)
+        elif isinstance(f, ast.Attribute):
+            owner = self.type_of(f.value, scope)
+            if owner is None or (owner, f.attr) not in self.methods:
+                return None
+            key = (owner, f.attr)
+        else:
+            return None
+        return self.facts.items.get(key)
+
     def summarized(self, value: ast.expr | None, scope: Scope) -> bool:
         """Whether ``value`` is a call of a function or method with a known return summary
         (this module's or an imported one's), not a guess from its arguments."""
@@ -959,6 +1001,11 @@ class KindModel:
         elems = self.elem_kinds(it, scope)
         strict = self.strictly_with(self.elem_kinds, it, scope)
         _bind_items(target, elems, strict, scope)
+
+
+def bind_item(target: ast.Name, kind: str | None, strict: str | None, scope: Scope) -> None:
+    """Bind a name to a known (kind, strict kind) pair (``unknown`` for what is not known)."""
+    _bind_plain(target, _known(kind), scope, _known(strict))
 
 
 def _bind_items(target: ast.expr, elems: list | str | None, strict: list | str | None,
