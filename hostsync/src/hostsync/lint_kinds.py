@@ -763,6 +763,12 @@ class KindModel:
     def call(self, call: ast.Call, scope: Scope) -> str | None:
         f = call.func
         if isinstance(f, ast.Name):
+            if f.id in ("min", "max") and f.id not in scope.env and len(call.args) > 1 \
+                    and not call.keywords \
+                    and not any(isinstance(a, ast.Starred) for a in call.args):
+                # `max(start, t[0])` returns one of its arguments: a device one wins where
+                # it compares greater, as in an op of them (the comparison is HS201 itself)
+                return op_result([self.kind(a, scope) for a in call.args])
             if f.id in _BUILTINS or self.is_class_call(f) is not None:
                 return None
             if f.id in self.functions and not self.strict:
