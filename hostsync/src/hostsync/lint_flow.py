@@ -32,6 +32,7 @@ from hostsync.lint_kinds import (
     falsy_locals,
     is_dtype_expr,
     kwarg,
+    zipped_locals,
 )
 from hostsync.lint_where import (
     ACC_DEV,
@@ -347,7 +348,7 @@ class _Flow:
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
                       scope.function is None) else None, uses=_attribute_uses(fn),
-                      falsy=falsy_locals(fn))
+                      falsy=falsy_locals(fn), zips=zipped_locals(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None

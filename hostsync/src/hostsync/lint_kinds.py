@@ -34,7 +34,7 @@ from hostsync.lint_where import (
 __all__ = ["COLLECTIVES", "COLLECTIVE_KEYWORDS", "LIST", "STRICT", "Arg", "Facts", "Imported",
            "KindModel", "Scope", "Site", "bind_item",
            "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
-           "truthy_pin"]
+           "truthy_pin", "zipped_locals"]
 
 #: torch.distributed collectives and the positions of their tensor (or tensor list)
 #: arguments, which a NCCL/HCCL process group requires on the device; keywords by name
@@ -160,6 +160,30 @@ def falsy_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
     return frozenset(n for n, c in literal.items() if stores.get(n) == c and n not in other)
 
 
+def zipped_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.Call]:
+    """The local names of ``fn`` bound once, by ``name = zip(...)`` (or ``enumerate(...)``),
+    and no other way anywhere in it (not a parameter, not global or nonlocal): iterating the
+    name later iterates that call (``iterator = zip(reqs, logits)`` ... ``for r, l in
+    iterator:``)."""
+    stores: dict[str, int] = {}
+    zips: dict[str, ast.Call] = {}
+    other: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            stores[node.id] = stores.get(node.id, 0) + 1
+        elif isinstance(node, ast.arg):
+            other.add(node.arg)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            other.update(node.names)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Name) \
+                and node.value.func.id in ("zip", "enumerate"):
+            zips[node.targets[0].id] = node.value
+    return {n: z for n, z in zips.items()
+            if stores.get(n) == 1 and n not in other and ast.unparse(z.func) not in stores}
+
+
 def is_dtype_expr(node: ast.expr) -> bool:
     """``torch.int32``, ``x.dtype``, ``dtype``, ``positions_dtype``: a dtype, not a device."""
     if isinstance(node, ast.Attribute):
@@ -184,6 +208,8 @@ class Scope:
     # local names every binding of which in this function is a literal ``False`` / ``None``
     # (``pin_memory = False`` ... ``torch.empty(n, pin_memory=pin_memory)``)
     falsy: frozenset[str] = frozenset()
+    # local names bound once to a ``zip(...)`` / ``enumerate(...)`` (see :func:`zipped_locals`)
+    zips: dict[str, ast.Call] = dataclasses.field(default_factory=dict)
 
     def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
         """The same scope over another env (a copy of this one by default)."""
@@ -965,6 +991,8 @@ class KindModel:
         (nested for ``enumerate(zip(a, b))``). Iterating a tensor gives tensors of its kind
         (``for row in t``: a device tensor's rows are device tensors, a host one's host ones);
         iterating a list gives its items' kind."""
+        if isinstance(it, ast.Name) and it.id in scope.zips:
+            it = scope.zips[it.id]  # `iterator = zip(...)` ... `for ... in iterator:`
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
             if it.func.id == "zip":
                 return [self.elem_kinds(a, scope) for a in it.args]
