@@ -87,7 +87,8 @@ HS201  host read of a device tensor
 What: reading a device tensor's value on the host, in any of these forms:
   - `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, a blocking `.to("cpu")`;
   - `bool(t)`, `int(t)`, `float(t)`, and builtin `min()`/`max()` comparing device tensors
-    (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`);
+    (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`; what `max(a, t)` returns is a
+    device tensor too, so `if 0 <= max(a, t) - a:` reads it again);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
   - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
@@ -101,7 +102,10 @@ beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given 
 returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
 fields and tuple items of such a result (of a plain function, or of a callable held by another
 object: `ids, probs = batch.chooser(logits)`; not of a method of `self` guessed from its
-arguments), and what a function returns whose every return is on
+arguments), the items of a tuple that every return of a function or method of the module
+writes out (`return dev, n, host`: `ts, n, host = self._steps(...)` makes `ts` a device
+tensor, in conditions too, and leaves `host` on the host), loop items of a name bound once to
+`zip(...)` and iterated later, and what a function returns whose every return is on
 the device, in the same module or in another file linted in the same run that this one imports
 (`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
 summaries; lint a package's files together to use them). Conditions, casts and f-strings are
