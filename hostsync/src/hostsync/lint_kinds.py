@@ -618,8 +618,10 @@ class KindModel:
             k = self.kind(node.value, scope)
             if k in TENSOR_KINDS:
                 return ACC_DEV if k == DEVICE else CPU_DEV
-            if self.type_of(node.value, scope) is None:
+            if self.type_of(node.value, scope) is None and not _self_path(node.value):
                 return SAME_DEV  # a tensor we cannot place: the device is unknown too
+            # `self.embed.weight.device`: the device a method's component serves, as a
+            # method's own device parameter is (and as the strict kind takes it)
             # else the device of an object (``self.device``): its facts or its name say
         if a in _NON_TENSOR_ATTRS:
             return None
@@ -1056,6 +1058,15 @@ def _bind_items(target: ast.expr, elems: list | str | None, strict: list | str |
     kind = elems if isinstance(elems, str) and elems in TENSOR_KINDS else None
     _bind_plain(target, kind, scope,
                 strict if isinstance(strict, str) and strict in TENSOR_KINDS else None)
+
+
+def _self_path(node: ast.expr) -> bool:
+    """``self.a.b`` (two attributes at least under ``self``): a parameter or buffer of a
+    submodule of the object, not one of its own tensors."""
+    depth = 0
+    while isinstance(node, ast.Attribute):
+        node, depth = node.value, depth + 1
+    return depth >= 2 and isinstance(node, ast.Name) and node.id == "self"
 
 
 def _is_numpy_call(node: ast.expr) -> bool:

@@ -94,27 +94,29 @@ What: reading a device tensor's value on the host, in any of these forms:
   - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
 A read built only on the way to an exception (a `raise` statement, an `assert`'s message) is
 not reported: it waits once, as the program fails; the test that decides to fail still is.
-A tensor is known to be on the device when it is made with device= something not known to be
-the CPU (a free function's own device parameter excepted: the caller chooses it), also through a
+A tensor is known to be on the device when it is made with device= something not known to be the
+CPU (a free function's own device parameter excepted: the caller chooses it), also through a
 local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
-tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
-beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
-returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
-fields and tuple items of such a result (of a plain function, or of a callable held by another
-object: `ids, probs = batch.chooser(logits)`; not of a method of `self` guessed from its
-arguments), the items of a tuple that every return of a function or method of the module
-writes out (`return dev, n, host`: `ts, n, host = self._steps(...)` makes `ts` a device
-tensor, in conditions too, and leaves `host` on the host), loop items of a name bound once to
-`zip(...)` and iterated later, and what a function returns whose every return is on
-the device, in the same module or in another file linted in the same run that this one imports
-(`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
-summaries; lint a package's files together to use them). Conditions, casts and f-strings are
-judged from what the code does, not from names (`if has_cuda:`, `if device.type == "cuda":`,
-`assert t.dim() == 2` are silent); an attribute of `self` that every assignment in its class
-puts on the device (`self.free = torch.arange(n, device=dev)` in `__init__`, then slices and
-cats of itself) counts in another method's condition. What a constructor is given by keyword
-(`Meta(seq_lens=x)`) is what an object of unknown class holds only when that constructor's
-arguments cover every attribute the function uses of the object.
+tensor on the device), or on the device of a submodule's parameter (`self.embed.weight.device`,
+the device the component serves; `x.device` of a tensor of unknown place says nothing), moved
+there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`).
+`.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors returns count too
+(`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do fields and tuple items
+of such a result (of a plain function, or of a callable held by another object: `ids, probs =
+batch.chooser(logits)`; not of a method of `self` guessed from its arguments), the items of a
+tuple that every return of a function or method of the module writes out (`return dev, n, host`:
+`ts, n, host = self._steps(...)` makes `ts` a device tensor, in conditions too, and leaves
+`host` on the host), loop items of a name bound once to `zip(...)` and iterated later, and what
+a function returns whose every return is on the device, in the same module or in another file
+linted in the same run that this one imports (`from .post import sample` ... `ids, probs =
+sample(logits); ids.cpu()`: cross-module summaries; lint a package's files together to use
+them). Conditions, casts and f-strings are judged from what the code does, not from names (`if
+has_cuda:`, `if device.type == "cuda":`, `assert t.dim() == 2` are silent); an attribute of
+`self` that every assignment in its class puts on the device (`self.free = torch.arange(n,
+device=dev)` in `__init__`, then slices and cats of itself) counts in another method's
+condition. What a constructor is given by keyword (`Meta(seq_lens=x)`) is what an object of
+unknown class holds only when that constructor's arguments cover every attribute the function
+uses of the object.
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
