@@ -116,8 +116,12 @@ def _ratio(num: int, den: int) -> float:
 #: Tenth round: the 15 round-9 files moved to dev, measured once right after with no rule
 #: changed: dev HS101 39/55 (precision 39/42), HS201 78/157 (precision 78/80); held-out (26
 #: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
+#: Tenth round, rules (README): error paths, host staging copies, per-position tuple returns,
+#: min()/max() results, zip names iterated later, submodule parameters' devices: dev HS101
+#: 39/55 (precision 39/40), HS201 82/157 (precision 82/83); held-out unchanged (HS101 1/4,
+#: HS201 34/57, precision 34/35), so its bounds are as they were.
 REACHED = {
-    ("dev", "HS101"): (39 / 42, 39 / 55), ("dev", "HS201"): (78 / 80, 78 / 157),
+    ("dev", "HS101"): (39 / 40, 39 / 55), ("dev", "HS201"): (82 / 83, 82 / 157),
     ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 

@@ -14,7 +14,7 @@ def greedy(output_token_ids, draft_lens, bonus):
     while needs.any():  # expect: HS201
         needs = needs[1:]
     assert torch.all(lens >= 0), (  # expect: HS201
-        f"bad lens {lens}")  # expect: HS201
+        f"bad lens {lens}")  # the message: built only as the assert fails
     n = int(lens.sum())  # expect: HS201
     frac = float(lens.float().mean())  # expect: HS201
     flag = bool(needs[0])  # expect: HS201

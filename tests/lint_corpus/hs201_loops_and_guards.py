@@ -1,8 +1,8 @@
 """HS201: iterating a tensor gives items of its kind (a device tensor's rows are device tensors,
 judged strictly as the tensor is, in loops and comprehensions and through ``enumerate`` and
-``zip``); a rebound loop variable loses its earlier kind; host guards (``x.is_cpu``,
-``x.device.type == "cpu"``) make a read in the host branch no sync, and the other branch a
-device read."""
+``zip``, also of a name bound once to a ``zip(...)`` and iterated later); a rebound loop
+variable loses its earlier kind; host guards (``x.is_cpu``, ``x.device.type == "cpu"``) make a
+read in the host branch no sync, and the other branch a device read."""
 import torch
 
 
@@ -47,3 +47,14 @@ def host_guard_after_raise(out_cpu):
     if out_cpu.device.type != "cpu":
         raise ValueError("must be on the CPU")
     return out_cpu.tolist()  # the guard holds after the raise: no sync
+
+
+def zipped_later(names, n):
+    lens = torch.arange(n, device="cuda")
+    host = torch.arange(n)
+    iterator = zip(names, lens, host)
+    for i, (name, length, h) in enumerate(iterator):  # the zip bound above, iterated here
+        if length > 0:  # expect: HS201
+            print(i, name)
+        if h > 0 or name:  # host items and names: no sync
+            pass

@@ -1,5 +1,6 @@
-"""HS201: builtin min()/max() of device tensors, and attributes every assignment of a class
-allocates on the device (read in a condition in another method)."""
+"""HS201: builtin min()/max() of device tensors, what they return (one of their arguments: a
+device tensor where one is given), and attributes every assignment of a class allocates on the
+device (read in a condition in another method)."""
 import torch
 
 
@@ -45,3 +46,15 @@ class SlotPool:
 
 def reassigned_elsewhere(pool):
     pool.spare = torch.zeros(3)
+
+
+def embedding_range(his_len, emb_start, emb_end):
+    seq_len = torch.ones(1, dtype=torch.long, device="cuda")[0]
+    start = max(emb_start, his_len) - emb_start
+    end = min(emb_end, his_len + seq_len) - emb_start  # expect: HS201
+    if 0 <= start < end:  # expect: HS201
+        return start, end
+    width = max(emb_end, emb_start) - emb_start  # host ints: an int
+    if width > 0:
+        return None
+    return end

@@ -26,11 +26,13 @@ from hostsync.lint_kinds import (
     Imported,
     KindModel,
     Scope,
+    bind_item,
     device_kind_of_str,
     dotted,
     falsy_locals,
     is_dtype_expr,
     kwarg,
+    zipped_locals,
 )
 from hostsync.lint_where import (
     ACC_DEV,
@@ -132,6 +134,7 @@ class _Flow:
         self._report = report
         self.reporting = False
         self.exporting = False  # summarizing for other modules (see summarize)
+        self.raising = False  # in a raise statement or an assert message (an error path)
         self.pending = Facts()
 
     def run(self, passes: tuple[bool, ...] = (False, False, True)) -> None:
@@ -145,8 +148,18 @@ class _Flow:
                 self.model.facts = self.pending
 
     def _add(self, node: ast.AST, code: str, message: str) -> None:
-        if self.reporting:
+        if self.reporting and not (self.raising and code == "HS201"):
             self._report(node, code, message)
+
+    def _error_path(self, e: ast.expr, scope: Scope) -> None:
+        """Walk ``e``, built only on the way to an exception (a ``raise``'s exception, an
+        ``assert``'s message): a host read there waits once, as the program fails, so it is
+        no HS201 (``raise ValueError(f"got {n}")`` after ``if n != m:``)."""
+        raising, self.raising = self.raising, True
+        try:
+            self._expr(e, scope)
+        finally:
+            self.raising = raising
 
     # ------------------------------------------------------------------ statements
 
@@ -196,6 +209,9 @@ class _Flow:
             if scope.function is not None:
                 kind = self.model.kind(s.value, scope) if s.value is not None else NONE
                 self.pending.add_return(scope.cls, scope.function, kind)
+                if kind != NONE:
+                    self.pending.add_items(scope.cls, scope.function,
+                                           self._written_tuple(s.value, scope))
             return False
         elif isinstance(s, ast.Expr):
             self._expr(s.value, scope)
@@ -203,8 +219,12 @@ class _Flow:
             self._expr(s.test, scope)
             self._check_truth(s.test, "assert", scope)
             if s.msg is not None:
-                self._expr(s.msg, scope)
-        elif isinstance(s, (ast.Raise, ast.Delete)):
+                self._error_path(s.msg, scope)
+        elif isinstance(s, ast.Raise):
+            for child in ast.iter_child_nodes(s):
+                if isinstance(child, ast.expr):
+                    self._error_path(child, scope)
+        elif isinstance(s, ast.Delete):
             for child in ast.iter_child_nodes(s):
                 if isinstance(child, ast.expr):
                     self._expr(child, scope)
@@ -328,7 +348,7 @@ class _Flow:
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
                       scope.function is None) else None, uses=_attribute_uses(fn),
-                      falsy=falsy_locals(fn))
+                      falsy=falsy_locals(fn), zips=zipped_locals(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None
@@ -377,8 +397,21 @@ class _Flow:
                 (isinstance(value, ast.Call) and isinstance(value.func, ast.Name))
                 or model.summarized(value, scope)
                 or model.foreign_callable(value, scope))) else None
-            for t in target.elts:
-                self._bind_kind(t, item, scope)
+            items = model.returned_items(value, scope)
+            if items is None or len(items) != len(target.elts) or any(
+                    isinstance(t, ast.Starred) for t in target.elts):
+                for t in target.elts:
+                    self._bind_kind(t, item, scope)
+                return
+            # `ids, n, lens = self._plan(...)` of a function of this module whose every
+            # return writes out such a tuple: each item what that position holds, strictly
+            # too; a position of unknown kind takes the item kind above
+            for t, (k, sk) in zip(target.elts, items, strict=True):
+                k = k if k in TENSOR_KINDS else item
+                if isinstance(t, ast.Name):
+                    bind_item(t, k, sk, scope)
+                else:
+                    self._bind_kind(t, k, scope)
         elif isinstance(target, ast.Starred):
             self._bind(target.value, value, scope)
         elif isinstance(target, ast.Attribute):
@@ -400,6 +433,14 @@ class _Flow:
                 self.pending.add_attr(None, target.attr, kind)
         elif isinstance(target, ast.Subscript):
             self._add_to_list(target.value, kind, scope)
+
+    def _written_tuple(self, value: ast.expr | None, scope: Scope) -> tuple | None:
+        """(kind, strict kind) of each item of a returned tuple written out without ``*``."""
+        if not isinstance(value, ast.Tuple) or any(isinstance(e, ast.Starred)
+                                                   for e in value.elts):
+            return None
+        model = self.model
+        return tuple((model.kind(e, scope), model.strictly(e, scope)) for e in value.elts)
 
     def _bind_kind(self, target: ast.expr, kind: str | None, scope: Scope) -> None:
         if isinstance(target, ast.Name):
@@ -586,6 +627,8 @@ class _Flow:
                 len(call.args) > 1 and _is_true(call.args[1]))):
             src = call.args[0] if call.args else kwarg(call, "src")
             dst_kind = model.kind(f.value, scope)
+            if src is not None and dst_kind != DEVICE and _host_copy_of_device(src, model, scope):
+                return  # `dst.copy_(dev.cpu(), ...)`: staging into a host buffer, no upload
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
 
@@ -705,6 +748,24 @@ class _Flow:
                       f"non_blocking=True copy of `{_src(src)}`, {where}: if it is pageable "
                       "host memory the host can block until all queued GPU work finishes; "
                       "make sure it is pinned (or on the device)")
+
+
+def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
+    """``src`` is a host copy just made of a device tensor (``dev.cpu()``,
+    ``dev.to("cpu")``): copying it on to a destination not known to be on the device is a
+    device-to-host transfer staged through the host, not an upload of pageable memory."""
+    if not (isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute)):
+        return False
+    m = src.func.attr
+    if m == "cpu":
+        pass
+    elif m == "to":
+        target = model.to_target(src)
+        if target is None or model.device_kind(target, scope) != CPU_DEV:
+            return False
+    else:
+        return False
+    return model.kind(src.func.value, scope) in (DEVICE, DEV_CALL)
 
 
 def _guards(test: ast.expr) -> tuple[dict[str, str], dict[str, str]]:

@@ -32,9 +32,9 @@ from hostsync.lint_where import (
 )
 
 __all__ = ["COLLECTIVES", "COLLECTIVE_KEYWORDS", "LIST", "STRICT", "Arg", "Facts", "Imported",
-           "KindModel", "Scope", "Site",
+           "KindModel", "Scope", "Site", "bind_item",
            "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
-           "truthy_pin"]
+           "truthy_pin", "zipped_locals"]
 
 #: torch.distributed collectives and the positions of their tensor (or tensor list)
 #: arguments, which a NCCL/HCCL process group requires on the device; keywords by name
@@ -160,6 +160,30 @@ def falsy_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
     return frozenset(n for n, c in literal.items() if stores.get(n) == c and n not in other)
 
 
+def zipped_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.Call]:
+    """The local names of ``fn`` bound once, by ``name = zip(...)`` (or ``enumerate(...)``),
+    and no other way anywhere in it (not a parameter, not global or nonlocal): iterating the
+    name later iterates that call (``iterator = zip(reqs, logits)`` ... ``for r, l in
+    iterator:``)."""
+    stores: dict[str, int] = {}
+    zips: dict[str, ast.Call] = {}
+    other: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            stores[node.id] = stores.get(node.id, 0) + 1
+        elif isinstance(node, ast.arg):
+            other.add(node.arg)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            other.update(node.names)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Name) \
+                and node.value.func.id in ("zip", "enumerate"):
+            zips[node.targets[0].id] = node.value
+    return {n: z for n, z in zips.items()
+            if stores.get(n) == 1 and n not in other and ast.unparse(z.func) not in stores}
+
+
 def is_dtype_expr(node: ast.expr) -> bool:
     """``torch.int32``, ``x.dtype``, ``dtype``, ``positions_dtype``: a dtype, not a device."""
     if isinstance(node, ast.Attribute):
@@ -184,6 +208,8 @@ class Scope:
     # local names every binding of which in this function is a literal ``False`` / ``None``
     # (``pin_memory = False`` ... ``torch.empty(n, pin_memory=pin_memory)``)
     falsy: frozenset[str] = frozenset()
+    # local names bound once to a ``zip(...)`` / ``enumerate(...)`` (see :func:`zipped_locals`)
+    zips: dict[str, ast.Call] = dataclasses.field(default_factory=dict)
 
     def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
         """The same scope over another env (a copy of this one by default)."""
@@ -214,6 +240,11 @@ class Facts:
     # ``(lineno, col)``: ``(is_attribute, callee name, positional (kind, strict) pairs or None
     # where a ``*`` / ``**`` argument hides them, keyword (name, (kind, strict)) pairs)``
     sites: dict[tuple[int, int], Site] = dataclasses.field(default_factory=dict)
+    # ``items[(class or None, function)]``: per position, the (kind, strict kind) of the
+    # tuple every return of the function writes out (``return dev, n, host``); None where
+    # a return gives something else or a tuple of another length (see :meth:`add_items`)
+    items: dict[tuple[str | None, str], tuple[Arg, ...] | None] = dataclasses.field(
+        default_factory=dict)
 
     def add_strict_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
         """What an assignment of ``attr`` gives it strictly (see :meth:`KindModel.strictly`):
@@ -239,6 +270,25 @@ class Facts:
             return
         key = (owner, attr)
         self.attrs[key] = join(self.attrs.get(key), kind) or kind
+
+    def add_items(self, owner: str | None, name: str,
+                  items: tuple[Arg, ...] | None) -> None:
+        """What one return gives per position (None: not a written-out tuple; a bare
+        ``return`` / ``return None`` adds nothing). A position has a kind only when every
+        return gives it that kind, as for :meth:`add_return`."""
+        key = (owner, name)
+        if key in self.items and self.items[key] is None:
+            return
+        prev = self.items.get(key)
+        if items is None or (prev is not None and len(prev) != len(items)):
+            self.items[key] = None
+            return
+        if prev is None:
+            self.items[key] = tuple((k or UNKNOWN, sk or UNKNOWN) for k, sk in items)
+            return
+        self.items[key] = tuple(
+            (pk if pk == (k or UNKNOWN) else UNKNOWN, psk if psk == (sk or UNKNOWN) else UNKNOWN)
+            for (pk, psk), (k, sk) in zip(prev, items, strict=True))
 
     def add_return(self, owner: str | None, name: str, kind: str | None) -> None:
         """A function's summary is a tensor kind only when *every* return gives it (``None``
@@ -568,8 +618,10 @@ class KindModel:
             k = self.kind(node.value, scope)
             if k in TENSOR_KINDS:
                 return ACC_DEV if k == DEVICE else CPU_DEV
-            if self.type_of(node.value, scope) is None:
+            if self.type_of(node.value, scope) is None and not _self_path(node.value):
                 return SAME_DEV  # a tensor we cannot place: the device is unknown too
+            # `self.embed.weight.device`: the device a method's component serves, as a
+            # method's own device parameter is (and as the strict kind takes it)
             # else the device of an object (``self.device``): its facts or its name say
         if a in _NON_TENSOR_ATTRS:
             return None
@@ -739,6 +791,12 @@ class KindModel:
     def call(self, call: ast.Call, scope: Scope) -> str | None:
         f = call.func
         if isinstance(f, ast.Name):
+            if f.id in ("min", "max") and f.id not in scope.env and len(call.args) > 1 \
+                    and not call.keywords \
+                    and not any(isinstance(a, ast.Starred) for a in call.args):
+                # `max(start, t[0])` returns one of its arguments: a device one wins where
+                # it compares greater, as in an op of them (the comparison is HS201 itself)
+                return op_result([self.kind(a, scope) for a in call.args])
             if f.id in _BUILTINS or self.is_class_call(f) is not None:
                 return None
             if f.id in self.functions and not self.strict:
@@ -777,6 +835,24 @@ class KindModel:
             known = _known(self.facts.returns.get((owner, f.attr)))
             return known if known is not None else self.by_inputs(call, scope)
         return self.method(f.attr, call, f.value, scope)
+
+    def returned_items(self, value: ast.expr | None, scope: Scope) -> tuple[Arg, ...] | None:
+        """Per position, the (kind, strict kind) of the tuple that a call of this module's
+        function or of a method of a known class of it (``self._plan(...)``) returns, when
+        every return of it writes one out (see :attr:`Facts.items`); None otherwise."""
+        if not isinstance(value, ast.Call):
+            return None
+        f = value.func
+        if isinstance(f, ast.Name) and f.id in self.functions:
+            key: tuple[str | None, str] = (None, f.id)
+        elif isinstance(f, ast.Attribute):
+            owner = self.type_of(f.value, scope)
+            if owner is None or (owner, f.attr) not in self.methods:
+                return None
+            key = (owner, f.attr)
+        else:
+            return None
+        return self.facts.items.get(key)
 
     def summarized(self, value: ast.expr | None, scope: Scope) -> bool:
         """Whether ``value`` is a call of a function or method with a known return summary
@@ -917,6 +993,8 @@ class KindModel:
         (nested for ``enumerate(zip(a, b))``). Iterating a tensor gives tensors of its kind
         (``for row in t``: a device tensor's rows are device tensors, a host one's host ones);
         iterating a list gives its items' kind."""
+        if isinstance(it, ast.Name) and it.id in scope.zips:
+            it = scope.zips[it.id]  # `iterator = zip(...)` ... `for ... in iterator:`
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
             if it.func.id == "zip":
                 return [self.elem_kinds(a, scope) for a in it.args]
@@ -961,6 +1039,11 @@ class KindModel:
         _bind_items(target, elems, strict, scope)
 
 
+def bind_item(target: ast.Name, kind: str | None, strict: str | None, scope: Scope) -> None:
+    """Bind a name to a known (kind, strict kind) pair (``unknown`` for what is not known)."""
+    _bind_plain(target, _known(kind), scope, _known(strict))
+
+
 def _bind_items(target: ast.expr, elems: list | str | None, strict: list | str | None,
                 scope: Scope) -> None:
     """Bind ``target`` to items of the kinds ``elems`` (per position when a list, see
@@ -975,6 +1058,15 @@ def _bind_items(target: ast.expr, elems: list | str | None, strict: list | str |
     kind = elems if isinstance(elems, str) and elems in TENSOR_KINDS else None
     _bind_plain(target, kind, scope,
                 strict if isinstance(strict, str) and strict in TENSOR_KINDS else None)
+
+
+def _self_path(node: ast.expr) -> bool:
+    """``self.a.b`` (two attributes at least under ``self``): a parameter or buffer of a
+    submodule of the object, not one of its own tensors."""
+    depth = 0
+    while isinstance(node, ast.Attribute):
+        node, depth = node.value, depth + 1
+    return depth >= 2 and isinstance(node, ast.Name) and node.id == "self"
 
 
 def _is_numpy_call(node: ast.expr) -> bool:

@@ -57,6 +57,8 @@ reused only after an event says its last copy is done (see mlaprefill.StagingRin
     starts_dev = host.to(device, non_blocking=True)             # clean
 
 Reported when one path makes the source pageable and no path pins it or puts it on a device.
+Not reported: `dst.copy_(dev.cpu(), non_blocking=True)` into a `dst` not known to be on a
+device (a host copy of a device tensor staged into a host buffer, no upload).
 A pageable fallback on purpose (no CUDA, a benchmark baseline): add `# noqa: HS101`.""",
     "HS102": """\
 HS102  pinning inside a loop
@@ -85,28 +87,36 @@ HS201  host read of a device tensor
 What: reading a device tensor's value on the host, in any of these forms:
   - `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, a blocking `.to("cpu")`;
   - `bool(t)`, `int(t)`, `float(t)`, and builtin `min()`/`max()` comparing device tensors
-    (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`);
+    (`max(start, t[0])`, `min(range(n), key=lambda i: t[i])`; what `max(a, t)` returns is a
+    device tensor too, so `if 0 <= max(a, t) - a:` reads it again);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
-  - an f-string of a device tensor (`f"{t}"`, e.g. in an assert or log message).
-A tensor is known to be on the device when it is made with device= something not known to be
-the CPU (a free function's own device parameter excepted: the caller chooses it), also through a
+  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
+A read built only on the way to an exception (a `raise` statement, an `assert`'s message) is
+not reported: it waits once, as the program fails; the test that decides to fail still is.
+A tensor is known to be on the device when it is made with device= something not known to be the
+CPU (a free function's own device parameter excepted: the caller chooses it), also through a
 local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
-tensor on the device), moved there, computed from device tensors, or named so (`*_gpu`, `x`
-beside `x_cpu`). `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors
-returns count too (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do
-fields and tuple items of such a result (of a plain function, or of a callable held by another
-object: `ids, probs = batch.chooser(logits)`; not of a method of `self` guessed from its
-arguments), and what a function returns whose every return is on
-the device, in the same module or in another file linted in the same run that this one imports
-(`from .post import sample` ... `ids, probs = sample(logits); ids.cpu()`: cross-module
-summaries; lint a package's files together to use them). Conditions, casts and f-strings are
-judged from what the code does, not from names (`if has_cuda:`, `if device.type == "cuda":`,
-`assert t.dim() == 2` are silent); an attribute of `self` that every assignment in its class
-puts on the device (`self.free = torch.arange(n, device=dev)` in `__init__`, then slices and
-cats of itself) counts in another method's condition. What a constructor is given by keyword
-(`Meta(seq_lens=x)`) is what an object of unknown class holds only when that constructor's
-arguments cover every attribute the function uses of the object.
+tensor on the device), or on the device of a submodule's parameter (`self.embed.weight.device`,
+the device the component serves; `x.device` of a tensor of unknown place says nothing), moved
+there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`).
+`.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors returns count too
+(`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do fields and tuple items
+of such a result (of a plain function, or of a callable held by another object: `ids, probs =
+batch.chooser(logits)`; not of a method of `self` guessed from its arguments), the items of a
+tuple that every return of a function or method of the module writes out (`return dev, n, host`:
+`ts, n, host = self._steps(...)` makes `ts` a device tensor, in conditions too, and leaves
+`host` on the host), loop items of a name bound once to `zip(...)` and iterated later, and what
+a function returns whose every return is on the device, in the same module or in another file
+linted in the same run that this one imports (`from .post import sample` ... `ids, probs =
+sample(logits); ids.cpu()`: cross-module summaries; lint a package's files together to use
+them). Conditions, casts and f-strings are judged from what the code does, not from names (`if
+has_cuda:`, `if device.type == "cuda":`, `assert t.dim() == 2` are silent); an attribute of
+`self` that every assignment in its class puts on the device (`self.free = torch.arange(n,
+device=dev)` in `__init__`, then slices and cats of itself) counts in another method's
+condition. What a constructor is given by keyword (`Meta(seq_lens=x)`) is what an object of
+unknown class holds only when that constructor's arguments cover every attribute the function
+uses of the object.
 
 Why: the host stops until the device has finished everything queued before the read, so the
 next step's host work cannot overlap the GPU.
