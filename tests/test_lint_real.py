@@ -120,9 +120,13 @@ def _ratio(num: int, den: int) -> float:
 #: min()/max() results, zip names iterated later, submodule parameters' devices: dev HS101
 #: 39/55 (precision 39/40), HS201 82/157 (precision 82/83); held-out unchanged (HS101 1/4,
 #: HS201 34/57, precision 34/35), so its bounds are as they were.
+#: Tenth round, held-out batch: 17 files labelled and committed (ccc29fc) before being linted,
+#: measured once with the rules above: HS101 2/12 with two false positives, HS201 22/32 with
+#: none. Held-out now (43 files): HS101 3/16 (precision 3/5), HS201 56/89 (precision 56/57):
+#: the bounds, lowered because the split grew, not because a rule lost a finding.
 REACHED = {
     ("dev", "HS101"): (39 / 40, 39 / 55), ("dev", "HS201"): (82 / 83, 82 / 157),
-    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
+    ("held-out", "HS101"): (3 / 5, 3 / 16), ("held-out", "HS201"): (56 / 57, 56 / 89),
 }
 
 
