@@ -124,9 +124,12 @@ def _ratio(num: int, den: int) -> float:
 #: measured once with the rules above: HS101 2/12 with two false positives, HS201 22/32 with
 #: none. Held-out now (43 files): HS101 3/16 (precision 3/5), HS201 56/89 (precision 56/57):
 #: the bounds, lowered because the split grew, not because a rule lost a finding.
+#: Eleventh round: the 17 round-10 files moved to dev, measured once right after with no rule
+#: changed: dev HS101 41/67 (precision 41/44), HS201 104/189 (precision 104/105); held-out (26
+#: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
 REACHED = {
-    ("dev", "HS101"): (39 / 40, 39 / 55), ("dev", "HS201"): (82 / 83, 82 / 157),
-    ("held-out", "HS101"): (3 / 5, 3 / 16), ("held-out", "HS201"): (56 / 57, 56 / 89),
+    ("dev", "HS101"): (41 / 44, 41 / 67), ("dev", "HS201"): (104 / 105, 104 / 189),
+    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 
 
