@@ -310,7 +310,8 @@ FORWARD_SHAPES = [  # (query_lens, context_lens, workspace_tokens)
 
 
 def bench_forward(device: str, backends: list[str],
-                  shapes: list[tuple[list[int], list[int], int]] | None = None) -> dict:
+                  shapes: list[tuple[list[int], list[int], int]] | None = None,
+                  heads: int = H) -> dict:
     from mlaprefill import MLAChunkedPrefill
     from mlaprefill.batch import PrefillBatch
     from mlaprefill.kernels import gather_context_rows, merge_attention_states
@@ -319,7 +320,7 @@ def bench_forward(device: str, backends: list[str],
 
     rows = []
     for ql, cl, ws in shapes or FORWARD_SHAPES:
-        x = _forward_inputs(ql, cl, H, torch.bfloat16, device)
+        x = _forward_inputs(ql, cl, heads, torch.bfloat16, device)
         plan = ChunkPlanner(ws, PAGE).plan(PrefillBatch(ql, cl, page_size=PAGE))
         dplan = StagingRing(device).upload(plan)
         for name in backends:
@@ -390,10 +391,10 @@ def bench_forward(device: str, backends: list[str],
                     out, lse, o_i[..., :VDIM], l_i))["median_ms"]
                 del k_i, v_i, o_i, l_i, buf_i
             ideal = sum(parts.values())
-            flops_attn = 2 * H * (QK + VDIM) * sum(
+            flops_attn = 2 * heads * (QK + VDIM) * sum(
                 q * (c + (q + 1) / 2) for q, c in zip(ql, cl, strict=True))
             rows.append({
-                "backend": name, "query_lens": f"{len(ql)}x{ql[0]}",
+                "backend": name, "heads": heads, "query_lens": f"{len(ql)}x{ql[0]}",
                 "context_lens": f"{len(cl)}x{cl[0]}", "workspace_tokens": ws,
                 "iterations": plan.num_iterations, "forward_ms": t_fwd["median_ms"],
                 "forward_p20_ms": t_fwd["p20_ms"], "forward_p80_ms": t_fwd["p80_ms"],
@@ -707,7 +708,8 @@ def main() -> int:
                  dump)
     if "forward" not in skip:
         _section(results, "forward", lambda: bench_forward(device, backends,
-                                                             smoke.get("forward")), dump)
+                                                             smoke.get("forward"),
+                                                             4 if smoke else H), dump)
     if "vs_ideal" not in skip:
         _section(results, "vs_ideal", lambda: bench_vs_ideal(
             device, backends, args.repeats, smoke.get("ideal", ideal_shapes)),
