@@ -361,8 +361,8 @@ def bench_forward(device: str, backends: list[str],
                 softmax_scale=QK ** -0.5))["median_ms"]
             wsp = torch.empty(plan.max_iteration_tokens, RANK + ROPE, device=device,
                               dtype=torch.bfloat16)
-            out = torch.zeros(t, H, VDIM, device=device, dtype=torch.bfloat16)
-            lse = torch.zeros(t, H, device=device)
+            out = torch.zeros(t, heads, VDIM, device=device, dtype=torch.bfloat16)
+            lse = torch.zeros(t, heads, device=device)
             for key in ("gather", "up_ctx", "attn_ctx", "merge"):
                 parts[key] = 0.0
             for i in range(plan.num_iterations):
