@@ -769,6 +769,8 @@ class KindModel:
             return self.attribute(node, scope)
         if isinstance(node, ast.Subscript):
             k = self.kind(node.value, scope)
+            if k in HOST_KINDS and self.advanced_index(node.slice, scope):
+                return PAGEABLE  # `pinned[idx_list]` gathers into a fresh tensor
             return k if k in TENSOR_KINDS or k == DEV_CALL else None
         if isinstance(node, ast.Call):
             return self.call(node, scope)
@@ -802,6 +804,20 @@ class KindModel:
                 self.bind_loop_target(gen.target, gen.iter, inner)
             return self.kind(node.elt, inner)
         return None
+
+    def advanced_index(self, index: ast.expr, scope: Scope) -> bool:
+        """Whether ``index`` (of ``x[index]``) is an advanced index, which copies the selected
+        elements into a fresh tensor instead of viewing them: a Python list (written out, a
+        comprehension or a name bound to a list) or a written-out comparison of host tensors (a
+        boolean mask), also as one position of a tuple (``x[:, idx]``). Other tensor indexes
+        are not taken: a 0-d integer tensor index selects a view."""
+        if isinstance(index, ast.Tuple):
+            return any(self.advanced_index(e, scope) for e in index.elts)
+        if isinstance(index, (ast.List, ast.ListComp)):
+            return True
+        if isinstance(index, ast.Name) and scope.env.get(index.id) == LIST:
+            return True
+        return isinstance(index, ast.Compare) and self.kind(index, scope) in HOST_KINDS
 
     def inputs(self, call: ast.Call, scope: Scope) -> list[str | None]:
         """Kinds of the tensor inputs of a torch op (list arguments flattened)."""
