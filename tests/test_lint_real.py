@@ -127,8 +127,12 @@ def _ratio(num: int, den: int) -> float:
 #: Eleventh round: the 17 round-10 files moved to dev, measured once right after with no rule
 #: changed: dev HS101 41/67 (precision 41/44), HS201 104/189 (precision 104/105); held-out (26
 #: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
+#: Eleventh round, rules (README): uncalled `is_pinned` tests, `copy_` of `dev.cpu()` never
+#: HS101, checkpoint reads onto the CPU: dev HS101 42/67 (precision 42/43), HS201 104/189
+#: (precision 104/105); held-out unchanged (HS101 1/4, HS201 34/57, precision 34/35), so its
+#: bounds are as they were.
 REACHED = {
-    ("dev", "HS101"): (41 / 44, 41 / 67), ("dev", "HS201"): (104 / 105, 104 / 189),
+    ("dev", "HS101"): (42 / 43, 42 / 67), ("dev", "HS201"): (104 / 105, 104 / 189),
     ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 

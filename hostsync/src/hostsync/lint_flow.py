@@ -57,6 +57,8 @@ Report = Callable[[ast.AST, str, str], None]
 _HOST_READS = ("item", "tolist", "cpu", "numpy")
 _SCALAR_CASTS = ("bool", "int", "float", "complex")
 _TERMINATORS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
+#: Tensor methods that engines test as if they were properties (``if not x.is_pinned:``)
+_UNCALLED_METHODS = frozenset({"is_pinned"})
 _VALUE_TYPES = frozenset({
     "None", "Tensor", "ndarray", "Parameter", "Any", "int", "float", "bool", "str", "bytes",
     "list", "tuple", "dict", "set", "List", "Tuple", "Dict", "Set", "Sequence", "Iterable",
@@ -190,6 +192,9 @@ class _Flow:
         elif isinstance(s, ast.If):
             self._expr(s.test, scope)
             self._check_truth(s.test, "if", scope)
+            constant = _bound_method_test(s.test)
+            if constant is not None:  # `if not x.is_pinned:` never runs its body
+                return self._block(s.body if constant else s.orelse, scope)
             return self._branches([s.body, s.orelse], scope, fallthrough_env=False,
                                   refine=_guards(s.test))
         elif isinstance(s, (ast.With, ast.AsyncWith)):
@@ -627,8 +632,8 @@ class _Flow:
                 len(call.args) > 1 and _is_true(call.args[1]))):
             src = call.args[0] if call.args else kwarg(call, "src")
             dst_kind = model.kind(f.value, scope)
-            if src is not None and dst_kind != DEVICE and _host_copy_of_device(src, model, scope):
-                return  # `dst.copy_(dev.cpu(), ...)`: staging into a host buffer, no upload
+            if src is not None and _host_copy_of_device(src, model, scope):
+                return  # `dst.copy_(dev.cpu(), ...)`: the read drained the queue, no HS101
             if src is not None and dst_kind not in HOST_KINDS:
                 self._check_upload(call, src, scope, dest_known=dst_kind == DEVICE)
 
@@ -752,8 +757,9 @@ class _Flow:
 
 def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
     """``src`` is a host copy just made of a device tensor (``dev.cpu()``,
-    ``dev.to("cpu")``): copying it on to a destination not known to be on the device is a
-    device-to-host transfer staged through the host, not an upload of pageable memory."""
+    ``dev.to("cpu")``): that blocking read (HS201 itself) has drained the queue, so copying
+    it on (into a host buffer: a staged device-to-host transfer; into a device one: a round
+    trip) has no queued work left to wait for, and is no HS101 of its own."""
     if not (isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute)):
         return False
     m = src.func.attr
@@ -766,6 +772,18 @@ def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
     else:
         return False
     return model.kind(src.func.value, scope) in (DEVICE, DEV_CALL)
+
+
+def _bound_method_test(test: ast.expr) -> bool | None:
+    """The truth value of a test that is a tensor method left uncalled, ``x.is_pinned`` (or
+    ``not x.is_pinned``): a bound method is always true, so ``if not x.is_pinned: x =
+    x.pin_memory()`` never pins; None for any other test."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _bound_method_test(test.operand)
+        return None if inner is None else not inner
+    if isinstance(test, ast.Attribute) and test.attr in _UNCALLED_METHODS:
+        return True
+    return None
 
 
 def _guards(test: ast.expr) -> tuple[dict[str, str], dict[str, str]]:

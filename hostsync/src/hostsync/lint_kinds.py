@@ -342,6 +342,12 @@ class KindModel:
         # its collectives imported by name (``from torch.distributed import all_reduce``)
         self.dist_names: set[str] = set()
         self.collective_names: dict[str, str] = {}
+        # safetensors checkpoint readers: local names (or dotted paths) of ``load_file`` and
+        # ``safe_open``, and the names a ``with safe_open(..., device=...) as f`` binds, with
+        # the kind of the tensors ``f.get_tensor(k)`` returns (None: bound differently)
+        self.st_load_file: set[str] = {"safetensors.torch.load_file"}
+        self.st_safe_open: set[str] = {"safetensors.safe_open", "safetensors.torch.safe_open"}
+        self.st_handles: dict[str, str | None] = {}
         # names and attributes assigned a ``.numpy()`` view of a tensor somewhere in the module
         # (``self.np = self.cpu.numpy()``): a NumPy array that may share a pinned buffer
         self.numpy_views: set[str] = set()
@@ -397,6 +403,8 @@ class KindModel:
                         self.numpy_names.add(alias.asname or "numpy")
                     elif alias.name == "torch.distributed" and alias.asname:
                         self.dist_names.add(alias.asname)
+                    elif alias.name == "safetensors.torch" and alias.asname:
+                        self.st_load_file.add(alias.asname + ".load_file")
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 for alias in node.names:
                     local = alias.asname or alias.name
@@ -404,6 +412,13 @@ class KindModel:
                         self.dist_names.add(local)
                     elif node.module == "torch.distributed" and alias.name in COLLECTIVES:
                         self.collective_names[local] = alias.name
+                    elif node.module in ("safetensors", "safetensors.torch") \
+                            and alias.name == "safe_open":
+                        self.st_safe_open.add(local)
+                    elif node.module == "safetensors.torch" and alias.name == "load_file":
+                        self.st_load_file.add(local)
+                    elif node.module == "safetensors" and alias.name == "torch":
+                        self.st_load_file.add(local + ".load_file")
             elif isinstance(node, ast.ClassDef):
                 self.classes.add(node.name)
                 for item in node.body:
@@ -424,6 +439,17 @@ class KindModel:
                         self.numpy_views.add(t.id)
                     elif isinstance(t, ast.Attribute):
                         self.numpy_views.add("." + t.attr)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    call = item.context_expr
+                    if isinstance(call, ast.Call) and dotted(call.func) in self.st_safe_open \
+                            and isinstance(item.optional_vars, ast.Name):
+                        name = item.optional_vars.id
+                        kind = _checkpoint_kind(kwarg(call, "device") or (
+                            call.args[2] if len(call.args) > 2 else None), default_cpu=True)
+                        self.st_handles[name] = kind if self.st_handles.get(
+                            name, kind) == kind else None
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.add(node.name)
@@ -743,6 +769,8 @@ class KindModel:
             return self.attribute(node, scope)
         if isinstance(node, ast.Subscript):
             k = self.kind(node.value, scope)
+            if k in HOST_KINDS and self.advanced_index(node.slice, scope):
+                return PAGEABLE  # `pinned[idx_list]` gathers into a fresh tensor
             return k if k in TENSOR_KINDS or k == DEV_CALL else None
         if isinstance(node, ast.Call):
             return self.call(node, scope)
@@ -777,6 +805,20 @@ class KindModel:
             return self.kind(node.elt, inner)
         return None
 
+    def advanced_index(self, index: ast.expr, scope: Scope) -> bool:
+        """Whether ``index`` (of ``x[index]``) is an advanced index, which copies the selected
+        elements into a fresh tensor instead of viewing them: a Python list (written out, a
+        comprehension or a name bound to a list) or a written-out comparison of host tensors (a
+        boolean mask), also as one position of a tuple (``x[:, idx]``). Other tensor indexes
+        are not taken: a 0-d integer tensor index selects a view."""
+        if isinstance(index, ast.Tuple):
+            return any(self.advanced_index(e, scope) for e in index.elts)
+        if isinstance(index, (ast.List, ast.ListComp)):
+            return True
+        if isinstance(index, ast.Name) and scope.env.get(index.id) == LIST:
+            return True
+        return isinstance(index, ast.Compare) and self.kind(index, scope) in HOST_KINDS
+
     def inputs(self, call: ast.Call, scope: Scope) -> list[str | None]:
         """Kinds of the tensor inputs of a torch op (list arguments flattened)."""
         out: list[str | None] = []
@@ -799,6 +841,9 @@ class KindModel:
                 return op_result([self.kind(a, scope) for a in call.args])
             if f.id in _BUILTINS or self.is_class_call(f) is not None:
                 return None
+            if f.id in self.st_load_file and f.id not in scope.env:
+                return self.checkpoint(kwarg(call, "device") or (
+                    call.args[1] if len(call.args) > 1 else None), scope, default_cpu=True)
             if f.id in self.functions and not self.strict:
                 known = _known(self.facts.returns.get((None, f.id)))
                 if known is not None:
@@ -819,6 +864,12 @@ class KindModel:
                 k = self.kind(call.args[0], scope)
                 return k if k in HOST_KINDS else PAGEABLE
             return PAGEABLE
+        if dotted(f) in self.st_load_file:  # safetensors.torch.load_file(path)
+            return self.checkpoint(kwarg(call, "device") or (
+                call.args[1] if len(call.args) > 1 else None), scope, default_cpu=True)
+        if f.attr in ("get_tensor", "get_slice") and isinstance(f.value, ast.Name) \
+                and f.value.id in self.st_handles:  # `with safe_open(...) as fh:` fh.get_tensor
+            return self.st_handles[f.value.id]
         if not self.strict:  # module.f(...) of another linted module
             path = dotted(f)
             known = _known(self.imported.functions.get(path)) if path is not None else None
@@ -924,9 +975,24 @@ class KindModel:
             return False
         return truthy_pin(pin)
 
+    def checkpoint(self, device: ast.expr | None, scope: Scope, *,
+                   default_cpu: bool) -> str | None:
+        """Kind of the tensors a checkpoint reader returns when it maps them to ``device``
+        (``torch.load(..., map_location=)``, safetensors ``load_file(..., device=)``): read
+        from a file into fresh pageable memory on the CPU, uploaded on an accelerator; None
+        (where they were saved, or a mapping function) when unknown or absent without a
+        CPU default."""
+        if device is None:
+            return PAGEABLE if default_cpu else None
+        dk = self.device_kind(device, scope)
+        return PAGEABLE if dk == CPU_DEV else DEVICE if dk == ACC_DEV else None
+
     def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
         if m == "device":
             return self.device_kind(call, scope)
+        if m == "load":  # torch.load(f, map_location="cpu"): a dict of pageable tensors
+            return self.checkpoint(self.kw(call, "map_location") or (
+                call.args[1] if len(call.args) > 1 else None), scope, default_cpu=False)
         if m in _NOT_TENSOR_TORCH:
             return None
         if self.pins(call, scope):
@@ -1002,6 +1068,12 @@ class KindModel:
                 return [None, self.elem_kinds(it.args[0], scope)]
             if it.func.id in ("range", "len", "sorted", "reversed", "list", "set"):
                 return None
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and not it.args \
+                and it.func.attr in ("items", "values"):
+            k = self.kind(it.func.value, scope)  # a dict of tensors of one kind
+            if k in TENSOR_KINDS:
+                return [None, k] if it.func.attr == "items" else k
+            return None
         if isinstance(it, (ast.Tuple, ast.List, ast.Set)):
             return self._literal_items(it.elts, scope)
         k = self.kind(it, scope)
@@ -1118,6 +1190,16 @@ def _lookup_or_none(call: ast.Call) -> bool:
     else:
         return False
     return default is None or (isinstance(default, ast.Constant) and default.value is None)
+
+
+def _checkpoint_kind(device: ast.expr | None, *, default_cpu: bool) -> str | None:
+    """:meth:`KindModel.checkpoint` for a device written out (a literal, or absent)."""
+    if device is None:
+        return PAGEABLE if default_cpu else None
+    if isinstance(device, ast.Constant) and isinstance(device.value, str):
+        dk = device_kind_of_str(device.value)
+        return PAGEABLE if dk == CPU_DEV else DEVICE if dk == ACC_DEV else None
+    return None
 
 
 def _known(kind: str | None) -> str | None:

@@ -40,7 +40,12 @@ file linted in the same run that this one imports (`from .plan import make`, `im
 plan.make(n)`: cross-module summaries), or returned by a plain function call the lint cannot
 see into (imported from a file not linted, or of no known summary) that is given host
 tensors and no device ones (`prepare_chunk_indices(cu_seqlens_cpu, 64)`; not methods, nor
-callees named pin/gpu/cuda/device/upload/stage/async).
+callees named pin/gpu/cuda/device/upload/stage/async), or read from a checkpoint onto the CPU
+(`torch.load(..., map_location="cpu")`, safetensors `load_file(path)` and `f.get_tensor(k)` of
+`with safe_open(path, framework="pt") as f`, the CPU by default; their dicts' `.items()` /
+`.values()` too), or gathered by indexing a host tensor with a list or a boolean comparison
+(`pinned[idx_list]`: a fresh copy). `if not x.is_pinned:` (the method left uncalled, always
+true) never pins.
 
 Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
 the host wait until every kernel already queued has finished (measured on an H200: with 50 ms
@@ -57,8 +62,9 @@ reused only after an event says its last copy is done (see mlaprefill.StagingRin
     starts_dev = host.to(device, non_blocking=True)             # clean
 
 Reported when one path makes the source pageable and no path pins it or puts it on a device.
-Not reported: `dst.copy_(dev.cpu(), non_blocking=True)` into a `dst` not known to be on a
-device (a host copy of a device tensor staged into a host buffer, no upload).
+Not reported: `dst.copy_(dev.cpu(), non_blocking=True)` (a host copy just made of a device
+tensor: that blocking read, HS201, drained the queue; into a host buffer it is staging, into a
+device one a round trip with no queued work left to wait for).
 A pageable fallback on purpose (no CUDA, a benchmark baseline): add `# noqa: HS101`.""",
     "HS102": """\
 HS102  pinning inside a loop
