@@ -131,9 +131,13 @@ def _ratio(num: int, den: int) -> float:
 #: HS101, checkpoint reads onto the CPU: dev HS101 42/67 (precision 42/43), HS201 104/189
 #: (precision 104/105); held-out unchanged (HS101 1/4, HS201 34/57, precision 34/35), so its
 #: bounds are as they were.
+#: Eleventh round, held-out batch: 13 files labelled and committed (47bdeb6) before being
+#: linted, measured once with the rules above: HS101 0/6, HS201 10/38, no false positive.
+#: Held-out now (39 files): HS101 1/10, HS201 44/95 (precision 44/45): the bounds, lowered
+#: because the split grew, not because a rule lost a finding.
 REACHED = {
     ("dev", "HS101"): (42 / 43, 42 / 67), ("dev", "HS201"): (104 / 105, 104 / 189),
-    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
+    ("held-out", "HS101"): (1.0, 1 / 10), ("held-out", "HS201"): (44 / 45, 44 / 95),
 }
 
 
