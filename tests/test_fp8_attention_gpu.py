@@ -154,6 +154,26 @@ def test_fp8_backend_forward_eager_and_graphs():
     # the same kernels in the same order: replays equal the eager forward bit for bit
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    # the arena holds no compute-dtype K/V for the FP8 context iterations (only the new
+    # tokens'): less static memory than the bf16 backend's on the same plan
+    fp8_graphs, bf16_graphs = graphs, IterationGraphs()
+    bf16_op = MLAChunkedPrefill(x["weight"], qk_nope_head_dim=NOPE, v_head_dim=V,
+                                backend="mlaprefill", graphs=bf16_graphs)
+    for _ in range(3):
+        bf16_op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"], x["block_table"],
+                        StagingRing("cuda").upload(plan))
+    assert fp8_graphs.memory_bytes() < bf16_graphs.memory_bytes()
+    # the same graphs when the context calls leave FP8 (they then write that buffer): the
+    # arena grows, and the forward is right
+    op.backend.min_queries = 10 ** 9
+    for _ in range(3):
+        out, lse = op.forward(x["q"], x["kv_c_new"], x["k_pe_new"], x["kv_cache"],
+                              x["block_table"], StagingRing("cuda").upload(plan),
+                              return_lse=True)
+        err = (out.double() - ref_out).abs()
+        assert err.max() < 0.05 * ref_out.abs().max()
+        assert (lse.double() - ref_lse).abs().max() < 0.05
+    assert fp8_graphs.memory_bytes() >= bf16_graphs.memory_bytes()
 
 
 def _e4m3_close(got, want, scale):

@@ -54,9 +54,17 @@ def forward_graphs(op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tenso
     new = VarlenSeqs(None, None, plan.max_query_len, plan.max_query_len,
                      cu_seqlens_q_host=cu_q_host, cu_seqlens_k_host=cu_q_host)
     tokens = row_bucket(plan.num_query_tokens)
+    # The compute-dtype key/value buffer: the new tokens' rows and those of every context
+    # iteration whose projection writes it (not mlaprefill-fp8's FP8 ones), with the query
+    # bucket each iteration's launch passes (_ArenaReplay.run)
+    plan_q = pow2_at_least(plan.max_query_len, MIN_QUERY_BUCKET)
+    kv_rows = max([tokens, *(rows for _, rows, joined, grid in units
+                             if backend.context_writes_buffer(
+                                 VarlenSeqs(None, None, grid[1] if plan.shares_prefixes
+                                            else plan_q, rows), joined=joined is not None))])
     replay = _ArenaReplay(op, q, kv_c_new, k_pe_new, kv_cache, cache_spec, block_table,
                           device_plan, rope, scale, tokens,
-                          max([tokens, *(unit[1] for unit in units)]))
+                          max([tokens, *(unit[1] for unit in units)]), kv_rows)
     replay.new_tokens(tokens, new if backend.wants_joined_keys(new, h, True) else None)
     k = 0
     while k < len(units):  # a run of consecutive split-key iterations: one launch
@@ -176,7 +184,10 @@ class _PaddedIteration:
 class _ArenaReplay:
     """One forward's launches, run as replays of cached CUDA graphs.
 
-    On construction, copies the forward's queries (unless they are the arena's own:
+    The arena holds ``max_rows`` latent rows and compute-dtype keys and values for
+    ``kv_rows`` (default ``max_rows``: the rows of the calls that write them, from
+    :meth:`~mlaprefill.backends.AttentionBackend.context_writes_buffer`). On construction,
+    copies the forward's queries (unless they are the arena's own:
     :meth:`MLAChunkedPrefill.io_buffers`) and new latent rows into the
     :class:`~mlaprefill.graphs.IterationGraphs` arena, and the plan's offsets (padded to the
     bucketed sequence count: padded sequences get no queries and no keys) and block table unless
@@ -202,7 +213,7 @@ class _ArenaReplay:
     def __init__(self, op: MLAChunkedPrefill, q: torch.Tensor, kv_c_new: torch.Tensor,
                  k_pe_new: torch.Tensor, kv_cache: torch.Tensor, cache_spec: KVCacheSpec,
                  block_table: torch.Tensor, device_plan: DevicePlan, rope: int, scale: float,
-                 tokens: int, max_rows: int) -> None:
+                 tokens: int, max_rows: int, kv_rows: int | None = None) -> None:
         assert op.graphs is not None
         shared, plan = op.graphs, device_plan.chunk_plan
         num_tokens, num_seqs, num_iters = plan.num_query_tokens, plan.num_reqs, plan.num_iterations
@@ -213,7 +224,8 @@ class _ArenaReplay:
         arena = self.arena = layer_arena(
             op, {"tokens": tokens, "seqs": seqs, "iters": num_iters,
                  "blocks": block_table.shape[1], "rows": max_rows,
-                 "kv": op.upproj.kv_numel(max_rows, qk, op.backend.needs_v_padded)},
+                 "kv": op.upproj.kv_numel(max_rows if kv_rows is None else kv_rows, qk,
+                                          op.backend.needs_v_padded)},
             device, q.dtype, rope)
         # Inputs in (device copies, stream ordered after the previous forward's replays); q
         # not when it is the arena's own (io_buffers): q is contiguous, of num_tokens rows.

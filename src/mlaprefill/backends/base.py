@@ -215,6 +215,13 @@ class AttentionBackend(abc.ABC):
         e4m3 keys and values instead, written by the GEMM's epilogue."""
         return upproj.project(kv_c, k_pe, buf, k_pe.shape[1], joined=joined, v_padded=v_padded)
 
+    def context_writes_buffer(self, seqs: VarlenSeqs, *, joined: bool) -> bool:
+        """Whether :meth:`project_context` for a call with these host offsets (``max_seqlen_q``
+        as the forward passes it) writes its keys and values into the caller's ``buf`` (host
+        ints only): graph arenas size their compute-dtype key/value buffer by the calls that
+        do. The default's always do; ``mlaprefill-fp8``'s FP8 calls do not."""
+        return True
+
     def attend_and_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: VarlenSeqs,
                          out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
                          softmax_scale: float, k_rope: torch.Tensor | None = None) -> None:

@@ -59,6 +59,15 @@ def _pow2_in(n: int, lo: int, hi: int) -> bool:
     return lo <= n <= hi and not n & (n - 1)
 
 
+def _fitting(upproj: UpProjection, buf: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+             v_padded: bool) -> torch.Tensor:
+    # buf, or a new buffer where it is too small: a graph arena sizes it by
+    # context_writes_buffer, which counts FP8 calls as not writing it; a call that falls back
+    # here after all (a layout the FP8 up-projection does not take) still gets room.
+    need = upproj.kv_numel(kv_c.shape[0], upproj.qk_nope_head_dim + k_pe.shape[-1], v_padded)
+    return buf if buf.numel() >= need else torch.empty(need, dtype=buf.dtype, device=buf.device)
+
+
 class MLAPrefillFP8Backend(MLAPrefillBackend):
     """``mlaprefill`` with the context attention in FP8 (module docstring)."""
 
@@ -101,6 +110,9 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
         return not self.runs_fp8(seqs, causal) and super().wants_joined_keys(seqs, num_heads,
                                                                              causal)
 
+    def context_writes_buffer(self, seqs: VarlenSeqs, *, joined: bool) -> bool:
+        return joined or not self.runs_fp8(seqs, False)
+
     def launch_key(self, seqs: VarlenSeqs, num_heads: int, causal: bool) -> tuple:
         if self.runs_fp8(seqs, causal):
             return ("fp8",)
@@ -113,14 +125,16 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
         if (joined or not self.runs_fp8(seqs, False) or k_pe.dim() != 2
                 or kv_c.dtype not in (torch.bfloat16, torch.float16)
                 or not aligned_for_upproject_fp8(kv_c)):
-            return super().project_context(upproj, kv_c, k_pe, buf, seqs, joined=joined,
-                                           v_padded=v_padded)
+            return super().project_context(upproj, kv_c, k_pe, _fitting(upproj, buf, kv_c, k_pe,
+                                                                     v_padded),
+                                           seqs, joined=joined, v_padded=v_padded)
         nope, v = upproj.qk_nope_head_dim, upproj.v_head_dim
         w_kv, _ = upproj.weights(k_pe.shape[1], kv_c.dtype, kv_c.device, joined=False,
                                  v_padded=False)
         if not w_kv.is_contiguous():  # (a caller's strided weight: as mlaprefill, then quantize)
-            return super().project_context(upproj, kv_c, k_pe, buf, seqs, joined=joined,
-                                           v_padded=v_padded)
+            return super().project_context(upproj, kv_c, k_pe, _fitting(upproj, buf, kv_c, k_pe,
+                                                                     v_padded),
+                                           seqs, joined=joined, v_padded=v_padded)
         norms = upproj.derived(("fp8-row-norms", kv_c.dtype, kv_c.device),
                                lambda: weight_row_norms(w_kv, nope, v))
         # Rows past the attention's last key are a graph bucket's padding: not in the scales.
