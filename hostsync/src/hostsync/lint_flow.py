@@ -763,13 +763,11 @@ def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
     if not (isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute)):
         return False
     m = src.func.attr
-    if m == "cpu":
-        pass
-    elif m == "to":
+    if m == "to":
         target = model.to_target(src)
         if target is None or model.device_kind(target, scope) != CPU_DEV:
             return False
-    else:
+    elif m != "cpu":
         return False
     return model.kind(src.func.value, scope) in (DEVICE, DEV_CALL)
 

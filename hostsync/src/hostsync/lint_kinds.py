@@ -842,8 +842,7 @@ class KindModel:
             if f.id in _BUILTINS or self.is_class_call(f) is not None:
                 return None
             if f.id in self.st_load_file and f.id not in scope.env:
-                return self.checkpoint(kwarg(call, "device") or (
-                    call.args[1] if len(call.args) > 1 else None), scope, default_cpu=True)
+                return self.load_file(call, scope)
             if f.id in self.functions and not self.strict:
                 known = _known(self.facts.returns.get((None, f.id)))
                 if known is not None:
@@ -865,8 +864,7 @@ class KindModel:
                 return k if k in HOST_KINDS else PAGEABLE
             return PAGEABLE
         if dotted(f) in self.st_load_file:  # safetensors.torch.load_file(path)
-            return self.checkpoint(kwarg(call, "device") or (
-                call.args[1] if len(call.args) > 1 else None), scope, default_cpu=True)
+            return self.load_file(call, scope)
         if f.attr in ("get_tensor", "get_slice") and isinstance(f.value, ast.Name) \
                 and f.value.id in self.st_handles:  # `with safe_open(...) as fh:` fh.get_tensor
             return self.st_handles[f.value.id]
@@ -984,8 +982,12 @@ class KindModel:
         CPU default."""
         if device is None:
             return PAGEABLE if default_cpu else None
-        dk = self.device_kind(device, scope)
-        return PAGEABLE if dk == CPU_DEV else DEVICE if dk == ACC_DEV else None
+        return _mapped_kind(self.device_kind(device, scope))
+
+    def load_file(self, call: ast.Call, scope: Scope) -> str | None:
+        """Kind of the tensors of safetensors' ``load_file(path, device="cpu")``."""
+        return self.checkpoint(kwarg(call, "device") or (
+            call.args[1] if len(call.args) > 1 else None), scope, default_cpu=True)
 
     def torch_call(self, m: str, call: ast.Call, scope: Scope) -> str | None:
         if m == "device":
@@ -1197,9 +1199,14 @@ def _checkpoint_kind(device: ast.expr | None, *, default_cpu: bool) -> str | Non
     if device is None:
         return PAGEABLE if default_cpu else None
     if isinstance(device, ast.Constant) and isinstance(device.value, str):
-        dk = device_kind_of_str(device.value)
-        return PAGEABLE if dk == CPU_DEV else DEVICE if dk == ACC_DEV else None
+        return _mapped_kind(device_kind_of_str(device.value))
     return None
+
+
+def _mapped_kind(dk: str | None) -> str | None:
+    """Kind of checkpoint tensors mapped to a device of kind ``dk``: fresh pageable memory on
+    the CPU, uploaded on an accelerator, None (where they were saved) when unknown."""
+    return PAGEABLE if dk == CPU_DEV else DEVICE if dk == ACC_DEV else None
 
 
 def _known(kind: str | None) -> str | None:
