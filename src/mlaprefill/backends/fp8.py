@@ -121,20 +121,19 @@ class MLAPrefillFP8Backend(MLAPrefillBackend):
     def project_context(self, upproj: UpProjection, kv_c: torch.Tensor, k_pe: torch.Tensor,
                         buf: torch.Tensor, seqs: VarlenSeqs, *, joined: bool,
                         v_padded: bool) -> tuple[Any, Any]:
-        # FP8 calls: (FP8Context, None) from the GEMM's e4m3 epilogue; others as mlaprefill.
-        if (joined or not self.runs_fp8(seqs, False) or k_pe.dim() != 2
+        # FP8 calls: (FP8Context, None) from the GEMM's e4m3 epilogue; others as mlaprefill,
+        # also under a caller's strided weight (then quantized by attend)
+        w_kv = None
+        if not (joined or not self.runs_fp8(seqs, False) or k_pe.dim() != 2
                 or kv_c.dtype not in (torch.bfloat16, torch.float16)
                 or not aligned_for_upproject_fp8(kv_c)):
+            w_kv, _ = upproj.weights(k_pe.shape[1], kv_c.dtype, kv_c.device, joined=False,
+                                     v_padded=False)
+        if w_kv is None or not w_kv.is_contiguous():
             return super().project_context(upproj, kv_c, k_pe, _fitting(upproj, buf, kv_c, k_pe,
                                                                      v_padded),
                                            seqs, joined=joined, v_padded=v_padded)
         nope, v = upproj.qk_nope_head_dim, upproj.v_head_dim
-        w_kv, _ = upproj.weights(k_pe.shape[1], kv_c.dtype, kv_c.device, joined=False,
-                                 v_padded=False)
-        if not w_kv.is_contiguous():  # (a caller's strided weight: as mlaprefill, then quantize)
-            return super().project_context(upproj, kv_c, k_pe, _fitting(upproj, buf, kv_c, k_pe,
-                                                                     v_padded),
-                                           seqs, joined=joined, v_padded=v_padded)
         norms = upproj.derived(("fp8-row-norms", kv_c.dtype, kv_c.device),
                                lambda: weight_row_norms(w_kv, nope, v))
         # Rows past the attention's last key are a graph bucket's padding: not in the scales.

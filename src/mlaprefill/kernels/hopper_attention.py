@@ -441,8 +441,9 @@ if HAS_GLUON:
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
             DV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         # A context part is persistent: program p runs tiles p, p + P, p + 2P, ... of the
-        # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM. A causal
-        # part runs one tile per program (n_tiles programs). The default partition
+        # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM; so is a
+        # causal part with PERSISTENT (short sequences), else it runs one tile per program
+        # (n_tiles programs). The default partition
         # (num_warps = 4) is consumer warpgroup 0; workers: consumer warpgroup 1 (4 warps) and
         # the producer (1 warp). All three walk the same tiles, each with its n_iter (0 for a
         # query block past its sequence, or with no key left to it), and run the shared rings'
