@@ -295,7 +295,8 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, 
     """On an sm_90 GPU varlen_attention's default is the warp-specialized Gluon kernel (it
     compiles, nothing fell back): against the float64 reference and the Triton kernel on awkward
     sizes (one token, no keys, page and block boundaries, a tail), with state merged in, with a
-    dense rectangle left out, and a NaN key staying in its sequence. ``short``: a causal part of
+    dense rectangle left out, and a NaN key and value staying in their sequence (also right past
+    a partial block, which the persistent form reads). ``short``: a causal part of
     at most 256 queries per sequence, which runs persistent, bitwise equal to one program per
     tile."""
     from mlaprefill.kernels import hopper_attention
@@ -377,17 +378,22 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, 
         rest = torch.ones(sum(q_lens), dtype=torch.bool, device="cuda")
         rest[s2q:s2q + 1024] = False
         assert torch.equal(d_out[rest], out[rest]) and torch.equal(d_lse[rest], lse[rest])
-    # a NaN in one key of sequence 3 (head 3): its rows NaN, every other row as before
-    kv_bad = kv.clone()
-    kv_bad[sum(k_lens[:3]), 3, 7] = float("nan")
-    k_bad = kv_bad[..., :NOPE] if keys == "split" else torch.cat(
-        [kv_bad[..., :NOPE], k_pe[:, None].expand(-1, h, -1)], -1)
-    bad_o, bad_l = varlen_attention(q, k_bad, v, cu(q_lens), cu(k_lens), **kw)
-    rows3 = slice(sum(q_lens[:3]), sum(q_lens[:4]))
-    assert torch.isnan(bad_l[rows3, 3]).all()
-    other = torch.ones(sum(q_lens), h, dtype=torch.bool, device="cuda")
-    other[rows3, 3] = False
-    assert torch.equal(bad_o[other], out[other]) and torch.equal(bad_l[other], lse[other])
+    # a NaN in the first key (K and V) of sequence 3, then of sequence 4 (head 3): that
+    # sequence's rows NaN, every other row as before. Sequence 3's last key block reaches past
+    # its end into sequence 4's rows (77 or 129 keys), which must not leak into it.
+    for bad_seq in (3, 4):
+        kv_bad = kv.clone()
+        kv_bad[sum(k_lens[:bad_seq]), 3, 7] = float("nan")
+        kv_bad[sum(k_lens[:bad_seq]), 3, NOPE + 5] = float("nan")
+        k_bad = kv_bad[..., :NOPE] if keys == "split" else torch.cat(
+            [kv_bad[..., :NOPE], k_pe[:, None].expand(-1, h, -1)], -1)
+        bad_o, bad_l = varlen_attention(q, k_bad, kv_bad[..., NOPE:], cu(q_lens), cu(k_lens),
+                                        **kw)
+        rows = slice(sum(q_lens[:bad_seq]), sum(q_lens[:bad_seq + 1]))
+        assert torch.isnan(bad_l[rows, 3]).all() and torch.isnan(bad_o[rows, 3, 5]).all()
+        other = torch.ones(sum(q_lens), h, dtype=torch.bool, device="cuda")
+        other[rows, 3] = False
+        assert torch.equal(bad_o[other], out[other]) and torch.equal(bad_l[other], lse[other])
 
 
 def test_hybrid_takes_no_rectangles_where_the_hopper_kernel_runs():

@@ -28,9 +28,12 @@ key loop is laid out by hand, FlashAttention-3 style:
   flight; then O is rescaled and P kept in registers for the next iteration.
 
 Block 0's softmax runs masked (once per program), then unmasked blocks, then the masked ones
-(the tail, the causal diagonal), scores set to ``-inf`` with ``where``. K / rope / V
-descriptors span exactly the sequence's key rows, so a tile past them reads zeros and no other
-sequence's rows are ever loaded (a NaN stays in its sequence). Finish: the Triton kernel's rules
+(the tail, the causal diagonal), scores set to ``-inf`` with ``where``. Keys are read by TMA:
+in the persistent form through descriptors over the whole K / rope / V tensors, made once per
+program, so a sequence's last, partial block also reads rows of the next one; their scores are
+masked and their V rows set to 0 in shared memory before the PV product (0 * NaN would be
+NaN), so a NaN stays in its sequence. One program per tile makes descriptors over exactly its
+sequence's rows instead (zeros past them). Finish: the Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
@@ -44,7 +47,14 @@ fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this
 context kernel is the same binary in both, so their spread is run-to-run): 0.85-0.93x and
 0.82-0.94x cuDNN's time on the context parts of the 12 vs-ideal shapes (562-667 TFLOP/s),
 0.93-0.98x on 4096-query causal parts, but 1.16-1.60x on short causal ones (250-1024 queries
-per request, 107-340 TFLOP/s).
+per request, 107-340 TFLOP/s). Whole-tensor descriptors in the persistent form (instead of three
+made per tile, each after the previous tile's copies landed) then gave, in an A/B under graphs
+with cuDNN in the same run: 256-query causal parts 1.49-1.58x -> 1.45-1.49x cuDNN's time (16 and
+128 heads), 250 and 128 queries unchanged (1.45-1.47x, 1.23-1.24x), context parts unchanged.
+The V-row zeroing costs the consumers 44 bytes of register spills: builds without them (a
+probe that skipped the zeroing; the zeroing as a non-inlined call, which compiled spill-free but
+hit an illegal instruction on the H200 at its first partial block) ran 1.36-1.38x on those
+256-query parts, so a spill-free zeroing is worth about 8 %.
 It compiles once per (dtype, causal, accumulate), the causal kernel in both forms at its first
 call; lengths come from ``cu_seqlens``.
 """
@@ -112,9 +122,10 @@ if HAS_GLUON:
     @gluon.jit
     def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                        stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
-                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr,
-                       D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd,
+                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+                       DV: gl.constexpr, STAGES: gl.constexpr):
         # One warp, one tile (_tile); returns its iteration count. Its iteration i is the
         # ring's iteration g = it0 + i (the count runs on across the program's tiles) and
         # loads key block b_lo + i: its K and rope
@@ -132,45 +143,58 @@ if HAS_GLUON:
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
-        # The descriptors are made in this warp (Triton's tensormap fences run where they are
-        # made), over exactly the sequence's key rows (at least one: a sequence without keys
-        # still gets a well-formed descriptor, and nothing is loaded then). They are rewritten
-        # per tile in the same global scratch, so first every copy issued with the previous
-        # tile's must have landed: its last STAGES iterations' ready phases have completed
-        # (nothing else is issued into those stages until this warp issues it).
         _qs, _nq, _m0, head, k_start, seqlen_k, _ke, _nf, b_lo, n_iter = _tile(
             tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
-        for j in gl.static_range(STAGES):
-            g = it0 - 1 - j
-            if g >= 0:
-                mbarrier.wait(kr_ready.index(g % STAGES), (g // STAGES) & 1)
-                mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
-        head64 = head.to(gl.int64)
-        rows = gl.maximum(seqlen_k, 1)
-        k_desc = tma.make_tensor_descriptor(
-            k_ptr + k_start.to(gl.int64) * stride_kt + head64 * stride_kh, shape=[rows, D1],
-            strides=[stride_kt, 1], block_shape=[BLOCK_N, D1], layout=k_s.type.layout)
-        r_desc = tma.make_tensor_descriptor(
-            r_ptr + k_start.to(gl.int64) * stride_rt + head64 * stride_rh, shape=[rows, D2],
-            strides=[stride_rt, 1], block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
-        v_desc = tma.make_tensor_descriptor(
-            v_ptr + k_start.to(gl.int64) * stride_vt + head64 * stride_vh, shape=[rows, DV],
-            strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
-        kr_bytes: gl.constexpr = k_desc.block_type.nbytes + r_desc.block_type.nbytes
-        v_bytes: gl.constexpr = v_desc.block_type.nbytes
-        for i in range(n_iter):
-            st = (it0 + i) % STAGES
-            phase = (((it0 + i) // STAGES) & 1) ^ 1
-            row = (b_lo + i) * BLOCK_N
-            mbarrier.wait(kr_empty.index(st), phase)
-            bar = kr_ready.index(st)
-            mbarrier.expect(bar, kr_bytes)
-            tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_s.index(st))
-            tma.async_copy_global_to_shared(r_desc, [row, 0], bar, r_s.index(st))
-            mbarrier.wait(v_empty.index(st), phase)
-            bar = v_ready.index(st)
-            mbarrier.expect(bar, v_bytes)
-            tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
+        esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
+        kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
+        v_bytes: gl.constexpr = BLOCK_N * DV * esize
+        if PERSISTENT:
+            # K, rope and V through the program's whole-tensor descriptors (kd, rd, vd: made
+            # once, no per-tile descriptor). A block reaching past seqlen_k (a tile's last, when
+            # seqlen_k is not a multiple of BLOCK_N) reads other sequences' rows there (zeros
+            # past the tensor): their scores are set to -inf by the mask, and the consumers
+            # zero those V rows before the PV product (0 * V is NaN where V is not finite).
+            for i in range(n_iter):
+                st = (it0 + i) % STAGES
+                phase = (((it0 + i) // STAGES) & 1) ^ 1
+                row = k_start + (b_lo + i) * BLOCK_N
+                mbarrier.wait(kr_empty.index(st), phase)
+                bar = kr_ready.index(st)
+                mbarrier.expect(bar, kr_bytes)
+                tma.async_copy_global_to_shared(kd, [row, head * stride_kh], bar, k_s.index(st))
+                tma.async_copy_global_to_shared(rd, [row, head * stride_rh], bar, r_s.index(st))
+                mbarrier.wait(v_empty.index(st), phase)
+                bar = v_ready.index(st)
+                mbarrier.expect(bar, v_bytes)
+                tma.async_copy_global_to_shared(vd, [row, head * stride_vh], bar, v_s.index(st))
+        else:
+            # one tile per program: descriptors over exactly the sequence's key rows (at least
+            # one: a sequence without keys still gets a well-formed descriptor, and nothing is
+            # loaded then), so a block past them reads zeros
+            head64 = head.to(gl.int64)
+            rows = gl.maximum(seqlen_k, 1)
+            k_desc = tma.make_tensor_descriptor(
+                k_ptr + k_start.to(gl.int64) * stride_kt + head64 * stride_kh, shape=[rows, D1],
+                strides=[stride_kt, 1], block_shape=[BLOCK_N, D1], layout=k_s.type.layout)
+            r_desc = tma.make_tensor_descriptor(
+                r_ptr + k_start.to(gl.int64) * stride_rt + head64 * stride_rh, shape=[rows, D2],
+                strides=[stride_rt, 1], block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
+            v_desc = tma.make_tensor_descriptor(
+                v_ptr + k_start.to(gl.int64) * stride_vt + head64 * stride_vh, shape=[rows, DV],
+                strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
+            for i in range(n_iter):
+                st = i % STAGES
+                phase = ((i // STAGES) & 1) ^ 1
+                row = (b_lo + i) * BLOCK_N
+                mbarrier.wait(kr_empty.index(st), phase)
+                bar = kr_ready.index(st)
+                mbarrier.expect(bar, kr_bytes)
+                tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_s.index(st))
+                tma.async_copy_global_to_shared(r_desc, [row, 0], bar, r_s.index(st))
+                mbarrier.wait(v_empty.index(st), phase)
+                bar = v_ready.index(st)
+                mbarrier.expect(bar, v_bytes)
+                tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
         return n_iter
 
     @gluon.jit
@@ -263,7 +287,8 @@ if HAS_GLUON:
                        num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                       ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
@@ -333,9 +358,30 @@ if HAS_GLUON:
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-            o = _values(p, acc, v_s, v_ready, it0 + n_iter - 1, STAGES)
+            g_last = it0 + n_iter - 1
+            if PERSISTENT:
+                # the last block's V rows past seqlen_k are other sequences' (the producer's
+                # whole-tensor descriptor): set to 0 before the PV product. Both warpgroups
+                # write the same zeros (and rewrite the rows kept with what they hold), each
+                # before its own product reads them, so either order gives the same bits.
+                # (kv_end: seqlen_k, or a block boundary below it when causal)
+                valid = kv_end - (b_lo + n_iter - 1) * BLOCK_N
+                if valid < BLOCK_N:
+                    st_last = g_last % STAGES
+                    mbarrier.wait(v_ready.index(st_last), (g_last // STAGES) & 1)
+                    v_last = v_s.index(st_last)
+                    ZR: gl.constexpr = 16  # rows per pass (few registers: these are spent)
+                    for c in gl.static_range(BLOCK_N // ZR):
+                        if (c + 1) * ZR > valid:
+                            part = v_last.slice(c * ZR, ZR, 0)
+                            rows = c * ZR + gl.arange(0, ZR, layout=gl.SliceLayout(1, io_layout))
+                            keep = gl.expand_dims(rows < valid, 1)
+                            part.store(gl.where(keep, part.load(io_layout), 0.0).to(dtype))
+                    fence_async_shared()  # generic-proxy stores before the wgmma read them
+                    gl.thread_barrier()  # this partition's warps only
+            o = _values(p, acc, v_s, v_ready, g_last, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
-            mbarrier.arrive(v_empty.index((it0 + n_iter - 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
             # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
             # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
             l_o = gl.convert_layout(l_i, row_o)
@@ -385,24 +431,37 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
-                  stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
-                  v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL: gl.constexpr,
-                  PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
+                  num_keys, num_heads, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+                  stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                  CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
             _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr,
                            dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
                            stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
-                           v_empty, CAUSAL, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                           v_empty, 0, 0, 0, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV,
+                           STAGES)
         else:
+            # K, rope and V as [num_keys, every head's columns] matrices, a block at column
+            # head * stride_h: made once per program (the one-tile form makes its own, per
+            # sequence)
+            kd = tma.make_tensor_descriptor(
+                k_ptr, shape=[num_keys, (num_heads - 1) * stride_kh + D1],
+                strides=[stride_kt, 1], block_shape=[BLOCK_N, D1], layout=k_s.type.layout)
+            rd = tma.make_tensor_descriptor(
+                r_ptr, shape=[num_keys, (num_heads - 1) * stride_rh + D2],
+                strides=[stride_rt, 1], block_shape=[BLOCK_N, D2], layout=r_s.type.layout)
+            vd = tma.make_tensor_descriptor(
+                v_ptr, shape=[num_keys, (num_heads - 1) * stride_vh + DV],
+                strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
             it = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
                 it += _producer_tile(t, it, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense,
                                      n_m, num_seqs, stride_kt, stride_kh, stride_rt,
                                      stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
-                                     kr_empty, v_ready, v_empty, CAUSAL, BLOCK_M, BLOCK_N, D1,
-                                     D2, DV, STAGES)
+                                     kr_empty, v_ready, v_empty, kd, rd, vd, CAUSAL,
+                                     PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -416,8 +475,8 @@ if HAS_GLUON:
             _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                            dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                            stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                           kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, ACCUMULATE,
-                           BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                           kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
+                           ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -425,16 +484,17 @@ if HAS_GLUON:
                                      dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot,
                                      stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
                                      k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
-                                     CAUSAL, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV,
-                                     STAGES)
+                                     CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2,
+                                     DV, STAGES)
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
-                                  "n_m", "num_seqs", "n_tiles"])
+                                  "n_m", "num_seqs", "n_tiles", "num_keys",
+                                  "num_heads"])
     def _hopper_attention_kernel(
             q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
             dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
-            n_m, num_seqs, n_tiles,
+            n_m, num_seqs, n_tiles, num_keys, num_heads,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
             stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
             CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -491,9 +551,10 @@ if HAS_GLUON:
                          v_ready, v_empty, 1, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N,
                          D1, D2, DV, STAGES)),
             (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
-                         stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, CAUSAL,
-                         PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                         n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
+                         stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
+                         v_ready, v_empty, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV,
+                         STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -607,9 +668,9 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
     grid = (max(1, min(n_tiles, _num_sms(q.device)) if persistent else n_tiles),)
     args = (q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
-            *dense_args, n_m, num_seqs, n_tiles, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), stride_rt, stride_rh, v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), lse.stride(0), lse.stride(1))
+            *dense_args, n_m, num_seqs, n_tiles, max(k.shape[0], 1), q.shape[1], q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), stride_rt, stride_rh, v.stride(0),
+            v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
                   BLOCK_N=BLOCK_N, D1=_D1, D2=_D2, DV=_DV, STAGES=STAGES, num_warps=4,
                   maxnreg=_MAXNREG)
