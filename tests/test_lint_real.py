@@ -138,8 +138,11 @@ def _ratio(num: int, den: int) -> float:
 #: Twelfth round: the 13 round-11 files moved to dev, measured once right after with no rule
 #: changed: dev HS101 42/73 (precision 42/43), HS201 114/227 (precision 114/115); held-out (26
 #: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
+#: Twelfth round, rules (README): siblings for four dev entries and dict entries written out on
+#: the device in another linted module: dev HS101 42/73 (precision 42/43), HS201 137/227
+#: (precision 137/138); held-out unchanged (HS101 1/4, HS201 34/57, precision 34/35).
 REACHED = {
-    ("dev", "HS101"): (42 / 43, 42 / 73), ("dev", "HS201"): (114 / 115, 114 / 227),
+    ("dev", "HS101"): (42 / 43, 42 / 73), ("dev", "HS201"): (137 / 138, 137 / 227),
     ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 
