@@ -250,3 +250,33 @@ def test_a_free_function_uploading_its_argument_to_a_device_parameter(
              for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS101", "HS201"])]
     assert found == [("uploads.py", 5, "HS101"), ("uploads.py", 9, "HS101")]
     assert lint_files([str(pkg / "uploads.py")], ["HS101", "HS201"]) == []
+
+
+PIPELINE = '''import torch
+
+
+class Pipeline:
+    def caches(self, n, device):
+        return [{"k": torch.zeros(n, 8, device=device),
+                 "end": torch.tensor([0], device=device)} for _ in range(4)]
+'''
+
+LAYER = '''def attend(q, cache):
+    end = cache["end"].item()
+    return q[:, : cache["k"].shape[0]], end
+'''
+
+
+def test_a_dict_entry_every_linted_module_writes_on_the_device(tmp_path: pathlib.Path) -> None:
+    """A cache dict a pipeline module writes out on the device, read by a layer of another
+    module through a parameter (FastVideo's KV caches' ``global_end_index``): found when the
+    two are linted together, not when the layer is linted alone."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pipeline.py").write_text(PIPELINE)
+    (pkg / "layer.py").write_text(LAYER)
+    found = [(pathlib.Path(f.path).name, f.line, f.code)
+             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    assert found == [("layer.py", 2, "HS201")]
+    assert lint_files([str(pkg / "layer.py")], ["HS"]) == []

@@ -135,9 +135,15 @@ def _ratio(num: int, den: int) -> float:
 #: linted, measured once with the rules above: HS101 0/6, HS201 10/38, no false positive.
 #: Held-out now (39 files): HS101 1/10, HS201 44/95 (precision 44/45): the bounds, lowered
 #: because the split grew, not because a rule lost a finding.
+#: Twelfth round: the 13 round-11 files moved to dev, measured once right after with no rule
+#: changed: dev HS101 42/73 (precision 42/43), HS201 114/227 (precision 114/115); held-out (26
+#: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
+#: Twelfth round, rules (README): siblings for four dev entries and dict entries written out on
+#: the device in another linted module: dev HS101 42/73 (precision 42/43), HS201 137/227
+#: (precision 137/138); held-out unchanged (HS101 1/4, HS201 34/57, precision 34/35).
 REACHED = {
-    ("dev", "HS101"): (42 / 43, 42 / 67), ("dev", "HS201"): (104 / 105, 104 / 189),
-    ("held-out", "HS101"): (1.0, 1 / 10), ("held-out", "HS201"): (44 / 45, 44 / 95),
+    ("dev", "HS101"): (42 / 43, 42 / 73), ("dev", "HS201"): (137 / 138, 137 / 227),
+    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 
 

@@ -353,7 +353,7 @@ class _Flow:
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
                       scope.function is None) else None, uses=_attribute_uses(fn),
-                      falsy=falsy_locals(fn), zips=zipped_locals(fn))
+                      falsy=falsy_locals(fn), zips=zipped_locals(fn), key_uses=_key_uses(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None
@@ -438,6 +438,9 @@ class _Flow:
                 self.pending.add_attr(None, target.attr, kind)
         elif isinstance(target, ast.Subscript):
             self._add_to_list(target.value, kind, scope)
+            if isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str) \
+                    and strict not in (DEVICE, NONE):
+                self.pending.host_keys.add(target.slice.value)
 
     def _written_tuple(self, value: ast.expr | None, scope: Scope) -> tuple | None:
         """(kind, strict kind) of each item of a returned tuple written out without ``*``."""
@@ -521,6 +524,10 @@ class _Flow:
                 self._expr(child, scope)
         if isinstance(e, ast.Call):
             self._call(e, scope)
+        if isinstance(e, (ast.Dict, ast.Call)):
+            entries = _dict_entries(e)
+            if entries:
+                self.pending.add_shape({k: self.model.strictly(v, scope) for k, v in entries})
         elif isinstance(e, ast.FormattedValue) and self.model.strictly(e.value, scope) == DEVICE:
             self._add(e.value, "HS201",
                       f"formatting `{_src(e.value)}`, a device tensor, in an f-string copies it "
@@ -770,6 +777,29 @@ def _host_copy_of_device(src: ast.expr, model: KindModel, scope: Scope) -> bool:
     elif m != "cpu":
         return False
     return model.kind(src.func.value, scope) in (DEVICE, DEV_CALL)
+
+
+def _dict_entries(e: ast.Dict | ast.Call) -> list[tuple[str, ast.expr]]:
+    """The entries of ``{"k": v, ...}`` / ``dict(k=v, ...)`` with every key a string written
+    out (none for a ``**`` entry: its keys are not seen)."""
+    if isinstance(e, ast.Dict):
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in e.keys):
+            return []
+        return [(k.value, v) for k, v in zip(e.keys, e.values, strict=True)]
+    if isinstance(e.func, ast.Name) and e.func.id == "dict" and not e.args \
+            and all(k.arg is not None for k in e.keywords):
+        return [(k.arg, k.value) for k in e.keywords]
+    return []
+
+
+def _key_uses(fn: ast.AST) -> dict[str, frozenset[str]]:
+    """The string keys ``fn`` subscripts each name with: ``{"cache": {"k", "end"}}``."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            out.setdefault(node.value.id, set()).add(node.slice.value)
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def _bound_method_test(test: ast.expr) -> bool | None:

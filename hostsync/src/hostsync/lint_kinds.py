@@ -31,10 +31,27 @@ from hostsync.lint_where import (
     op_result,
 )
 
-__all__ = ["COLLECTIVES", "COLLECTIVE_KEYWORDS", "LIST", "STRICT", "Arg", "Facts", "Imported",
-           "KindModel", "Scope", "Site", "bind_item",
-           "device_kind_of_str", "dotted", "falsy_locals", "is_dtype_expr", "kwarg",
-           "truthy_pin", "zipped_locals"]
+__all__ = [
+    "COLLECTIVES",
+    "COLLECTIVE_KEYWORDS",
+    "LIST",
+    "STRICT",
+    "Arg",
+    "Facts",
+    "Imported",
+    "KindModel",
+    "Scope",
+    "Site",
+    "bind_item",
+    "device_kind_of_str",
+    "dotted",
+    "falsy_locals",
+    "is_dtype_expr",
+    "kwarg",
+    "merge_shape",
+    "truthy_pin",
+    "zipped_locals",
+]
 
 #: torch.distributed collectives and the positions of their tensor (or tensor list)
 #: arguments, which a NCCL/HCCL process group requires on the device; keywords by name
@@ -210,6 +227,8 @@ class Scope:
     falsy: frozenset[str] = frozenset()
     # local names bound once to a ``zip(...)`` / ``enumerate(...)`` (see :func:`zipped_locals`)
     zips: dict[str, ast.Call] = dataclasses.field(default_factory=dict)
+    # the string keys this function subscripts each name with (``d["k"]``); None outside one
+    key_uses: dict[str, frozenset[str]] | None = None
 
     def branch(self, env: dict[str, str] | None = None, *, loop: int | None = None) -> Scope:
         """The same scope over another env (a copy of this one by default)."""
@@ -245,6 +264,11 @@ class Facts:
     # a return gives something else or a tuple of another length (see :meth:`add_items`)
     items: dict[tuple[str | None, str], tuple[Arg, ...] | None] = dataclasses.field(
         default_factory=dict)
+    # ``shapes[keys][key]``: what every dict written out with exactly those string keys
+    # (``{"k": v, ...}``, ``dict(k=v)``) in the module gives entry ``key`` strictly (see
+    # :meth:`add_shape`); ``host_keys``: keys a ``d["key"] = v`` store gives a non-device value
+    shapes: dict[frozenset[str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    host_keys: set[str] = dataclasses.field(default_factory=set)
 
     def add_strict_attr(self, owner: str | None, attr: str, kind: str | None) -> None:
         """What an assignment of ``attr`` gives it strictly (see :meth:`KindModel.strictly`):
@@ -255,6 +279,12 @@ class Facts:
         kind = kind if kind in TENSOR_KINDS else UNKNOWN
         prev = self.strict_attrs.get(key)
         self.strict_attrs[key] = kind if prev in (None, kind) else UNKNOWN
+
+    def add_shape(self, entries: dict[str, str | None]) -> None:
+        """A dict written out with ``entries`` (key -> strict kind of its value): an entry is
+        ``device`` only while every dict of those keys gives it a device tensor (``None``
+        values aside)."""
+        merge_shape(self.shapes.setdefault(frozenset(entries), {}), entries)
 
     def add_given(self, callee: str, call: ast.Call, kinds: dict[str, str | None]) -> None:
         self.fields.setdefault(callee, set()).update(kinds)
@@ -329,6 +359,10 @@ class Imported:
     params: dict[tuple[str | None, str], dict[str, Arg]] = dataclasses.field(
         default_factory=dict)
     callees: frozenset[str] = dataclasses.field(default_factory=frozenset, compare=False)
+    # the dicts the other linted modules write out (:attr:`Facts.shapes`, merged) and the
+    # keys they store non-device values under (:attr:`Facts.host_keys`)
+    shapes: dict[frozenset[str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    host_keys: set[str] = dataclasses.field(default_factory=set)
 
 
 class KindModel:
@@ -771,7 +805,9 @@ class KindModel:
             k = self.kind(node.value, scope)
             if k in HOST_KINDS and self.advanced_index(node.slice, scope):
                 return PAGEABLE  # `pinned[idx_list]` gathers into a fresh tensor
-            return k if k in TENSOR_KINDS or k == DEV_CALL else None
+            if k in TENSOR_KINDS or k == DEV_CALL:
+                return k
+            return self.key_fact(node, scope)
         if isinstance(node, ast.Call):
             return self.call(node, scope)
         if isinstance(node, ast.BinOp):
@@ -804,6 +840,29 @@ class KindModel:
                 self.bind_loop_target(gen.target, gen.iter, inner)
             return self.kind(node.elt, inner)
         return None
+
+    def key_fact(self, node: ast.Subscript, scope: Scope) -> str | None:
+        """``d["key"]`` of a name ``d`` of unknown kind (a parameter: a cache dict a pipeline
+        built): a device tensor when the linted modules write out dicts that could be ``d``
+        (their keys cover every key this function subscripts ``d`` with), at least one, and
+        each gives entry ``key`` a device tensor strictly, and no ``x["key"] = v`` store
+        anywhere gives it another value (``{"end": torch.tensor([0], device=dev), ...}``)."""
+        key = node.slice
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)
+                and isinstance(node.value, ast.Name) and scope.key_uses is not None):
+            return None
+        k = key.value
+        if k in self.facts.host_keys or k in self.imported.host_keys:
+            return None
+        uses = scope.key_uses.get(node.value.id, frozenset()) | {k}
+        found = False
+        for shapes in (self.facts.shapes, self.imported.shapes):
+            for keys, entries in shapes.items():
+                if uses <= keys:
+                    if entries.get(k) != DEVICE:
+                        return None
+                    found = True
+        return DEVICE if found else None
 
     def advanced_index(self, index: ast.expr, scope: Scope) -> bool:
         """Whether ``index`` (of ``x[index]``) is an advanced index, which copies the selected
@@ -1111,6 +1170,17 @@ class KindModel:
         elems = self.elem_kinds(it, scope)
         strict = self.strictly_with(self.elem_kinds, it, scope)
         _bind_items(target, elems, strict, scope)
+
+
+def merge_shape(into: dict[str, str], entries: dict[str, str | None]) -> None:
+    """Merge one written-out dict's entries (key -> strict kind) into ``into``: ``device``
+    while every dict gives the entry a device tensor, else ``unknown``."""
+    for key, kind in entries.items():
+        if kind == NONE:
+            continue
+        kind = DEVICE if kind == DEVICE else UNKNOWN
+        prev = into.get(key)
+        into[key] = kind if prev in (None, kind) else UNKNOWN
 
 
 def bind_item(target: ast.Name, kind: str | None, strict: str | None, scope: Scope) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from hostsync.lint import LintFinding, lint_path
 from hostsync.lint_flow import summarize
-from hostsync.lint_kinds import Arg, Imported, Site
+from hostsync.lint_kinds import Arg, Imported, Site, merge_shape
 from hostsync.lint_where import DEV_CALL, DEVICE, TENSOR_KINDS
 
 __all__ = ["ROUNDS", "Module", "imported_for", "lint_modules", "module_name", "summaries"]
@@ -55,6 +55,8 @@ class _Summary:
     methods: dict[tuple[str, str], str]
     attrs: dict[tuple[str, str], str]
     sites: dict[tuple[int, int], Site] = dataclasses.field(default_factory=dict)
+    shapes: dict[frozenset[str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    host_keys: set[str] = dataclasses.field(default_factory=set)
 
 
 def module_name(path: str, root: str | None = None) -> str:
@@ -94,7 +96,8 @@ def _summarize(tree: ast.Module, imported: Imported | None) -> _Summary:
     methods = {(o, n): k for (o, n), k in facts.returns.items() if o is not None}
     attrs = {(o, a): k for (o, a), k in facts.attrs.items() if o is not None}
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    return _Summary(functions, classes, methods, attrs, facts.sites)
+    return _Summary(functions, classes, methods, attrs, facts.sites,
+                    {k: dict(v) for k, v in facts.shapes.items()}, set(facts.host_keys))
 
 
 class _Index:
@@ -296,6 +299,13 @@ def imported_for(module: Module, index: _Index, sums: dict[str, _Summary],
     if calls is not None:
         out.callees = calls.callees
         out.params = calls.params.get(module.path, {})
+    for path, summary in sums.items():
+        # dicts travel through parameters without imports: every other module's stores count
+        if path == module.path:
+            continue
+        for keys, entries in summary.shapes.items():
+            merge_shape(out.shapes.setdefault(keys, {}), entries)
+        out.host_keys |= summary.host_keys
     for node in ast.walk(module.tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
