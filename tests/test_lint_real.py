@@ -141,9 +141,12 @@ def _ratio(num: int, den: int) -> float:
 #: Twelfth round, rules (README): siblings for four dev entries and dict entries written out on
 #: the device in another linted module: dev HS101 42/73 (precision 42/43), HS201 137/227
 #: (precision 137/138); held-out unchanged (HS101 1/4, HS201 34/57, precision 34/35).
+#: Twelfth round, held-out batch: 12 files labelled and committed (1800194) before being
+#: linted, measured once with the rules above: HS101 1/3, HS201 16/35, no false positive.
+#: Held-out now (38 files): HS101 2/7, HS201 50/92 (precision 50/51).
 REACHED = {
     ("dev", "HS101"): (42 / 43, 42 / 73), ("dev", "HS201"): (137 / 138, 137 / 227),
-    ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
+    ("held-out", "HS101"): (1.0, 2 / 7), ("held-out", "HS201"): (50 / 51, 50 / 92),
 }
 
 
