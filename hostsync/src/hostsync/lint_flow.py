@@ -27,12 +27,11 @@ from hostsync.lint_kinds import (
     KindModel,
     Scope,
     bind_item,
+    bound_locals,
     device_kind_of_str,
     dotted,
-    falsy_locals,
     is_dtype_expr,
     kwarg,
-    zipped_locals,
 )
 from hostsync.lint_where import (
     ACC_DEV,
@@ -350,10 +349,11 @@ class _Flow:
             # `device=x.device` of its own parameter x: in the function, x is on the device,
             # but what it returns to another module's caller lives where that caller's x does
             hints = hints - {p.arg for p in params if p is not None}
+        falsy, zips = bound_locals(fn)
         inner = Scope(env=env, types=types, cls=scope.cls, hints=hints,
                       function=fn.name if is_method or (scope.cls is None and
                       scope.function is None) else None, uses=_attribute_uses(fn),
-                      falsy=falsy_locals(fn), zips=zipped_locals(fn), key_uses=_key_uses(fn))
+                      falsy=falsy, zips=zips, key_uses=_key_uses(fn))
         if is_method and any(isinstance(d, ast.Name) and d.id == "staticmethod"
                              for d in fn.decorator_list):
             inner.cls = None

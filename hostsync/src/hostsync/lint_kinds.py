@@ -43,14 +43,13 @@ __all__ = [
     "Scope",
     "Site",
     "bind_item",
+    "bound_locals",
     "device_kind_of_str",
     "dotted",
-    "falsy_locals",
     "is_dtype_expr",
     "kwarg",
     "merge_shape",
     "truthy_pin",
-    "zipped_locals",
 ]
 
 #: torch.distributed collectives and the positions of their tensor (or tensor list)
@@ -154,12 +153,21 @@ def truthy_pin(node: ast.expr | None) -> bool:
                                      and node.value in (False, None))
 
 
-def falsy_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
-    """The local names of ``fn`` every binding of which is ``name = False`` / ``name = None``
-    (not a parameter, not global or nonlocal, bound no other way anywhere in it)."""
+def bound_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef
+                 ) -> tuple[frozenset[str], dict[str, ast.Call]]:
+    """Two facts of ``fn``'s local names from one walk of it, each for a name that is not a
+    parameter, not global or nonlocal, and bound no other way anywhere in ``fn``:
+
+    * falsy: names every binding of which is ``name = False`` / ``name = None`` (and not
+      imported);
+    * zips: names bound once, by ``name = zip(...)`` (or ``enumerate(...)``), with that call:
+      iterating the name later iterates it (``iterator = zip(reqs, logits)`` ... ``for r, l
+      in iterator:``)."""
     stores: dict[str, int] = {}
     literal: dict[str, int] = {}
+    zips: dict[str, ast.Call] = {}
     other: set[str] = set()
+    imported: set[str] = set()
     for node in ast.walk(fn):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             stores[node.id] = stores.get(node.id, 0) + 1
@@ -168,37 +176,22 @@ def falsy_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             other.update(node.names)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            other.update((a.asname or a.name).split(".")[0] for a in node.names)
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
-                and (node.value.value is False or node.value.value is None):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if not isinstance(node, ast.Assign):
+            continue
+        if isinstance(node.value, ast.Constant) and (node.value.value is False
+                                                     or node.value.value is None):
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     literal[t.id] = literal.get(t.id, 0) + 1
-    return frozenset(n for n, c in literal.items() if stores.get(n) == c and n not in other)
-
-
-def zipped_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.Call]:
-    """The local names of ``fn`` bound once, by ``name = zip(...)`` (or ``enumerate(...)``),
-    and no other way anywhere in it (not a parameter, not global or nonlocal): iterating the
-    name later iterates that call (``iterator = zip(reqs, logits)`` ... ``for r, l in
-    iterator:``)."""
-    stores: dict[str, int] = {}
-    zips: dict[str, ast.Call] = {}
-    other: set[str] = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            stores[node.id] = stores.get(node.id, 0) + 1
-        elif isinstance(node, ast.arg):
-            other.add(node.arg)
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            other.update(node.names)
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call) \
-                and isinstance(node.value.func, ast.Name) \
+        elif len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
                 and node.value.func.id in ("zip", "enumerate"):
             zips[node.targets[0].id] = node.value
-    return {n: z for n, z in zips.items()
-            if stores.get(n) == 1 and n not in other and ast.unparse(z.func) not in stores}
+    falsy = frozenset(n for n, c in literal.items()
+                      if stores.get(n) == c and n not in other and n not in imported)
+    return falsy, {n: z for n, z in zips.items()
+                   if stores.get(n) == 1 and n not in other and ast.unparse(z.func) not in stores}
 
 
 def is_dtype_expr(node: ast.expr) -> bool:
@@ -225,7 +218,7 @@ class Scope:
     # local names every binding of which in this function is a literal ``False`` / ``None``
     # (``pin_memory = False`` ... ``torch.empty(n, pin_memory=pin_memory)``)
     falsy: frozenset[str] = frozenset()
-    # local names bound once to a ``zip(...)`` / ``enumerate(...)`` (see :func:`zipped_locals`)
+    # local names bound once to a ``zip(...)`` / ``enumerate(...)`` (see :func:`bound_locals`)
     zips: dict[str, ast.Call] = dataclasses.field(default_factory=dict)
     # the string keys this function subscripts each name with (``d["k"]``); None outside one
     key_uses: dict[str, frozenset[str]] | None = None
@@ -1026,7 +1019,7 @@ class KindModel:
 
     def pins(self, call: ast.Call, scope: Scope) -> bool:
         """Whether ``call`` asks for pinned memory: ``pin_memory=`` anything but a literal
-        ``False`` / ``None`` or a local name bound only to one (see :func:`falsy_locals`)."""
+        ``False`` / ``None`` or a local name bound only to one (see :func:`bound_locals`)."""
         pin = self.kw(call, "pin_memory")
         if isinstance(pin, ast.Name) and pin.id in scope.falsy:
             return False
