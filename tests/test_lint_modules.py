@@ -59,6 +59,19 @@ def _tree(tmp_path: pathlib.Path) -> pathlib.Path:
     return pkg
 
 
+def _lint_package(tmp_path: pathlib.Path, modules: dict[str, str],
+                  codes: list[str]) -> tuple[pathlib.Path, list[tuple[str, int, str]]]:
+    """The package ``pkg`` of these modules under ``tmp_path``, linted from ``tmp_path``:
+    (its directory, the findings as (file name, line, code))."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, text in modules.items():
+        (pkg / name).write_text(text)
+    return pkg, [(pathlib.Path(f.path).name, f.line, f.code)
+                 for f in lint_files(collect_rooted([str(tmp_path)], []), codes)]
+
+
 def test_imports_resolve_against_the_other_linted_files(tmp_path: pathlib.Path) -> None:
     pkg = _tree(tmp_path)
     found = [(pathlib.Path(f.path).name, f.line, f.code)
@@ -188,13 +201,7 @@ def test_a_parameter_every_call_site_gives_a_device_tensor(tmp_path: pathlib.Pat
     called from the model files with device tensors): host, unknown, hidden (``*args``) or
     unseen callers (a function used as a value, ``forward``) leave the parameter unknown, and a
     list of device tensors is no tensor (lightllm ``torch_cat_3([a, b])``: ``if tensors:``)."""
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "callees.py").write_text(CALLEES)
-    (pkg / "callers.py").write_text(CALLERS)
-    found = [(pathlib.Path(f.path).name, f.line, f.code)
-             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    pkg, found = _lint_package(tmp_path, {"callees.py": CALLEES, "callers.py": CALLERS}, ["HS"])
     assert found == [("callees.py", 5, "HS201"), ("callees.py", 6, "HS201"),
                      ("callees.py", 34, "HS201")]
     # alone, the callees' parameters are unknown
@@ -241,13 +248,8 @@ def test_a_free_function_uploading_its_argument_to_a_device_parameter(
     passes a pageable host tensor, the upload site is HS101; one pinned argument among the
     callers leaves the parameter unknown (no finding, and no HS103 at the upload either way:
     the device is the caller's)."""
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "uploads.py").write_text(UPLOADS)
-    (pkg / "uploaders.py").write_text(UPLOADERS)
-    found = [(pathlib.Path(f.path).name, f.line, f.code)
-             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS101", "HS201"])]
+    pkg, found = _lint_package(tmp_path, {"uploads.py": UPLOADS, "uploaders.py": UPLOADERS},
+                               ["HS101", "HS201"])
     assert found == [("uploads.py", 5, "HS101"), ("uploads.py", 9, "HS101")]
     assert lint_files([str(pkg / "uploads.py")], ["HS101", "HS201"]) == []
 
@@ -271,12 +273,6 @@ def test_a_dict_entry_every_linted_module_writes_on_the_device(tmp_path: pathlib
     """A cache dict a pipeline module writes out on the device, read by a layer of another
     module through a parameter (FastVideo's KV caches' ``global_end_index``): found when the
     two are linted together, not when the layer is linted alone."""
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "pipeline.py").write_text(PIPELINE)
-    (pkg / "layer.py").write_text(LAYER)
-    found = [(pathlib.Path(f.path).name, f.line, f.code)
-             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    pkg, found = _lint_package(tmp_path, {"pipeline.py": PIPELINE, "layer.py": LAYER}, ["HS"])
     assert found == [("layer.py", 2, "HS201")]
     assert lint_files([str(pkg / "layer.py")], ["HS"]) == []
