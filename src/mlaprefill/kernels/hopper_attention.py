@@ -31,8 +31,9 @@ Block 0's softmax runs masked (once per program), then unmasked blocks, then the
 (the tail, the causal diagonal), scores set to ``-inf`` with ``where``. Keys are read by TMA:
 in the persistent form through descriptors over the whole K / rope / V tensors, made once per
 program, so a sequence's last, partial block also reads rows of the next one; their scores are
-masked and their V rows set to 0 in shared memory before the PV product (0 * NaN would be
-NaN), so a NaN stays in its sequence. One program per tile makes descriptors over exactly its
+masked, and the producer sets their V rows to 0 in shared memory before it marks the block
+ready (0 * NaN would be NaN in the PV product), so a NaN stays in its sequence. One program per
+tile makes descriptors over exactly its
 sequence's rows instead (zeros past them). Finish: the Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
@@ -51,10 +52,13 @@ per request, 107-340 TFLOP/s). Whole-tensor descriptors in the persistent form (
 made per tile, each after the previous tile's copies landed) then gave, in an A/B under graphs
 with cuDNN in the same run: 256-query causal parts 1.49-1.58x -> 1.45-1.49x cuDNN's time (16 and
 128 heads), 250 and 128 queries unchanged (1.45-1.47x, 1.23-1.24x), context parts unchanged.
-The V-row zeroing costs the consumers 44 bytes of register spills: builds without them (a
-probe that skipped the zeroing; the zeroing as a non-inlined call, which compiled spill-free but
-hit an illegal instruction on the H200 at its first partial block) ran 1.36-1.38x on those
-256-query parts, so a spill-free zeroing is worth about 8 %.
+The consumers zeroed those V rows at first; the branch before their last PV product cost them
+44 bytes of register spills. The producer zeroes them now (it waits for that block's V itself,
+then completes the "ready" barrier with a plain arrive), and in an A/B under graphs with cuDNN in
+the same run: 256-query causal parts 1.47-1.52x -> 1.43-1.47x cuDNN's time, 250 queries 1.48x ->
+1.42x, 200 queries at 128 heads 1.73x -> 1.59x, 77 and 128 queries at 64 sequences 1.23-1.25x
+-> 1.09-1.19x, outputs bitwise equal, longer and context parts unchanged
+(fp8_attention_vzero_h200.json: the vs-ideal set at this code).
 It compiles once per (dtype, causal, accumulate), the causal kernel in both forms at its first
 call; lengths come from ``cu_seqlens``.
 """
@@ -122,11 +126,13 @@ if HAS_GLUON:
     @gluon.jit
     def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                        stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
-                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd,
-                       CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
+                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land,
+                       n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                       BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
                        DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp, one tile (_tile); returns its iteration count. Its iteration i is the
+        # One warp, one tile (_tile); returns its iteration count and n_land (below). Its
+        # iteration i is the
         # ring's iteration g = it0 + i (the count runs on across the program's tiles) and
         # loads key block b_lo + i: its K and rope
         # into stage g % STAGES of one ring, its V into the same stage of another, round
@@ -143,17 +149,21 @@ if HAS_GLUON:
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
-        _qs, _nq, _m0, head, k_start, seqlen_k, _ke, _nf, b_lo, n_iter = _tile(
+        _qs, _nq, _m0, head, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter = _tile(
             tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
         v_bytes: gl.constexpr = BLOCK_N * DV * esize
         if PERSISTENT:
             # K, rope and V through the program's whole-tensor descriptors (kd, rd, vd: made
-            # once, no per-tile descriptor). A block reaching past seqlen_k (a tile's last, when
-            # seqlen_k is not a multiple of BLOCK_N) reads other sequences' rows there (zeros
-            # past the tensor): their scores are set to -inf by the mask, and the consumers
-            # zero those V rows before the PV product (0 * V is NaN where V is not finite).
+            # once, no per-tile descriptor). A block reaching past kv_end (a tile's last, when
+            # kv_end is not a multiple of BLOCK_N) reads other rows there: the next sequence's
+            # (zeros past the tensor). The mask sets their scores to -inf, but 0 * V is NaN
+            # where V is not finite, so such a block's V lands on v_land instead: this warp
+            # waits for it, sets those rows to 0 and then completes v_ready itself (a plain
+            # arrive). n_land counts v_land's uses (its phase) across the program's tiles.
+            # Zeroing here keeps the consumers' code free of a branch before their last PV
+            # product, which cost them register spills (and ~8 % on short causal parts).
             for i in range(n_iter):
                 st = (it0 + i) % STAGES
                 phase = (((it0 + i) // STAGES) & 1) ^ 1
@@ -164,9 +174,21 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(kd, [row, head * stride_kh], bar, k_s.index(st))
                 tma.async_copy_global_to_shared(rd, [row, head * stride_rh], bar, r_s.index(st))
                 mbarrier.wait(v_empty.index(st), phase)
-                bar = v_ready.index(st)
-                mbarrier.expect(bar, v_bytes)
-                tma.async_copy_global_to_shared(vd, [row, head * stride_vh], bar, v_s.index(st))
+                valid = kv_end - (b_lo + i) * BLOCK_N  # rows of this block to keep
+                if valid < BLOCK_N:
+                    mbarrier.expect(v_land, v_bytes)
+                    tma.async_copy_global_to_shared(vd, [row, head * stride_vh], v_land,
+                                                    v_s.index(st))
+                    mbarrier.wait(v_land, n_land & 1)
+                    n_land += 1
+                    _zero_rows_from(v_s.index(st), valid, BLOCK_N, DV)
+                    fence_async_shared()  # generic-proxy stores before the wgmma read them
+                    mbarrier.arrive(v_ready.index(st), count=1)
+                else:
+                    bar = v_ready.index(st)
+                    mbarrier.expect(bar, v_bytes)
+                    tma.async_copy_global_to_shared(vd, [row, head * stride_vh], bar,
+                                                    v_s.index(st))
         else:
             # one tile per program: descriptors over exactly the sequence's key rows (at least
             # one: a sequence without keys still gets a well-formed descriptor, and nothing is
@@ -195,7 +217,26 @@ if HAS_GLUON:
                 bar = v_ready.index(st)
                 mbarrier.expect(bar, v_bytes)
                 tma.async_copy_global_to_shared(v_desc, [row, 0], bar, v_s.index(st))
-        return n_iter
+        return n_iter, n_land
+
+    @gluon.jit
+    def _zero_rows_from(v_blk, valid, BLOCK_N: gl.constexpr, DV: gl.constexpr):
+        # Rows [valid, BLOCK_N) of a [BLOCK_N, DV] shared block set to 0 by one warp: whole
+        # 8-row slices (the swizzle's period, the finest row slice) as stored zeros, the slice
+        # holding row valid as a read, select and write of 64-column halves (few registers:
+        # the producer has 24).
+        ZR: gl.constexpr = 8
+        ZC: gl.constexpr = 64
+        z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        for c in gl.static_range(BLOCK_N // ZR):
+            if c * ZR >= valid:
+                v_blk.slice(c * ZR, ZR, 0).store(gl.zeros([ZR, DV], v_blk.dtype, z_layout))
+            elif (c + 1) * ZR > valid:
+                rows = c * ZR + gl.arange(0, ZR, layout=gl.SliceLayout(1, z_layout))
+                keep = gl.expand_dims(rows < valid, 1)
+                for h in gl.static_range(DV // ZC):
+                    part = v_blk.slice(c * ZR, ZR, 0).slice(h * ZC, ZC, 1)
+                    part.store(gl.where(keep, part.load(z_layout), 0.0).to(v_blk.dtype))
 
     @gluon.jit
     def _scores(q1_s, q2_s, k_s, r_s, kr_ready, i, s_zero, STAGES: gl.constexpr):
@@ -359,26 +400,6 @@ if HAS_GLUON:
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
             g_last = it0 + n_iter - 1
-            if PERSISTENT:
-                # the last block's V rows past seqlen_k are other sequences' (the producer's
-                # whole-tensor descriptor): set to 0 before the PV product. Both warpgroups
-                # write the same zeros (and rewrite the rows kept with what they hold), each
-                # before its own product reads them, so either order gives the same bits.
-                # (kv_end: seqlen_k, or a block boundary below it when causal)
-                valid = kv_end - (b_lo + n_iter - 1) * BLOCK_N
-                if valid < BLOCK_N:
-                    st_last = g_last % STAGES
-                    mbarrier.wait(v_ready.index(st_last), (g_last // STAGES) & 1)
-                    v_last = v_s.index(st_last)
-                    ZR: gl.constexpr = 16  # rows per pass (few registers: these are spent)
-                    for c in gl.static_range(BLOCK_N // ZR):
-                        if (c + 1) * ZR > valid:
-                            part = v_last.slice(c * ZR, ZR, 0)
-                            rows = c * ZR + gl.arange(0, ZR, layout=gl.SliceLayout(1, io_layout))
-                            keep = gl.expand_dims(rows < valid, 1)
-                            part.store(gl.where(keep, part.load(io_layout), 0.0).to(dtype))
-                    fence_async_shared()  # generic-proxy stores before the wgmma read them
-                    gl.thread_barrier()  # this partition's warps only
             o = _values(p, acc, v_s, v_ready, g_last, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
             mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
@@ -432,7 +453,7 @@ if HAS_GLUON:
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
                   num_keys, num_heads, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
-                  stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                  stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, v_land,
                   CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
@@ -440,8 +461,8 @@ if HAS_GLUON:
             _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr,
                            dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
                            stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
-                           v_empty, 0, 0, 0, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV,
-                           STAGES)
+                           v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N,
+                           D1, D2, DV, STAGES)
         else:
             # K, rope and V as [num_keys, every head's columns] matrices, a block at column
             # head * stride_h: made once per program (the one-tile form makes its own, per
@@ -456,12 +477,14 @@ if HAS_GLUON:
                 v_ptr, shape=[num_keys, (num_heads - 1) * stride_vh + DV],
                 strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
             it = 0
+            n_land = 0
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                it += _producer_tile(t, it, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense,
-                                     n_m, num_seqs, stride_kt, stride_kh, stride_rt,
-                                     stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
-                                     kr_empty, v_ready, v_empty, kd, rd, vd, CAUSAL,
-                                     PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                n, n_land = _producer_tile(
+                    t, it, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                    stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
+                    v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
+                    CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                it += n
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -537,6 +560,8 @@ if HAS_GLUON:
             mbarrier.init(kr_empty.index(i), count=2)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
+        v_land = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # the producer's own
+        mbarrier.init(v_land, count=1)
         fence_async_shared()
 
         gl.warp_specialize([
@@ -553,8 +578,8 @@ if HAS_GLUON:
             (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                          n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
                          stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV,
-                         STAGES)),
+                         v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
+                         D2, DV, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
