@@ -41,7 +41,8 @@ sequence's rows instead (zeros past them). Finish: the Triton kernel's rules
 A context part runs persistent (one program per SM walks the tiles, the rings' iteration count
 running on across them, so a tile's first loads overlap the previous one's epilogue), and so does
 a causal part of at most ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence; a longer
-causal part runs one program per tile, heaviest first.
+causal part runs one program per tile, heaviest first. In the persistent form each partition
+loads its next tile's sequence bounds (``cu_seqlens`` entries) before running this one.
 
 Measured on the H200 under CUDA graphs, cuDNN in the same run (benchmarks/results/
 fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this code; the
@@ -124,7 +125,7 @@ if HAS_GLUON:
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+    def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs,
                        stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
                        r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land,
                        n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -150,7 +151,7 @@ if HAS_GLUON:
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
         _qs, _nq, _m0, head, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter = _tile(
-            tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
+            tile, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL, BLOCK_M, BLOCK_N)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
         v_bytes: gl.constexpr = BLOCK_N * DV * esize
@@ -324,7 +325,7 @@ if HAS_GLUON:
         gl.store(l_ptrs, lse, mask=l_ok)
 
     @gluon.jit
-    def _consumer_tile(tile, it0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m,
+    def _consumer_tile(tile, it0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense, n_m,
                        num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -335,7 +336,7 @@ if HAS_GLUON:
         # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
         # its ring iterations are it0 + [0, n_iter). Returns n_iter.
         q_start, seqlen_q, m0, head, _ks, _nk, kv_end, n_free, b_lo, n_iter = _tile(
-            tile, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL, BLOCK_M, BLOCK_N)
+            tile, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -419,20 +420,35 @@ if HAS_GLUON:
         return n_iter
 
     @gluon.jit
-    def _tile(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr, dense, CAUSAL: gl.constexpr,
+    def _tile_bounds(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr):
+        # Tile t's sequence's cu_seqlens entries (q start, q end, k start, k end), for _tile.
+        # The persistent loops load those of their next tile before running this one, so the
+        # loads' latency hides behind a tile's work instead of starting each tile (an A/B under
+        # graphs, same run: 250 and 128 queries per sequence 1.44x -> 1.36x and 1.19x -> 1.11x
+        # cuDNN's time, 256 1.43-1.49x -> 1.41-1.49x, the rest unchanged; the vs-ideal set run
+        # after, fp8_attention_bounds_h200.json, against the one before: 256-query causal parts
+        # at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times). The modulo keeps a tile
+        # past n_tiles in bounds.
+        seq = (t // n_m) % num_seqs
+        return (gl.load(cu_q_ptr + seq), gl.load(cu_q_ptr + seq + 1), gl.load(cu_k_ptr + seq),
+                gl.load(cu_k_ptr + seq + 1))
+
+    @gluon.jit
+    def _tile(t, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # Tile t = (query block, sequence, head), query blocks fastest (the programs running
+        # Tile t = (query block, sequence, head), its sequence's bounds qa, qb, ka, kb from
+        # _tile_bounds; query blocks fastest (the programs running
         # at once share one head's keys in L2), causal ones heaviest (last) first so the short
         # ones fill the tail. Returns where its rows and keys are and its key-block count.
         mi = t % n_m
         seq = (t // n_m) % num_seqs
         head = t // (n_m * num_seqs)
         m_block = n_m - 1 - mi if CAUSAL else mi
-        q_start = gl.load(cu_q_ptr + seq)
-        seqlen_q = gl.load(cu_q_ptr + seq + 1) - q_start
+        q_start = qa
+        seqlen_q = qb - qa
         m0 = m_block * BLOCK_M
-        k_start = gl.load(cu_k_ptr + seq)
-        seqlen_k = gl.load(cu_k_ptr + seq + 1) - k_start
+        k_start = ka
+        seqlen_k = kb - ka
         if CAUSAL:
             kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M)
             n_free = gl.minimum(seqlen_k, m0 + 1) // BLOCK_N  # blocks every row sees whole
@@ -458,7 +474,8 @@ if HAS_GLUON:
                   BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
-            _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr,
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
+            _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
                            dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
                            stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
                            v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N,
@@ -478,13 +495,17 @@ if HAS_GLUON:
                 strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
             it = 0
             n_land = 0
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, cu_q_ptr,
+                                                cu_k_ptr)
                 n, n_land = _producer_tile(
-                    t, it, k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                    t, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs,
                     stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
                     v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
                     CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
                 it += n
+                qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -495,20 +516,25 @@ if HAS_GLUON:
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program (as the producer)
-            _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
+            _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
                            dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                            stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
                            kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
                            ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                it += _consumer_tile(t, it, q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, cu_q_ptr,
+                                                cu_k_ptr)
+                it += _consumer_tile(t, it, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
                                      dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot,
                                      stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
                                      k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
                                      CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2,
                                      DV, STAGES)
+                qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
