@@ -32,6 +32,7 @@ from hostsync.lint_kinds import (
     dotted,
     is_dtype_expr,
     kwarg,
+    named_attribute,
 )
 from hostsync.lint_where import (
     ACC_DEV,
@@ -605,6 +606,10 @@ class _Flow:
                           "b)`), which waits for the device; use torch.minimum/torch.maximum "
                           "(or .amin()/.amax()) on the device, or compare host values")
                 return
+        target = named_attribute(call, "setattr")
+        if target is not None and len(call.args) == 3 and "setattr" not in scope.env:
+            self._bind(target, call.args[2], scope)  # `setattr(obj, "a", v)` is `obj.a = v`
+            return
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr

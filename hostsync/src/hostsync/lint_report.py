@@ -44,8 +44,9 @@ callees named pin/gpu/cuda/device/upload/stage/async), or read from a checkpoint
 (`torch.load(..., map_location="cpu")`, safetensors `load_file(path)` and `f.get_tensor(k)` of
 `with safe_open(path, framework="pt") as f`, the CPU by default; their dicts' `.items()` /
 `.values()` too), or gathered by indexing a host tensor with a list or a boolean comparison
-(`pinned[idx_list]`: a fresh copy). `if not x.is_pinned:` (the method left uncalled, always
-true) never pins.
+(`pinned[idx_list]`: a fresh copy), or attached to an object with `setattr(obj, "name", t)` and
+read back with `getattr(obj, "name", None)` (the name written out: `obj.name`).
+`if not x.is_pinned:` (the method left uncalled, always true) never pins.
 
 Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
 the host wait until every kernel already queued has finished (measured on an H200: with 50 ms
