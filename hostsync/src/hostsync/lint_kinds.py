@@ -700,8 +700,13 @@ class KindModel:
             v = scope.env[path]
             if v not in (UNKNOWN, LIST):
                 return v
-        if self.kind(node.value, scope) == DEV_CALL:
+        base = self.kind(node.value, scope)
+        if base == DEV_CALL:
             return DEV_CALL  # a field of what a call given device tensors returned
+        if base == DEVICE:
+            # a field of what was moved to the device whole (`enc = tokenizer(...).to(dev)`:
+            # `enc.attention_mask`)
+            return DEVICE
         owner = self.type_of(node.value, scope)
         if owner is None or owner in self.classes:
             # this module's class: its own facts, else what any constructor call was given

@@ -106,7 +106,8 @@ CPU (a free function's own device parameter excepted: the caller chooses it), al
 local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
 tensor on the device), or on the device of a submodule's parameter (`self.embed.weight.device`,
 the device the component serves; `x.device` of a tensor of unknown place says nothing), moved
-there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`).
+there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`); so is a field of
+a value moved to the device whole (`enc = tokenizer(...).to(dev)`: `enc.attention_mask`).
 `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors returns count too
 (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do fields and tuple items
 of such a result (of a plain function, or of a callable held by another object: `ids, probs =
