@@ -98,7 +98,10 @@ What: reading a device tensor's value on the host, in any of these forms:
     device tensor too, so `if 0 <= max(a, t) - a:` reads it again);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
-  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
+  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message);
+  - a comparison that returns a Python bool: `torch.equal(a, b)`, `torch.allclose(a, b)`,
+    `a.equal(b)`, and membership in a device tensor, `x in t` / `x not in t`
+    (`Tensor.__contains__` is `bool((t == x).any())`).
 A read built only on the way to an exception (a `raise` statement, an `assert`'s message) is
 not reported: it waits once, as the program fails; the test that decides to fail still is.
 A tensor is known to be on the device when it is made with device= something not known to be the
