@@ -276,3 +276,39 @@ def test_a_dict_entry_every_linted_module_writes_on_the_device(tmp_path: pathlib
     pkg, found = _lint_package(tmp_path, {"pipeline.py": PIPELINE, "layer.py": LAYER}, ["HS"])
     assert found == [("layer.py", 2, "HS201")]
     assert lint_files([str(pkg / "layer.py")], ["HS"]) == []
+
+
+FIELDS = '''import torch
+
+
+class Pipeline:
+    def _split_masked(self, hidden, mask):
+        lengths = mask.bool().sum(dim=1)
+        return torch.split(hidden[mask.bool()], lengths.tolist(), dim=0)
+
+    def encode(self, prompts, hidden):
+        tokens = self.tokenizer(prompts, return_tensors="pt").to(self.device)
+        return self._split_masked(hidden, tokens.attention_mask)
+
+    def encode_on_host(self, prompts, hidden):
+        tokens = self.tokenizer(prompts, return_tensors="pt")
+        return self._split_masked(hidden, tokens.attention_mask)
+'''
+
+
+def test_a_field_of_a_value_on_the_device_passed_to_a_helper(tmp_path: pathlib.Path) -> None:
+    """``tokens = tokenizer(...).to(device)`` ... ``self._split_masked(h,
+    tokens.attention_mask)``: the field is a device tensor, so where every call site passes
+    one the helper's ``.tolist()`` reads the device (vllm-omni's Qwen-Image pipeline); a call
+    site that passes the encoding's field from the host leaves the parameter unknown."""
+    _, found = _lint_package(tmp_path, {"pipe.py": FIELDS}, ["HS"])
+    assert found == []
+    one = FIELDS.replace('''
+    def encode_on_host(self, prompts, hidden):
+        tokens = self.tokenizer(prompts, return_tensors="pt")
+        return self._split_masked(hidden, tokens.attention_mask)
+''', "")
+    (tmp_path / "pkg" / "pipe.py").write_text(one)
+    found = [(pathlib.Path(f.path).name, f.line, f.code)
+             for f in lint_files(collect_rooted([str(tmp_path)], []), ["HS"])]
+    assert found == [("pipe.py", 7, "HS201")]

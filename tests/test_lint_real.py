@@ -144,8 +144,15 @@ def _ratio(num: int, den: int) -> float:
 #: Twelfth round, held-out batch: 12 files labelled and committed (1800194) before being
 #: linted, measured once with the rules above: HS101 1/3, HS201 16/35, no false positive.
 #: Held-out now (38 files): HS101 2/7, HS201 50/92 (precision 50/51).
+#: Thirteenth round: the 12 round-12 files moved to dev, measured once right after with no rule
+#: changed: dev HS101 43/76 (precision 43/44), HS201 153/262 (precision 153/154); held-out (26
+#: files) HS101 1/4, HS201 34/57 (precision 34/35), as in the eighth round.
+#: Thirteenth round, rules (README): getattr/setattr with the name written out, fields of a
+#: value on the device, torch.equal/allclose and membership in a device tensor: dev HS101
+#: 45/76 (precision 45/46), HS201 156/262 (precision 156/157); held-out unchanged (HS101 1/4,
+#: HS201 34/57, precision 34/35), so its bounds are as they were.
 REACHED = {
-    ("dev", "HS101"): (43 / 44, 43 / 76), ("dev", "HS201"): (153 / 154, 153 / 262),
+    ("dev", "HS101"): (45 / 46, 45 / 76), ("dev", "HS201"): (156 / 157, 156 / 262),
     ("held-out", "HS101"): (1.0, 1 / 4), ("held-out", "HS201"): (34 / 35, 34 / 57),
 }
 

@@ -14,8 +14,9 @@ HS103  (opt-in) like HS101, but the lint cannot tell where the source lives or w
 HS201  A host read of a tensor known to be on a device: ``.item()``, ``.tolist()``, ``.cpu()``,
        ``.numpy()``, ``.to("cpu")``; ``bool()`` / ``int()`` / ``float()``; an ``if`` / ``while`` /
        ``assert`` / comprehension / conditional-expression test (``if torch.any(mask):``,
-       ``if t[i] != c:``); an f-string of it; not in a ``raise`` or an ``assert`` message (an
-       error path, read once as the program fails). Conditions, casts and f-strings count only
+       ``if t[i] != c:``); an f-string of it; ``torch.equal`` / ``torch.allclose`` of it, and
+       ``x in t``; not in a ``raise`` or an ``assert`` message (an error path, read once as
+       the program fails). Conditions, casts and f-strings count only
        device-ness shown by the code (construction, ``.to``, a ``device = x.device`` alias),
        never names alone.
 

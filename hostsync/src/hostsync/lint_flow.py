@@ -32,6 +32,7 @@ from hostsync.lint_kinds import (
     dotted,
     is_dtype_expr,
     kwarg,
+    named_attribute,
 )
 from hostsync.lint_where import (
     ACC_DEV,
@@ -55,6 +56,8 @@ Report = Callable[[ast.AST, str, str], None]
 
 _HOST_READS = ("item", "tolist", "cpu", "numpy")
 _SCALAR_CASTS = ("bool", "int", "float", "complex")
+#: Tensor comparisons that return a Python bool (``torch.equal(a, b)``, ``a.allclose(b)``)
+_COMPARISONS = ("equal", "allclose")
 _TERMINATORS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 #: Tensor methods that engines test as if they were properties (``if not x.is_pinned:``)
 _UNCALLED_METHODS = frozenset({"is_pinned"})
@@ -528,6 +531,8 @@ class _Flow:
             entries = _dict_entries(e)
             if entries:
                 self.pending.add_shape({k: self.model.strictly(v, scope) for k, v in entries})
+        elif isinstance(e, ast.Compare):
+            self._check_contains(e, scope)
         elif isinstance(e, ast.FormattedValue) and self.model.strictly(e.value, scope) == DEVICE:
             self._add(e.value, "HS201",
                       f"formatting `{_src(e.value)}`, a device tensor, in an f-string copies it "
@@ -605,6 +610,10 @@ class _Flow:
                           "b)`), which waits for the device; use torch.minimum/torch.maximum "
                           "(or .amin()/.amax()) on the device, or compare host values")
                 return
+        target = named_attribute(call, "setattr")
+        if target is not None and len(call.args) == 3 and "setattr" not in scope.env:
+            self._bind(target, call.args[2], scope)  # `setattr(obj, "a", v)` is `obj.a = v`
+            return
         if not isinstance(f, ast.Attribute):
             return
         m = f.attr
@@ -625,6 +634,16 @@ class _Flow:
                       f"`{_src(call)}` inside a loop pins a fresh buffer every iteration; "
                       "allocate pinned staging once outside the loop and reuse it (guard reuse "
                       "with an event so a pending copy is never overwritten)")
+            return
+        if m in _COMPARISONS:
+            # `torch.equal(a, b)` / `a.allclose(b)`: a Python bool, computed on the device
+            module = model.is_torch(f.value) or (isinstance(f.value, ast.Name)
+                                                 and f.value.id in model.numpy_names)
+            operands = [*call.args[:2]] if module else [f.value, *call.args[:1]]
+            for operand in operands:
+                if model.kind(operand, scope) in (DEVICE, DEV_CALL):
+                    self._check_host_read(call, operand, f"{_src(f, 24)}()", scope)
+                    break
             return
         if model.is_torch(f.value):
             return
@@ -721,6 +740,27 @@ class _Flow:
                       f"`{where} {_src(test)}` reads the truth value of a device tensor on the "
                       "host, which waits for the device; keep the branch on the device "
                       "(torch.where, masks) or decide from host values (e.g. in the plan)")
+
+    def _check_contains(self, test: ast.Compare, scope: Scope) -> None:
+        """``x in t`` / ``x not in t`` of a device tensor ``x`` in a tensor ``t``, both
+        strictly on the device: ``Tensor.__contains__`` is ``bool((t == x).any())``, a read of
+        the device. A key or a string tested against what the lint takes for a device value
+        (``key in state_dict`` of a checkpoint mapped to the device, ``"norm" in name``) is
+        a test of a container, not of a tensor."""
+        left = test.left
+        model = self.model
+        for op, right in zip(test.ops, test.comparators, strict=True):
+            if isinstance(op, (ast.In, ast.NotIn)) and not (
+                    isinstance(right, ast.Name) and scope.env.get(right.id) == LIST) \
+                    and model.strictly(left, scope) == DEVICE \
+                    and model.strictly(right, scope) == DEVICE:
+                word = "in" if isinstance(op, ast.In) else "not in"
+                self._add(test, "HS201",
+                          f"`{_src(left, 20)} {word} {_src(right)}` tests membership in a device "
+                          "tensor, `bool((t == x).any())`, which waits for the device; keep "
+                          "the test on the device (torch.isin, masks) or test a host copy")
+                return
+            left = right
 
     def _check_to(self, call: ast.Call, scope: Scope) -> None:
         model = self.model

@@ -49,6 +49,7 @@ __all__ = [
     "is_dtype_expr",
     "kwarg",
     "merge_shape",
+    "named_attribute",
     "truthy_pin",
 ]
 
@@ -699,8 +700,13 @@ class KindModel:
             v = scope.env[path]
             if v not in (UNKNOWN, LIST):
                 return v
-        if self.kind(node.value, scope) == DEV_CALL:
+        base = self.kind(node.value, scope)
+        if base == DEV_CALL:
             return DEV_CALL  # a field of what a call given device tensors returned
+        if base == DEVICE:
+            # a field of what was moved to the device whole (`enc = tokenizer(...).to(dev)`:
+            # `enc.attention_mask`)
+            return DEVICE
         owner = self.type_of(node.value, scope)
         if owner is None or owner in self.classes:
             # this module's class: its own facts, else what any constructor call was given
@@ -884,6 +890,11 @@ class KindModel:
 
     def call(self, call: ast.Call, scope: Scope) -> str | None:
         f = call.func
+        attr = named_attribute(call, "getattr")
+        if attr is not None and "getattr" not in scope.env:
+            # `getattr(obj, "a", None)` reads `obj.a`; not for a truth test, which asks
+            # whether the attribute is there (`if getattr(self, "vae", None):`)
+            return None if self.strict else self.kind(attr, scope)
         if isinstance(f, ast.Name):
             if f.id in ("min", "max") and f.id not in scope.env and len(call.args) > 1 \
                     and not call.keywords \
@@ -1163,6 +1174,19 @@ class KindModel:
         elems = self.elem_kinds(it, scope)
         strict = self.strictly_with(self.elem_kinds, it, scope)
         _bind_items(target, elems, strict, scope)
+
+
+def named_attribute(call: ast.Call, builtin: str) -> ast.Attribute | None:
+    """``obj.a`` for ``getattr(obj, "a"[, default])`` / ``setattr(obj, "a", v)`` (``builtin``
+    names which) with the name written out: the attribute the call reads or writes."""
+    f = call.func
+    if not (isinstance(f, ast.Name) and f.id == builtin and len(call.args) >= 2
+            and not call.keywords and isinstance(call.args[1], ast.Constant)
+            and isinstance(call.args[1].value, str) and call.args[1].value.isidentifier()):
+        return None
+    ctx = ast.Store() if builtin == "setattr" else ast.Load()
+    return ast.copy_location(ast.Attribute(value=call.args[0], attr=call.args[1].value,
+                                           ctx=ctx), call)
 
 
 def merge_shape(into: dict[str, str], entries: dict[str, str | None]) -> None:

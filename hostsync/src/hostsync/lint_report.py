@@ -44,8 +44,9 @@ callees named pin/gpu/cuda/device/upload/stage/async), or read from a checkpoint
 (`torch.load(..., map_location="cpu")`, safetensors `load_file(path)` and `f.get_tensor(k)` of
 `with safe_open(path, framework="pt") as f`, the CPU by default; their dicts' `.items()` /
 `.values()` too), or gathered by indexing a host tensor with a list or a boolean comparison
-(`pinned[idx_list]`: a fresh copy). `if not x.is_pinned:` (the method left uncalled, always
-true) never pins.
+(`pinned[idx_list]`: a fresh copy), or attached to an object with `setattr(obj, "name", t)` and
+read back with `getattr(obj, "name", None)` (the name written out: `obj.name`).
+`if not x.is_pinned:` (the method left uncalled, always true) never pins.
 
 Why: non_blocking is only asynchronous from pinned memory. From pageable memory CUDA may make
 the host wait until every kernel already queued has finished (measured on an H200: with 50 ms
@@ -97,7 +98,10 @@ What: reading a device tensor's value on the host, in any of these forms:
     device tensor too, so `if 0 <= max(a, t) - a:` reads it again);
   - a condition: `if torch.any(mask):`, `while t.any():`, `assert torch.all(t >= 0)`,
     `x if t[i] > 0 else y`, `[... for i in r if t[i] != c]`, `if t[i] != c:` in a loop;
-  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message).
+  - an f-string of a device tensor (`f"{t}"`, e.g. in a log message);
+  - a comparison that returns a Python bool: `torch.equal(a, b)`, `torch.allclose(a, b)`,
+    `a.equal(b)`, and membership in a device tensor, `x in t` / `x not in t`
+    (`Tensor.__contains__` is `bool((t == x).any())`).
 A read built only on the way to an exception (a `raise` statement, an `assert`'s message) is
 not reported: it waits once, as the program fails; the test that decides to fail still is.
 A tensor is known to be on the device when it is made with device= something not known to be the
@@ -105,7 +109,8 @@ CPU (a free function's own device parameter excepted: the caller chooses it), al
 local alias (`device = out.device; torch.zeros(n, device=device)` puts both `out` and the new
 tensor on the device), or on the device of a submodule's parameter (`self.embed.weight.device`,
 the device the component serves; `x.device` of a tensor of unknown place says nothing), moved
-there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`).
+there, computed from device tensors, or named so (`*_gpu`, `x` beside `x_cpu`); so is a field of
+a value moved to the device whole (`enc = tokenizer(...).to(dev)`: `enc.attention_mask`).
 `.item()`/`.tolist()`/`.cpu()`/`.numpy()` of what a call given device tensors returns count too
 (`self.sampler(logits_dev).tolist()`, `kernel(x=dev).cpu()`), and so do fields and tuple items
 of such a result (of a plain function, or of a callable held by another object: `ids, probs =
