@@ -42,7 +42,18 @@ A context part runs persistent (one program per SM walks the tiles, the rings' i
 running on across them, so a tile's first loads overlap the previous one's epilogue), and so does
 a causal part of at most ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence; a longer
 causal part runs one program per tile, heaviest first. In the persistent form each partition
-loads its next tile's sequence bounds (``cu_seqlens`` entries) before running this one.
+loads its next tile's sequence bounds (``cu_seqlens`` entries) before running this one. A
+persistent causal part walks its query blocks in pairs of equal cost (the heaviest with the
+lightest), each program alternating between a pair's halves, so every program gets the same
+work (a plain round robin gave half the programs only heavy blocks), and its consumers load each
+tile's Q by TMA while the previous tile finishes (context parts keep a plain load at each tile's
+start: the prefetch cost them 1-5 %). A/B under graphs against the kernel before, cuDNN in the
+same run, outputs bitwise equal: 256-query causal parts 1.39-1.44x -> 1.11-1.16x cuDNN's time,
+250 queries 1.41x -> 1.16x, 128 queries at 64 sequences 1.11x -> 1.08x, the rest unchanged
+(fp8_attention_pairs_h200.json: the vs-ideal set at this code). In the same probe every causal
+part run persistent (balanced now) was faster still: 1000-1024 queries 1.16x -> 1.00-1.12x,
+4096 0.94-0.97x -> 0.85-0.92x; not yet the default (``CAUSAL_PERSISTENT_MAX_BLOCKS``), as the
+GPU tests have not run that form on long causal parts.
 
 Measured on the H200 under CUDA graphs, cuDNN in the same run (benchmarks/results/
 fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this code; the
@@ -126,9 +137,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs,
-                       stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
-                       r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land,
-                       n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                       num_heads, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+                       stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd,
+                       vd, v_land, n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                        BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
                        DV: gl.constexpr, STAGES: gl.constexpr):
@@ -150,8 +161,9 @@ if HAS_GLUON:
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
-        _qs, _nq, _m0, head, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter = _tile(
-            tile, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL, BLOCK_M, BLOCK_N)
+        _qs, _nq, _m0, head, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter, _ok = _tile(
+            tile, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL, PERSISTENT, BLOCK_M,
+            BLOCK_N)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
         v_bytes: gl.constexpr = BLOCK_N * DV * esize
@@ -325,8 +337,25 @@ if HAS_GLUON:
         gl.store(l_ptrs, lse, mask=l_ok)
 
     @gluon.jit
-    def _consumer_tile(tile, it0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense, n_m,
-                       num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    def _load_q(qd1, qd2, q_bar, q1w, q2w, t, qa, n_m, num_seqs, num_heads, n_tiles,
+                stride_qh, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                BLOCK_M: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr):
+        # Persistent form: tile t's 64 query rows of this warpgroup into its Q buffer by TMA,
+        # arriving on q_bar, if t is a tile (qa: its sequence's first query). Rows past the
+        # sequence read the next one's (zeros past the tensor): their scores stay in their rows,
+        # which are never stored.
+        m_block, _seq, head, valid = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
+        if valid & (t < n_tiles):
+            row = qa + m_block * BLOCK_M + WG * 64
+            esize: gl.constexpr = q1w.dtype.primitive_bitwidth // 8
+            mbarrier.expect(q_bar, 64 * (D1 + D2) * esize)
+            tma.async_copy_global_to_shared(qd1, [row, head * stride_qh], q_bar, q1w)
+            tma.async_copy_global_to_shared(qd2, [row, head * stride_qh + D1], q_bar, q2w)
+
+    @gluon.jit
+    def _consumer_tile(tile, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense, n_m,
+                       num_seqs, num_heads, n_tiles, t_next, qa_next, qd1, qd2, q_bar,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
                        PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -334,9 +363,14 @@ if HAS_GLUON:
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
-        # its ring iterations are it0 + [0, n_iter). Returns n_iter.
-        q_start, seqlen_q, m0, head, _ks, _nk, kv_end, n_free, b_lo, n_iter = _tile(
-            tile, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL, BLOCK_M, BLOCK_N)
+        # its ring iterations are it0 + [0, n_iter). Persistent, its Q was loaded by _load_q
+        # (nq: the Q loads this warpgroup waited for so far, q_bar's phase), and it loads the
+        # next tile's (t_next, whose sequence starts at query qa_next) once its scores are
+        # done, so that load's latency hides behind this tile's last PV product and epilogue.
+        # Returns (n_iter, nq).
+        q_start, seqlen_q, m0, head, _ks, _nk, kv_end, n_free, b_lo, n_iter, valid = _tile(
+            tile, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL, PERSISTENT, BLOCK_M,
+            BLOCK_N)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -358,23 +392,29 @@ if HAS_GLUON:
         l_ptrs = (lse_ptr + (q_start + r0).to(gl.int64) * stride_lt + head64 * stride_lh
                   + o_rows * stride_lt)
         l_ok = r0 + o_rows < seqlen_q
+        q1w = q1_s.index(WG)
+        q2w = q2_s.index(WG)
+        Q_TMA: gl.constexpr = CAUSAL and PERSISTENT
+        if Q_TMA:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if valid:  # _load_q issued this tile's Q (before the loop or in the previous tile)
+                mbarrier.wait(q_bar, nq & 1)
+                nq += 1
         if n_iter > 0:
-            # this warpgroup's queries into its Q buffer (rows past the sequence read 0 and are
-            # never stored)
-            q_base = q_ptr + (q_start + r0).to(gl.int64) * stride_qt + head64 * stride_qh
-            q_rows = gl.expand_dims(io_rows, 1) * stride_qt
-            q1 = gl.load(q_base + q_rows + gl.expand_dims(
-                gl.arange(0, D1, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
-                other=0.0)
-            q2 = gl.load(q_base + q_rows + D1 + gl.expand_dims(
-                gl.arange(0, D2, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
-                other=0.0)
-            q1w = q1_s.index(WG)
-            q2w = q2_s.index(WG)
-            q1w.store(q1)
-            q2w.store(q2)
-            fence_async_shared()  # generic-proxy stores before the wgmma read them
-            gl.thread_barrier()  # this partition's warps only
+            if not Q_TMA:
+                # this warpgroup's queries into its Q buffer (rows past the sequence read 0
+                # and are never stored)
+                q_base = q_ptr + (q_start + r0).to(gl.int64) * stride_qt + head64 * stride_qh
+                q_rows = gl.expand_dims(io_rows, 1) * stride_qt
+                q1 = gl.load(q_base + q_rows + gl.expand_dims(
+                    gl.arange(0, D1, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
+                    other=0.0)
+                q2 = gl.load(q_base + q_rows + D1 + gl.expand_dims(
+                    gl.arange(0, D2, layout=gl.SliceLayout(0, io_layout)), 0), mask=io_ok,
+                    other=0.0)
+                q1w.store(q1)
+                q2w.store(q2)
+                fence_async_shared()  # generic-proxy stores before the wgmma read them
+                gl.thread_barrier()  # this partition's warps only
 
             offs_m = r0 + gl.arange(0, WM, layout=gl.SliceLayout(1, s_layout))
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -400,6 +440,10 @@ if HAS_GLUON:
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+            if Q_TMA:  # every warp's scores are done: the Q buffer takes the next tile's
+                gl.thread_barrier()
+                _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next, n_m, num_seqs, num_heads,
+                        n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
             g_last = it0 + n_iter - 1
             o = _values(p, acc, v_s, v_ready, g_last, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
@@ -414,36 +458,71 @@ if HAS_GLUON:
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
             _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
                         io_layout)
-        elif not ACCUMULATE:  # no key here: out = 0, lse = -inf (merging nothing: no write)
-            gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
-            gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
-        return n_iter
+        else:
+            if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
+                _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next, n_m, num_seqs, num_heads,
+                        n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
+            if not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
+                gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
+                gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
+        return n_iter, nq
 
     @gluon.jit
-    def _tile_bounds(t, n_m, num_seqs, cu_q_ptr, cu_k_ptr):
+    def _decode(t, n_m, num_seqs, num_heads, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        # Tile t's (query block, sequence, head) and whether it is a tile at all.
+        # Query blocks fastest (the programs running at once share one head's keys in L2). A
+        # causal part: heaviest (last) query block first. Persistent (n_m <= 2), the blocks come
+        # in pairs of equal total cost (block n_m - 1 - j then j: n_m + 1 key blocks) and
+        # program p's rounds alternate between a pair's heavy and light half, round 2r + h
+        # being half h of pair unit r * P + p (P programs), so a static round robin gives every
+        # program the same work: plain round robin gave program p only block n_m - 1 - p % n_m
+        # when P % n_m == 0, so half the programs did twice the work of the other half at 256
+        # queries (A/B under graphs, cuDNN in the same run: 256-query causal parts 1.39-1.40x
+        # -> 1.12-1.18x cuDNN's time, 250 queries 1.35x -> 1.15x). The odd middle block's
+        # second half, and units past the last, are no tile. With one query block (n_m = 1)
+        # every tile costs the same and rounds are not doubled: a unit per round.
+        if CAUSAL and PERSISTENT:
+            progs = gl.num_programs(0)
+            paired = (n_m > 1).to(gl.int32)  # rounds per unit: 1 << paired
+            rnd = t // progs
+            u = (rnd >> paired) * progs + t % progs
+            n_pairs = (n_m + 1) // 2
+            j = u % n_pairs
+            seq = (u // n_pairs) % num_seqs
+            head = u // (n_pairs * num_seqs)
+            heavy = (rnd & paired) == 0
+            m_block = gl.where(heavy, n_m - 1 - j, j)
+            valid = (head < num_heads) & (heavy | (n_m - 1 - j != j))
+        else:
+            mi = t % n_m
+            seq = (t // n_m) % num_seqs
+            head = t // (n_m * num_seqs)
+            m_block = n_m - 1 - mi if CAUSAL else mi
+            valid: gl.constexpr = True  # the loops stop at n_tiles: every tile they run is one
+        return m_block, seq, head, valid
+
+    @gluon.jit
+    def _tile_bounds(t, n_m, num_seqs, num_heads, cu_q_ptr, cu_k_ptr, CAUSAL: gl.constexpr,
+                     PERSISTENT: gl.constexpr):
         # Tile t's sequence's cu_seqlens entries (q start, q end, k start, k end), for _tile.
         # The persistent loops load those of their next tile before running this one, so the
         # loads' latency hides behind a tile's work instead of starting each tile (an A/B under
         # graphs, same run: 250 and 128 queries per sequence 1.44x -> 1.36x and 1.19x -> 1.11x
         # cuDNN's time, 256 1.43-1.49x -> 1.41-1.49x, the rest unchanged; the vs-ideal set run
         # after, fp8_attention_bounds_h200.json, against the one before: 256-query causal parts
-        # at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times). The modulo keeps a tile
-        # past n_tiles in bounds.
-        seq = (t // n_m) % num_seqs
+        # at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times). _decode's modulo keeps a
+        # tile past n_tiles in bounds.
+        _mb, seq, _h, _v = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
         return (gl.load(cu_q_ptr + seq), gl.load(cu_q_ptr + seq + 1), gl.load(cu_k_ptr + seq),
                 gl.load(cu_k_ptr + seq + 1))
 
     @gluon.jit
-    def _tile(t, qa, qb, ka, kb, n_m, num_seqs, dense, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # Tile t = (query block, sequence, head), its sequence's bounds qa, qb, ka, kb from
-        # _tile_bounds; query blocks fastest (the programs running
-        # at once share one head's keys in L2), causal ones heaviest (last) first so the short
-        # ones fill the tail. Returns where its rows and keys are and its key-block count.
-        mi = t % n_m
-        seq = (t // n_m) % num_seqs
-        head = t // (n_m * num_seqs)
-        m_block = n_m - 1 - mi if CAUSAL else mi
+    def _tile(t, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL: gl.constexpr,
+              PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        # Tile t (_decode), its sequence's bounds qa, qb, ka, kb from _tile_bounds. Returns
+        # where its rows and keys are, its key-block count (0 for no tile) and whether it is
+        # a tile.
+        m_block, seq, head, valid = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
         q_start = qa
         seqlen_q = qb - qa
         m0 = m_block * BLOCK_M
@@ -463,8 +542,11 @@ if HAS_GLUON:
             k_lo = gl.where((seq >= lo) & (seq < hi) & (m_end <= dq), dk, k_lo)
         b_lo = k_lo // BLOCK_N
         live = (m0 < seqlen_q) & (k_lo < kv_end)
+        if CAUSAL and PERSISTENT:
+            live = live & valid
         n_iter = gl.where(live, gl.cdiv(kv_end, BLOCK_N) - b_lo, 0)
-        return q_start, seqlen_q, m0, head, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter
+        return (q_start, seqlen_q, m0, head, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter,
+                valid)
 
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -474,12 +556,13 @@ if HAS_GLUON:
                   BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
+                                          cu_k_ptr, CAUSAL, PERSISTENT)
             _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
-                           dense, n_m, num_seqs, stride_kt, stride_kh, stride_rt, stride_rh,
-                           stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
-                           v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N,
-                           D1, D2, DV, STAGES)
+                           dense, n_m, num_seqs, num_heads, stride_kt, stride_kh, stride_rt,
+                           stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
+                           v_ready, v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M,
+                           BLOCK_N, D1, D2, DV, STAGES)
         else:
             # K, rope and V as [num_keys, every head's columns] matrices, a block at column
             # head * stride_h: made once per program (the one-tile form makes its own, per
@@ -495,12 +578,13 @@ if HAS_GLUON:
                 strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
             it = 0
             n_land = 0
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
+                                          cu_k_ptr, CAUSAL, PERSISTENT)
             for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, cu_q_ptr,
-                                                cu_k_ptr)
+                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, num_heads,
+                                                cu_q_ptr, cu_k_ptr, CAUSAL, PERSISTENT)
                 n, n_land = _producer_tile(
-                    t, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs,
+                    t, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs, num_heads,
                     stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
                     v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
                     CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
@@ -509,41 +593,67 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
-                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-                  q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                  num_queries, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                  stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
+                  kr_empty, v_ready, v_empty, q_bars,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                   ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program (as the producer)
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
-            _consumer_tile(gl.program_id(0), 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                           dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
-                           stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                           kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
-                           ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
+                                          cu_k_ptr, CAUSAL, PERSISTENT)
+            _consumer_tile(gl.program_id(0), 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
+                           dense, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, 0, stride_qt,
+                           stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+                           q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
+                           CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, cu_q_ptr, cu_k_ptr)
-            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, cu_q_ptr,
-                                                cu_k_ptr)
-                it += _consumer_tile(t, it, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                                     dense, n_m, num_seqs, stride_qt, stride_qh, stride_ot,
-                                     stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
-                                     k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
-                                     CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2,
-                                     DV, STAGES)
+            nq = 0
+            t = gl.program_id(0)
+            progs = gl.num_programs(0)
+            qa, qb, ka, kb = _tile_bounds(t, n_m, num_seqs, num_heads, cu_q_ptr, cu_k_ptr,
+                                          CAUSAL, PERSISTENT)
+            q_bar = q_bars.index(WG)
+            if CAUSAL:
+                # Q by TMA, each tile's loaded during the previous one (_load_q): Q as a
+                # [num_queries, every head's columns] matrix (made once per program), its 128 +
+                # 64 columns in two boxes. Context parts load it with gl.load at each tile's
+                # start: the prefetch cost them 1-5 % (A/B under graphs, same run)
+                q_cols = (num_heads - 1) * stride_qh + D1 + D2
+                qd1 = tma.make_tensor_descriptor(
+                    q_ptr, shape=[num_queries, q_cols], strides=[stride_qt, 1],
+                    block_shape=[64, D1], layout=q1_s.type.layout)
+                qd2 = tma.make_tensor_descriptor(
+                    q_ptr, shape=[num_queries, q_cols], strides=[stride_qt, 1],
+                    block_shape=[64, D2], layout=q2_s.type.layout)
+                _load_q(qd1, qd2, q_bar, q1_s.index(WG), q2_s.index(WG), t, qa, n_m, num_seqs,
+                        num_heads, n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
+            else:
+                qd1 = 0
+                qd2 = 0
+            for t in range(gl.program_id(0), n_tiles, progs):
+                na, nb, nka, nkb = _tile_bounds(t + progs, n_m, num_seqs, num_heads, cu_q_ptr,
+                                                cu_k_ptr, CAUSAL, PERSISTENT)
+                n, nq = _consumer_tile(t, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
+                                       dense, n_m, num_seqs, num_heads, n_tiles, t + progs,
+                                       na, qd1, qd2, q_bar, stride_qt, stride_qh, stride_ot,
+                                       stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
+                                       k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
+                                       CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1,
+                                       D2, DV, STAGES)
+                it += n
                 qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
-                                  "n_m", "num_seqs", "n_tiles", "num_keys",
+                                  "n_m", "num_seqs", "n_tiles", "num_queries", "num_keys",
                                   "num_heads"])
     def _hopper_attention_kernel(
             q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
             dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
-            n_m, num_seqs, n_tiles, num_keys, num_heads,
+            n_m, num_seqs, n_tiles, num_queries, num_keys, num_heads,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
             stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
             CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -588,19 +698,22 @@ if HAS_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         v_land = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # the producer's own
         mbarrier.init(v_land, count=1)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a consumer's Q loads
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
         fence_async_shared()
 
         gl.warp_specialize([
             (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                         stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 0, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N,
-                         D1, D2, DV, STAGES)),
+                         n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
+                         stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                         kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
+                         ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
             (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                         stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, 1, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N,
-                         D1, D2, DV, STAGES)),
+                         n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
+                         stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                         kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL, PERSISTENT,
+                         ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
             (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                          n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
                          stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
@@ -679,9 +792,10 @@ def layout_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return f"needs split keys of {_D1} + {_D2} dims"
         rope = k_rope
         rope_strides = (k_rope.stride(0), k_rope.stride(1) if k_rope.dim() == 3 else 0)
-    for t, strides in ((k, k.stride()[:2]), (rope, rope_strides), (v, v.stride()[:2])):
+    for t, strides in ((q, q.stride()[:2]), (k, k.stride()[:2]), (rope, rope_strides),
+                       (v, v.stride()[:2])):
         if not _aligned(t, strides):
-            return "TMA needs 16-byte aligned key / value bases and strides"
+            return "TMA needs 16-byte aligned query / key / value bases and strides"
     for _, _, q_rows, k_rows in dense:
         if q_rows % BLOCK_M or k_rows % BLOCK_N:
             return f"dense rectangles must be multiples of {BLOCK_M} x {BLOCK_N}"
@@ -717,9 +831,19 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # balances them better (an A/B on the H200: the persistent loop, even with one tile per
     # program, cost those 2-16 %). Both causal forms are built on the first causal call.
     persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
-    grid = (max(1, min(n_tiles, _num_sms(q.device)) if persistent else n_tiles),)
+    if not persistent:
+        grid = (n_tiles,)
+    elif causal:  # pair units (_decode), two rounds each: n_tiles counts every program's slots
+        n_units = (n_m + 1) // 2 * num_seqs * q.shape[1]
+        progs = max(1, min(n_units, _num_sms(q.device)))
+        if n_m > 1:
+            n_tiles = 2 * cdiv(n_units, progs) * progs
+        grid = (progs,)
+    else:
+        grid = (max(1, min(n_tiles, _num_sms(q.device))),)
     args = (q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
-            *dense_args, n_m, num_seqs, n_tiles, max(k.shape[0], 1), q.shape[1], q.stride(0),
+            *dense_args, n_m, num_seqs, n_tiles, q.shape[0], max(k.shape[0], 1), q.shape[1],
+            q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), stride_rt, stride_rh, v.stride(0),
             v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
