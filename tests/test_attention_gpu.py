@@ -297,7 +297,8 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, 
     sizes (one token, no keys, page and block boundaries, a tail), with state merged in, with a
     dense rectangle left out, and a NaN key and value staying in their sequence (also right past
     a partial block, which the persistent form reads). ``short``: a causal part of
-    at most 256 queries per sequence, which runs persistent, bitwise equal to one program per
+    at most 256 queries per sequence (one or two query blocks), else up to 1024; every causal
+    part runs persistent (balanced pairs of query blocks), bitwise equal to one program per
     tile."""
     from mlaprefill.kernels import hopper_attention
     from mlaprefill.kernels.attention import default_config, varlen_attention
@@ -331,8 +332,8 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, 
     assert hopper_attention.num_compiled_kernels() >= max(before, 1)
     assert not hopper_attention._FAILED
     blocks = -(-max(q_lens) // hopper_attention.BLOCK_M)
-    assert (blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS) == short
-    if short:  # the persistent form against one program per tile: the same bits
+    assert blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS  # persistent, both lengths
+    if causal:  # the persistent form against one program per tile: the same bits
         with monkeypatch.context() as m:
             m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)
             tile_o, tile_l = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)

@@ -52,8 +52,8 @@ same run, outputs bitwise equal: 256-query causal parts 1.39-1.44x -> 1.11-1.16x
 250 queries 1.41x -> 1.16x, 128 queries at 64 sequences 1.11x -> 1.08x, the rest unchanged
 (fp8_attention_pairs_h200.json: the vs-ideal set at this code). In the same probe every causal
 part run persistent (balanced now) was faster still: 1000-1024 queries 1.16x -> 1.00-1.12x,
-4096 0.94-0.97x -> 0.85-0.92x; not yet the default (``CAUSAL_PERSISTENT_MAX_BLOCKS``), as the
-GPU tests have not run that form on long causal parts.
+4096 0.94-0.97x -> 0.85-0.92x, so every causal part runs persistent now
+(``CAUSAL_PERSISTENT_MAX_BLOCKS``; one program per tile remains, for the tests' comparison).
 
 Measured on the H200 under CUDA graphs, cuDNN in the same run (benchmarks/results/
 fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this code; the
@@ -124,12 +124,13 @@ _SMS: dict[int, int] = {}
 # (dtype, accumulate, device index) whose causal kernel was built in both forms (persistent and
 # one program per tile), so that a causal call of another length compiles nothing later
 _CAUSAL_BUILT: set[tuple] = set()
-#: Causal parts with at most this many query blocks per sequence run persistent too: their tiles
-#: hold one or two key blocks, so overlapping a tile's prologue with the previous tile's epilogue
-#: pays; longer ones run one program per tile (an A/B on the H200, cuDNN in the same run: 128
-#: queries per sequence 1.61-1.69x -> 1.22-1.26x cuDNN's time, 250-256 0-5 % faster, 512-4096
-#: 2-12 % slower persistent).
-CAUSAL_PERSISTENT_MAX_BLOCKS = 2
+#: Causal parts with at most this many query blocks per sequence run persistent (every one, by
+#: default); longer ones would run one program per tile, heaviest first (0: every causal part so,
+#: which the GPU tests compare bit for bit). Persistent with a plain round robin, parts of more
+#: than 2 blocks ran 2-12 % slower than one program per tile; with the balanced pairs of
+#: _decode, faster at every length (A/B under graphs, cuDNN in the same run: 1000-1024 queries
+#: 1.16x -> 1.00-1.12x cuDNN's time, 4096 0.94-0.97x -> 0.85-0.92x).
+CAUSAL_PERSISTENT_MAX_BLOCKS = 1 << 30
 
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
@@ -824,12 +825,10 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ensure_allocator()  # device-side tensor descriptors need global scratch
     n_m, num_seqs = cdiv(max_seqlen_q, BLOCK_M), cu_seqlens_q.shape[0] - 1
     n_tiles = n_m * num_seqs * q.shape[1]
-    # Persistent for a context part (tiles of one sequence cost the same, so a static round
-    # robin over the SMs stays balanced and the next tile's loads overlap this one's epilogue);
-    # one program per tile for a causal part of more than CAUSAL_PERSISTENT_MAX_BLOCKS query
-    # blocks, whose tiles differ in cost up to n_m times: the hardware's dynamic scheduling
-    # balances them better (an A/B on the H200: the persistent loop, even with one tile per
-    # program, cost those 2-16 %). Both causal forms are built on the first causal call.
+    # Persistent (one program per SM walking the tiles, the next tile's loads overlapping this
+    # one's epilogue): a context part's tiles cost the same, a causal part's come in pairs of
+    # equal cost (_decode); one program per tile only past CAUSAL_PERSISTENT_MAX_BLOCKS query
+    # blocks (the tests' comparison form). Both causal forms are built on the first causal call.
     persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
     if not persistent:
         grid = (n_tiles,)
