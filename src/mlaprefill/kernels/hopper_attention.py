@@ -38,22 +38,22 @@ sequence's rows instead (zeros past them). Finish: the Triton kernel's rules
 (NaN where the sum is 0 or the LSE would be ``+inf``; ``out = 0, lse = -inf`` without keys; with
 ``state``, the merge of :mod:`mlaprefill.kernels.merge`, rows without keys untouched).
 
-A context part runs persistent (one program per SM walks the tiles, the rings' iteration count
-running on across them, so a tile's first loads overlap the previous one's epilogue), and so does
-a causal part of at most ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence; a longer
-causal part runs one program per tile, heaviest first. In the persistent form each partition
-loads its next tile's sequence bounds (``cu_seqlens`` entries) before running this one. A
-persistent causal part walks its query blocks in pairs of equal cost (the heaviest with the
-lightest), each program alternating between a pair's halves, so every program gets the same
-work (a plain round robin gave half the programs only heavy blocks), and its consumers load each
-tile's Q by TMA while the previous tile finishes (context parts keep a plain load at each tile's
-start: the prefetch cost them 1-5 %). A/B under graphs against the kernel before, cuDNN in the
-same run, outputs bitwise equal: 256-query causal parts 1.39-1.44x -> 1.11-1.16x cuDNN's time,
-250 queries 1.41x -> 1.16x, 128 queries at 64 sequences 1.11x -> 1.08x, the rest unchanged
-(fp8_attention_pairs_h200.json: the vs-ideal set at this code). In the same probe every causal
-part run persistent (balanced now) was faster still: 1000-1024 queries 1.16x -> 1.00-1.12x,
-4096 0.94-0.97x -> 0.85-0.92x, so every causal part runs persistent now
-(``CAUSAL_PERSISTENT_MAX_BLOCKS``; one program per tile remains, for the tests' comparison).
+Every call runs persistent (one program per SM walks the tiles, the rings' iteration count running
+on across them, so a tile's first loads overlap the previous one's epilogue); a causal part of more
+than ``CAUSAL_PERSISTENT_MAX_BLOCKS`` query blocks per sequence (by default none) would run one
+program per tile, heaviest first. In the persistent form each partition loads its next tile's
+sequence bounds (``cu_seqlens`` entries) before running this one. A causal part walks its query
+blocks in pairs of equal cost (the heaviest with the lightest), each program alternating between a
+pair's halves, so every program gets the same work (a plain round robin gave half the programs only
+heavy blocks), and its consumers load each tile's Q by TMA while the previous tile finishes
+(context parts keep a plain load at each tile's start: the prefetch cost them 1-5 %). A/B under
+graphs against the kernel before, cuDNN in the same run, outputs bitwise equal: 256-query causal
+parts 1.39-1.44x -> 1.11-1.16x cuDNN's time, 250 queries 1.41x -> 1.16x, 128 queries at 64
+sequences 1.11x -> 1.08x, the rest unchanged (fp8_attention_pairs_h200.json: the vs-ideal set at
+this code). In the same probe every causal part run persistent (balanced now) was faster still:
+1000-1024 queries 1.16x -> 1.00-1.12x, 4096 0.94-0.97x -> 0.85-0.92x, so every causal part runs
+persistent now (``CAUSAL_PERSISTENT_MAX_BLOCKS``; one program per tile remains, for the tests'
+comparison).
 
 Measured on the H200 under CUDA graphs, cuDNN in the same run (benchmarks/results/
 fp8_attention_ideal_h200.json, then fp8_attention_persistent_h200.json with this code; the
