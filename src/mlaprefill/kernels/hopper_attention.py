@@ -341,7 +341,7 @@ if HAS_GLUON:
     def _load_q(qd1, qd2, q_bar, q1w, q2w, t, qa, n_m, num_seqs, num_heads, n_tiles,
                 stride_qh, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                 BLOCK_M: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr):
-        # Persistent form: tile t's 64 query rows of this warpgroup into its Q buffer by TMA,
+        # Causal persistent form: tile t's 64 query rows of this warpgroup into its Q buffer by TMA,
         # arriving on q_bar, if t is a tile (qa: its sequence's first query). Rows past the
         # sequence read the next one's (zeros past the tensor): their scores stay in their rows,
         # which are never stored.
@@ -364,7 +364,7 @@ if HAS_GLUON:
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
-        # its ring iterations are it0 + [0, n_iter). Persistent, its Q was loaded by _load_q
+        # its ring iterations are it0 + [0, n_iter). Causal persistent, its Q was loaded by _load_q
         # (nq: the Q loads this warpgroup waited for so far, q_bar's phase), and it loads the
         # next tile's (t_next, whose sequence starts at query qa_next) once its scores are
         # done, so that load's latency hides behind this tile's last PV product and epilogue.
@@ -472,7 +472,7 @@ if HAS_GLUON:
     def _decode(t, n_m, num_seqs, num_heads, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
         # Tile t's (query block, sequence, head) and whether it is a tile at all.
         # Query blocks fastest (the programs running at once share one head's keys in L2). A
-        # causal part: heaviest (last) query block first. Persistent (n_m <= 2), the blocks come
+        # causal part: heaviest (last) query block first. Persistent, the blocks come
         # in pairs of equal total cost (block n_m - 1 - j then j: n_m + 1 key blocks) and
         # program p's rounds alternate between a pair's heavy and light half, round 2r + h
         # being half h of pair unit r * P + p (P programs), so a static round robin gives every
@@ -832,7 +832,8 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
     if not persistent:
         grid = (n_tiles,)
-    elif causal:  # pair units (_decode), two rounds each: n_tiles counts every program's slots
+    elif causal:  # pair units (_decode), two rounds each past one query block: n_tiles counts
+        # every program's slots
         n_units = (n_m + 1) // 2 * num_seqs * q.shape[1]
         progs = max(1, min(n_units, _num_sms(q.device)))
         if n_m > 1:
