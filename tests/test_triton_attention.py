@@ -234,5 +234,9 @@ def test_hopper_kernel_layout_gate_on_cpu_tensors():
     assert "16-byte" in ha.layout_reason(q, k, odd, rope)
     odd_rope = torch.zeros(t, 66, dtype=torch.bfloat16)[:, :64]     # row stride 132 bytes
     assert "16-byte" in ha.layout_reason(q, k, v, odd_rope)
+    q_shifted = torch.zeros(t, h, 193, dtype=torch.bfloat16)[..., 1:]  # Q is read by TMA too
+    assert "16-byte" in ha.layout_reason(q_shifted, k, v, rope)
+    q_odd = torch.zeros(t, h, 194, dtype=torch.bfloat16)[..., :192]    # head stride 388 bytes
+    assert "16-byte" in ha.layout_reason(q_odd, k, v, rope)
     assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 128, 64),))
     assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 64, 128),))
