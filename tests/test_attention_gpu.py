@@ -288,27 +288,28 @@ def _attention_f64(q, k, v, q_lens, k_lens, causal, scale, heads=(0, 5)):
         softmax_scale=scale)
 
 
-@pytest.mark.parametrize("causal,short", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("causal,q_max", [(False, 2048), (True, 256), (True, 1024),
+                                           (True, 2100)])
 @pytest.mark.parametrize("keys", ["split", "joined"])
-def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, keys,
+def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, keys,
                                                                   monkeypatch):
     """On an sm_90 GPU varlen_attention's default is the warp-specialized Gluon kernel (it
     compiles, nothing fell back): against the float64 reference and the Triton kernel on awkward
     sizes (one token, no keys, page and block boundaries, a tail), with state merged in, with a
     dense rectangle left out, and a NaN key and value staying in their sequence (also right past
-    a partial block, which the persistent form reads). ``short``: a causal part of
-    at most 256 queries per sequence (one or two query blocks), else up to 1024; every causal
-    part runs persistent (balanced pairs of query blocks), bitwise equal to one program per
-    tile."""
+    a partial block, which the persistent form reads). ``q_max``: the longest sequence's queries;
+    causal, 256 and 1024 read keys in 64-key blocks (warpgroup 0 skipping the diagonal's second
+    half), 2100 in 128-key blocks. Every causal part runs persistent (balanced pairs of query
+    blocks), bitwise equal to one program per tile."""
     from mlaprefill.kernels import hopper_attention
     from mlaprefill.kernels.attention import default_config, varlen_attention
 
     if torch.cuda.get_device_capability() != (9, 0) or not hopper_attention.HAS_GLUON:
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
     if causal:
-        q_lens = [1, 200, 256, 77, 128, 129] if short else [1, 300, 1024, 77, 128, 129]
+        q_lens = [1, 200 if q_max <= 256 else 300, q_max, 77, 128, 129]
     else:
-        q_lens = [1, 300, 2048, 77, 128, 1]
+        q_lens = [1, 300, q_max, 77, 128, 1]
     k_lens = q_lens if causal else [5000, 0, 8192, 129, 128, 64]
     h, scale = 16, 192 ** -0.5
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -332,7 +333,10 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, short, 
     assert hopper_attention.num_compiled_kernels() >= max(before, 1)
     assert not hopper_attention._FAILED
     blocks = -(-max(q_lens) // hopper_attention.BLOCK_M)
-    assert blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS  # persistent, both lengths
+    assert blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS  # persistent, every length
+    if causal:  # both key-block widths are covered
+        narrow = blocks <= hopper_attention.CAUSAL_NARROW_MAX_BLOCKS
+        assert narrow == (q_max <= 1024)
     if causal:  # the persistent form against one program per tile: the same bits
         with monkeypatch.context() as m:
             m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)

@@ -240,3 +240,27 @@ def test_hopper_kernel_layout_gate_on_cpu_tensors():
     assert "16-byte" in ha.layout_reason(q_odd, k, v, rope)
     assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 128, 64),))
     assert "multiples of 128 x 128" in ha.layout_reason(q, k, v, rope, ((0, 1, 64, 128),))
+
+
+def test_hopper_kernel_causal_forms_follow_the_thresholds(monkeypatch):
+    """A causal part's form (persistent, keys per block, ring stages) by its query blocks per
+    sequence: 64-key blocks up to CAUSAL_NARROW_MAX_BLOCKS, then 128; one program per tile
+    only past CAUSAL_PERSISTENT_MAX_BLOCKS. The first causal call builds exactly the forms some
+    length can select, so a later length compiles nothing."""
+    from mlaprefill.kernels import hopper_attention as ha
+
+    narrow, wide = ha._NARROW, (ha.BLOCK_N, ha.STAGES)
+    cut = ha.CAUSAL_NARROW_MAX_BLOCKS
+    assert narrow != wide and narrow[0] < wide[0]
+    assert ha._causal_form(1) == (True, *narrow)
+    assert ha._causal_form(cut) == (True, *narrow)
+    assert ha._causal_form(cut + 1) == (True, *wide)
+    assert ha._causal_form((1 << 31) // ha.BLOCK_M) == (True, *wide)  # the longest int32 length
+    assert ha._causal_forms() == {(True, *narrow), (True, *wide)}
+    monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)  # the tests' comparison form
+    assert ha._causal_form(1) == (False, *narrow)
+    assert ha._causal_forms() == {(False, *narrow), (False, *wide)}
+    monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 4)
+    assert ha._causal_forms() == {(True, *narrow), (False, *narrow), (False, *wide)}
+    monkeypatch.setattr(ha, "CAUSAL_NARROW_MAX_BLOCKS", 0)  # 128-key blocks everywhere
+    assert ha._causal_forms() == {(True, *wide), (False, *wide)}

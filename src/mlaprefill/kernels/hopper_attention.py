@@ -71,8 +71,15 @@ the same run: 256-query causal parts 1.47-1.52x -> 1.43-1.47x cuDNN's time, 250 
 1.42x, 200 queries at 128 heads 1.73x -> 1.59x, 77 and 128 queries at 64 sequences 1.23-1.25x
 -> 1.09-1.19x, outputs bitwise equal, longer and context parts unchanged
 (fp8_attention_vzero_h200.json: the vs-ideal set at this code).
-It compiles once per (dtype, causal, accumulate), the causal kernel in both forms at its first
-call; lengths come from ``cu_seqlens``.
+Causal parts of at most ``CAUSAL_NARROW_MAX_BLOCKS`` query blocks per sequence (1024 queries)
+read keys in blocks of 64, with a 4-deep ring in the same shared memory: consumer warpgroup 0's
+rows then see none of the diagonal's second half, so it skips that block (releasing its ring
+stage unread) and a quarter of the diagonal's products go (A/B in that constant's comment:
+1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128 heads). Longer causal
+parts keep 128-key blocks: at 4096 queries the narrow form was 2-5 % slower.
+
+It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
+at the first causal call; lengths come from ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -131,20 +138,34 @@ _CAUSAL_BUILT: set[tuple] = set()
 #: _decode, faster at every length (A/B under graphs, cuDNN in the same run: 1000-1024 queries
 #: 1.16x -> 1.00-1.12x cuDNN's time, 4096 0.94-0.97x -> 0.85-0.92x).
 CAUSAL_PERSISTENT_MAX_BLOCKS = 1 << 30
+#: Causal parts with at most this many query blocks per sequence (1024 queries) read keys in
+#: blocks of 64 with a 4-deep ring (the same shared memory): consumer warpgroup 0 then skips
+#: the diagonal's second half, masked whole for its rows (_consumer_tile's n_mine), a quarter
+#: of the diagonal's products. Longer ones keep 128-key blocks (BLOCK_N, STAGES), whose larger
+#: products the diagonal's share no longer outweighs. A/B under graphs, cuDNN in the same run:
+#: 1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128 heads and 1.01x ->
+#: 0.93x at 16, 256 queries 1.15x -> 1.09x (128 heads) and 1.13-1.15x -> 1.11-1.13x (16), 128
+#: queries at 64 sequences 1.09x -> 1.01x; but 4096 queries 0.96x -> 1.01x and 0.85x -> 0.87x.
+CAUSAL_NARROW_MAX_BLOCKS = 8
+_NARROW = (64, 4)  # (keys per block, ring stages) of the causal parts above
+# a query-block count no sequence reaches (cu_seqlens are int32): thresholds at or past it are
+# never crossed, so the forms beyond them are not built ahead
+_MAX_BLOCKS = 1 << 24
 
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _producer_tile(tile, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs,
-                       num_heads, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+    def _producer_tile(m_block, seq, head, valid, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
+                       dense, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
                        stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd,
                        vd, v_land, n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                        BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
                        DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp, one tile (_tile); returns its iteration count and n_land (below). Its
+        # One warp, one tile (_decode's m_block, seq, head, valid; _tile); returns its
+        # iteration count and n_land (below). Its
         # iteration i is the
         # ring's iteration g = it0 + i (the count runs on across the program's tiles) and
         # loads key block b_lo + i: its K and rope
@@ -162,9 +183,8 @@ if HAS_GLUON:
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
-        _qs, _nq, _m0, head, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter, _ok = _tile(
-            tile, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL, PERSISTENT, BLOCK_M,
-            BLOCK_N)
+        _qs, _nq, _m0, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter = _tile(
+            m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
         v_bytes: gl.constexpr = BLOCK_N * DV * esize
@@ -188,14 +208,14 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(kd, [row, head * stride_kh], bar, k_s.index(st))
                 tma.async_copy_global_to_shared(rd, [row, head * stride_rh], bar, r_s.index(st))
                 mbarrier.wait(v_empty.index(st), phase)
-                valid = kv_end - (b_lo + i) * BLOCK_N  # rows of this block to keep
-                if valid < BLOCK_N:
+                keep = kv_end - (b_lo + i) * BLOCK_N  # rows of this block to keep
+                if keep < BLOCK_N:
                     mbarrier.expect(v_land, v_bytes)
                     tma.async_copy_global_to_shared(vd, [row, head * stride_vh], v_land,
                                                     v_s.index(st))
                     mbarrier.wait(v_land, n_land & 1)
                     n_land += 1
-                    _zero_rows_from(v_s.index(st), valid, BLOCK_N, DV)
+                    _zero_rows_from(v_s.index(st), keep, BLOCK_N, DV)
                     fence_async_shared()  # generic-proxy stores before the wgmma read them
                     mbarrier.arrive(v_ready.index(st), count=1)
                 else:
@@ -311,6 +331,19 @@ if HAS_GLUON:
         return acc, m_i, l_i, p
 
     @gluon.jit
+    def _release(kr_empty, v_empty, g, STAGES: gl.constexpr):
+        # A consumer's release of ring iteration g that it does not read. Its arrive must not
+        # count toward the stage's previous round (g - STAGES), which the other consumer may
+        # not have released yet: so it first waits for that round to complete, as the
+        # producer does before refilling the stage.
+        st = g % STAGES
+        phase = ((g // STAGES) & 1) ^ 1
+        mbarrier.wait(kr_empty.index(st), phase)
+        mbarrier.arrive(kr_empty.index(st), count=1)
+        mbarrier.wait(v_empty.index(st), phase)
+        mbarrier.arrive(v_empty.index(st), count=1)
+
+    @gluon.jit
     def _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE: gl.constexpr,
                     dtype: gl.constexpr, o_layout: gl.constexpr, io_layout: gl.constexpr):
         # A consumer's finished rows (o [64, DV] in o_layout, natural-log lse) into out / lse,
@@ -338,15 +371,13 @@ if HAS_GLUON:
         gl.store(l_ptrs, lse, mask=l_ok)
 
     @gluon.jit
-    def _load_q(qd1, qd2, q_bar, q1w, q2w, t, qa, n_m, num_seqs, num_heads, n_tiles,
-                stride_qh, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+    def _load_q(qd1, qd2, q_bar, q1w, q2w, m_block, head, ok, qa, stride_qh, WG: gl.constexpr,
                 BLOCK_M: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr):
-        # Causal persistent form: tile t's 64 query rows of this warpgroup into its Q buffer by TMA,
-        # arriving on q_bar, if t is a tile (qa: its sequence's first query). Rows past the
-        # sequence read the next one's (zeros past the tensor): their scores stay in their rows,
-        # which are never stored.
-        m_block, _seq, head, valid = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
-        if valid & (t < n_tiles):
+        # Causal persistent form: this warpgroup's 64 query rows of a tile (_decode's m_block
+        # and head; qa: its sequence's first query) into its Q buffer by TMA, arriving on q_bar,
+        # if ok (a tile at all). Rows past the sequence read the next one's (zeros past the
+        # tensor): their scores stay in their rows, which are never stored.
+        if ok:
             row = qa + m_block * BLOCK_M + WG * 64
             esize: gl.constexpr = q1w.dtype.primitive_bitwidth // 8
             mbarrier.expect(q_bar, 64 * (D1 + D2) * esize)
@@ -354,8 +385,9 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(qd2, [row, head * stride_qh + D1], q_bar, q2w)
 
     @gluon.jit
-    def _consumer_tile(tile, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense, n_m,
-                       num_seqs, num_heads, n_tiles, t_next, qa_next, qd1, qd2, q_bar,
+    def _consumer_tile(m_block, seq, head, valid, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
+                       kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1, qd2,
+                       q_bar,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -363,15 +395,16 @@ if HAS_GLUON:
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
-        # One consumer warpgroup (4 warps), one tile (_tile): query rows m0 + 64 * WG + [0, 64);
-        # its ring iterations are it0 + [0, n_iter). Causal persistent, its Q was loaded by _load_q
-        # (nq: the Q loads this warpgroup waited for so far, q_bar's phase), and it loads the
-        # next tile's (t_next, whose sequence starts at query qa_next) once its scores are
-        # done, so that load's latency hides behind this tile's last PV product and epilogue.
-        # Returns (n_iter, nq).
-        q_start, seqlen_q, m0, head, _ks, _nk, kv_end, n_free, b_lo, n_iter, valid = _tile(
-            tile, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL, PERSISTENT, BLOCK_M,
-            BLOCK_N)
+        # One consumer warpgroup (4 warps), one tile (_decode's m_block, seq, head, valid;
+        # _tile): query rows m0 + 64 * WG + [0, 64); its ring iterations are it0 + [0, n_iter).
+        # Causal persistent, its Q was loaded by _load_q (nq: the Q loads this warpgroup waited
+        # for so far, q_bar's phase), and it loads the next tile's (t_next, whose sequence
+        # starts at query qa_next) once its scores are done, so that load's latency hides
+        # behind this tile's last PV product and epilogue. Returns (n_iter, nq) and t_next
+        # decoded (_decode), for the next call: decoded after the key loop, not before, so that
+        # those values are not live through it (they cost the loop register spills).
+        q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, n_free, b_lo, n_iter = _tile(
+            m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -423,32 +456,47 @@ if HAS_GLUON:
             m_i = gl.full([WM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([WM, DV], gl.float32, o_layout)
-            # iteration 0 (masked: once per program), then [1, free) without a mask (blocks
-            # below n_free, every row sees them whole), then the masked rest; the last
-            # iteration's PV product after the loop
+            if CAUSAL:
+                # this warpgroup's rows end at r0 + 64: its last blocks past them (WG 0's
+                # last when BLOCK_N = 64) are masked whole, so it runs n_mine < n_iter
+                # iterations and only releases the rest (below); and it sees more blocks whole
+                # than the tile's first row
+                n_mine = gl.maximum(gl.minimum(
+                    gl.cdiv(gl.minimum(kv_end, r0 + WM), BLOCK_N) - b_lo, n_iter), 1)
+                n_free = gl.minimum(seqlen_k, r0 + 1) // BLOCK_N
+            else:
+                n_mine = n_iter
+            # iteration 0 (masked), then [1, free) without a mask (blocks below n_free, every
+            # row sees them whole), then the masked rest; the last iteration's PV product
+            # after the loop
             t = _scores(q1w, q2w, k_s, r_s, kr_ready, it0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
             mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
             p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
                                       True, CAUSAL, BLOCK_N)
             p = gl.convert_layout(p.to(dtype), p_layout)
-            free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_iter)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1w, q2w, k_s, r_s,
-                                           v_s, kr_ready, kr_empty, v_ready, v_empty, s_zero,
-                                           qk_scale, offs_m, offs_n, kv_end, False, CAUSAL,
-                                           BLOCK_N, STAGES, o_layout, p_layout)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_iter, it0, b_lo, q1w, q2w, k_s,
+            free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_mine)
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1w, q2w, k_s,
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
+                                           s_zero, qk_scale, offs_m, offs_n, kv_end, False,
+                                           CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_mine, it0, b_lo, q1w, q2w,
+                                           k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
             if Q_TMA:  # every warp's scores are done: the Q buffer takes the next tile's
                 gl.thread_barrier()
-                _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next, n_m, num_seqs, num_heads,
-                        n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
-            g_last = it0 + n_iter - 1
+                nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
+                                                   PERSISTENT)
+                _load_q(qd1, qd2, q_bar, q1w, q2w, nmb, nhead, nvalid & (t_next < n_tiles),
+                        qa_next, stride_qh, WG, BLOCK_M, D1, D2)
+            g_last = it0 + n_mine - 1
             o = _values(p, acc, v_s, v_ready, g_last, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
             mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
+            if CAUSAL:  # the iterations this warpgroup skips: released without reading
+                for i in range(n_mine, n_iter):
+                    _release(kr_empty, v_empty, it0 + i, STAGES)
             # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
             # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
             l_o = gl.convert_layout(l_i, row_o)
@@ -461,12 +509,17 @@ if HAS_GLUON:
                         io_layout)
         else:
             if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
-                _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next, n_m, num_seqs, num_heads,
-                        n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
+                nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
+                                                   PERSISTENT)
+                _load_q(qd1, qd2, q_bar, q1w, q2w, nmb, nhead, nvalid & (t_next < n_tiles),
+                        qa_next, stride_qh, WG, BLOCK_M, D1, D2)
             if not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
                 gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
                 gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
-        return n_iter, nq
+        if not Q_TMA:
+            nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
+                                               PERSISTENT)
+        return n_iter, nq, nmb, nseq, nhead, nvalid
 
     @gluon.jit
     def _decode(t, n_m, num_seqs, num_heads, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -499,31 +552,29 @@ if HAS_GLUON:
             seq = (t // n_m) % num_seqs
             head = t // (n_m * num_seqs)
             m_block = n_m - 1 - mi if CAUSAL else mi
-            valid: gl.constexpr = True  # the loops stop at n_tiles: every tile they run is one
+            valid = head < num_heads  # true for t < n_tiles: the loops stop there
         return m_block, seq, head, valid
 
     @gluon.jit
-    def _tile_bounds(t, n_m, num_seqs, num_heads, cu_q_ptr, cu_k_ptr, CAUSAL: gl.constexpr,
-                     PERSISTENT: gl.constexpr):
-        # Tile t's sequence's cu_seqlens entries (q start, q end, k start, k end), for _tile.
-        # The persistent loops load those of their next tile before running this one, so the
-        # loads' latency hides behind a tile's work instead of starting each tile (an A/B under
-        # graphs, same run: 250 and 128 queries per sequence 1.44x -> 1.36x and 1.19x -> 1.11x
-        # cuDNN's time, 256 1.43-1.49x -> 1.41-1.49x, the rest unchanged; the vs-ideal set run
-        # after, fp8_attention_bounds_h200.json, against the one before: 256-query causal parts
-        # at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times). _decode's modulo keeps a
-        # tile past n_tiles in bounds.
-        _mb, seq, _h, _v = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
+    def _tile_bounds(seq, cu_q_ptr, cu_k_ptr):
+        # A tile's sequence's cu_seqlens entries (q start, q end, k start, k end), for _tile.
+        # The persistent loops decode their next tile and load its bounds before running this
+        # one, so the loads' latency hides behind a tile's work instead of starting each tile
+        # (an A/B under graphs, same run: 250 and 128 queries per sequence 1.44x -> 1.36x and
+        # 1.19x -> 1.11x cuDNN's time, 256 1.43-1.49x -> 1.41-1.49x, the rest unchanged; the
+        # vs-ideal set run after, fp8_attention_bounds_h200.json, against the one before:
+        # 256-query causal parts at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times), and
+        # pass the decoded tile on to the next iteration (one _decode per tile and partition).
+        # _decode's modulo keeps a tile past n_tiles in bounds.
         return (gl.load(cu_q_ptr + seq), gl.load(cu_q_ptr + seq + 1), gl.load(cu_k_ptr + seq),
                 gl.load(cu_k_ptr + seq + 1))
 
     @gluon.jit
-    def _tile(t, qa, qb, ka, kb, n_m, num_seqs, num_heads, dense, CAUSAL: gl.constexpr,
+    def _tile(m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL: gl.constexpr,
               PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # Tile t (_decode), its sequence's bounds qa, qb, ka, kb from _tile_bounds. Returns
-        # where its rows and keys are, its key-block count (0 for no tile) and whether it is
-        # a tile.
-        m_block, seq, head, valid = _decode(t, n_m, num_seqs, num_heads, CAUSAL, PERSISTENT)
+        # A tile (_decode's m_block, seq, valid), its sequence's bounds qa, qb, ka, kb from
+        # _tile_bounds. Returns where its rows and keys are and its key-block count (0 for no
+        # tile).
         q_start = qa
         seqlen_q = qb - qa
         m0 = m_block * BLOCK_M
@@ -546,8 +597,7 @@ if HAS_GLUON:
         if CAUSAL and PERSISTENT:
             live = live & valid
         n_iter = gl.where(live, gl.cdiv(kv_end, BLOCK_N) - b_lo, 0)
-        return (q_start, seqlen_q, m0, head, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter,
-                valid)
+        return q_start, seqlen_q, m0, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter
 
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -557,10 +607,11 @@ if HAS_GLUON:
                   BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
-                                          cu_k_ptr, CAUSAL, PERSISTENT)
-            _producer_tile(gl.program_id(0), 0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
-                           dense, n_m, num_seqs, num_heads, stride_kt, stride_kh, stride_rt,
+            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
+                                           PERSISTENT)
+            qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
+            _producer_tile(mb, seq, head, valid, 0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
+                           dense, stride_kt, stride_kh, stride_rt,
                            stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
                            v_ready, v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M,
                            BLOCK_N, D1, D2, DV, STAGES)
@@ -579,17 +630,21 @@ if HAS_GLUON:
                 strides=[stride_vt, 1], block_shape=[BLOCK_N, DV], layout=v_s.type.layout)
             it = 0
             n_land = 0
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
-                                          cu_k_ptr, CAUSAL, PERSISTENT)
-            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                na, nb, nka, nkb = _tile_bounds(t + gl.num_programs(0), n_m, num_seqs, num_heads,
-                                                cu_q_ptr, cu_k_ptr, CAUSAL, PERSISTENT)
+            progs = gl.num_programs(0)
+            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
+                                           PERSISTENT)
+            qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
+            for t in range(gl.program_id(0), n_tiles, progs):
+                nmb, nseq, nhead, nvalid = _decode(t + progs, n_m, num_seqs, num_heads, CAUSAL,
+                                                   PERSISTENT)
+                na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
                 n, n_land = _producer_tile(
-                    t, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense, n_m, num_seqs, num_heads,
+                    mb, seq, head, valid, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense,
                     stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
                     v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
                     CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
                 it += n
+                mb, seq, head, valid = nmb, nseq, nhead, nvalid
                 qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit
@@ -602,20 +657,21 @@ if HAS_GLUON:
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program (as the producer)
-            qa, qb, ka, kb = _tile_bounds(gl.program_id(0), n_m, num_seqs, num_heads, cu_q_ptr,
-                                          cu_k_ptr, CAUSAL, PERSISTENT)
-            _consumer_tile(gl.program_id(0), 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                           dense, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, 0, stride_qt,
+            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
+                                           PERSISTENT)
+            qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
+            _consumer_tile(mb, seq, head, valid, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
+                           dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, stride_qt,
                            stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
                            q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
                            CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
             nq = 0
-            t = gl.program_id(0)
             progs = gl.num_programs(0)
-            qa, qb, ka, kb = _tile_bounds(t, n_m, num_seqs, num_heads, cu_q_ptr, cu_k_ptr,
-                                          CAUSAL, PERSISTENT)
+            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
+                                           PERSISTENT)
+            qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
             q_bar = q_bars.index(WG)
             if CAUSAL:
                 # Q by TMA, each tile's loaded during the previous one (_load_q): Q as a
@@ -629,21 +685,23 @@ if HAS_GLUON:
                 qd2 = tma.make_tensor_descriptor(
                     q_ptr, shape=[num_queries, q_cols], strides=[stride_qt, 1],
                     block_shape=[64, D2], layout=q2_s.type.layout)
-                _load_q(qd1, qd2, q_bar, q1_s.index(WG), q2_s.index(WG), t, qa, n_m, num_seqs,
-                        num_heads, n_tiles, stride_qh, WG, CAUSAL, PERSISTENT, BLOCK_M, D1, D2)
+                _load_q(qd1, qd2, q_bar, q1_s.index(WG), q2_s.index(WG), mb, head,
+                        valid & (gl.program_id(0) < n_tiles), qa, stride_qh, WG, BLOCK_M, D1, D2)
             else:
                 qd1 = 0
                 qd2 = 0
             for t in range(gl.program_id(0), n_tiles, progs):
-                na, nb, nka, nkb = _tile_bounds(t + progs, n_m, num_seqs, num_heads, cu_q_ptr,
-                                                cu_k_ptr, CAUSAL, PERSISTENT)
-                n, nq = _consumer_tile(t, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                                       dense, n_m, num_seqs, num_heads, n_tiles, t + progs,
-                                       na, qd1, qd2, q_bar, stride_qt, stride_qh, stride_ot,
-                                       stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
-                                       k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
-                                       CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1,
-                                       D2, DV, STAGES)
+                # the next tile's sequence bounds now (their loads' latency hides behind this
+                # tile); the rest of its decode comes back from _consumer_tile
+                _nmb, nseq, _nh, _nv = _decode(t + progs, n_m, num_seqs, num_heads, CAUSAL,
+                                               PERSISTENT)
+                na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
+                n, nq, mb, seq, head, valid = _consumer_tile(
+                    mb, seq, head, valid, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense,
+                    t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
+                    k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
+                    ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
                 it += n
                 qa, qb, ka, kb = na, nb, nka, nkb
 
@@ -828,8 +886,9 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Persistent (one program per SM walking the tiles, the next tile's loads overlapping this
     # one's epilogue): a context part's tiles cost the same, a causal part's come in pairs of
     # equal cost (_decode); one program per tile only past CAUSAL_PERSISTENT_MAX_BLOCKS query
-    # blocks (the tests' comparison form). Both causal forms are built on the first causal call.
-    persistent = not causal or n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
+    # blocks (the tests' comparison form). Every causal form a length can select is built on
+    # the first causal call (_causal_form).
+    persistent, block_n, stages = _causal_form(n_m) if causal else (True, BLOCK_N, STAGES)
     if not persistent:
         grid = (n_tiles,)
     elif causal:  # pair units (_decode), two rounds each past one query block: n_tiles counts
@@ -846,17 +905,18 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), stride_rt, stride_rh, v.stride(0),
             v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
-    consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M,
-                  BLOCK_N=BLOCK_N, D1=_D1, D2=_D2, DV=_DV, STAGES=STAGES, num_warps=4,
-                  maxnreg=_MAXNREG)
+    consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M, D1=_D1,
+                  D2=_D2, DV=_DV, num_warps=4, maxnreg=_MAXNREG)
     try:
         built = (q.dtype, bool(accumulate), q.device.index if q.device.index is not None
                  else torch.cuda.current_device())
-        if causal and built not in _CAUSAL_BUILT:  # the other form too, compiled, not run
-            _hopper_attention_kernel.warmup(*args, grid=(1,), PERSISTENT=not persistent,
-                                            **consts)
+        if causal and built not in _CAUSAL_BUILT:  # the other forms too, compiled, not run
+            for form in _causal_forms() - {(persistent, block_n, stages)}:
+                _hopper_attention_kernel.warmup(*args, grid=(1,), PERSISTENT=form[0],
+                                                BLOCK_N=form[1], STAGES=form[2], **consts)
             _CAUSAL_BUILT.add(built)
-        _hopper_attention_kernel[grid](*args, PERSISTENT=persistent, **consts)
+        _hopper_attention_kernel[grid](*args, PERSISTENT=persistent, BLOCK_N=block_n,
+                                       STAGES=stages, **consts)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs
@@ -864,6 +924,18 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"{type(exc).__name__}: {str(exc)[:200]}"
         return False
     return True
+
+
+def _causal_form(n_m: int) -> tuple[bool, int, int]:
+    # (persistent, keys per block, ring stages) of a causal part of n_m query blocks
+    block_n, stages = _NARROW if n_m <= CAUSAL_NARROW_MAX_BLOCKS else (BLOCK_N, STAGES)
+    return n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS, block_n, stages
+
+
+def _causal_forms() -> set[tuple[bool, int, int]]:
+    # every form _causal_form selects for some reachable length, under the current thresholds
+    cuts = {CAUSAL_NARROW_MAX_BLOCKS, CAUSAL_PERSISTENT_MAX_BLOCKS}
+    return {_causal_form(n) for n in {1} | {c + 1 for c in cuts if 0 <= c < _MAX_BLOCKS}}
 
 
 def num_compiled_kernels() -> int:
