@@ -209,6 +209,31 @@ def ex_gpu_tests(d: dict) -> tuple[str, str]:
     return "pytest -m gpu (latest run)", res
 
 
+def _kernel_kind(name: str) -> str:
+    # what a profiled kernel's name says it is (forward_profile rows)
+    low = name.lower()
+    for kind, marks in (("attention", ("attention", "sdpa", "fmha", "flash")),
+                        ("GEMM", ("nvjet", "gemm", "cutlass", "matmul")),
+                        ("gather", ("gather",)), ("merge", ("merge",))):
+        if any(m in low for m in marks):
+            return kind
+    return "other"
+
+
+def ex_forward_profile(d: dict) -> tuple[str, str]:
+    parts = []
+    for r in d.get("rows", []):
+        kinds: dict[str, float] = {}
+        for k in r.get("kernels", []):
+            kind = _kernel_kind(k["name"])
+            kinds[kind] = kinds.get(kind, 0.0) + k["ms_per_forward"]
+        split = ", ".join(f"{kind} {ms:.3f}" for kind, ms in
+                          sorted(kinds.items(), key=lambda kv: -kv[1]))
+        parts.append(f"H={r['heads']} {r['num_reqs']}x{r['query_len']}/{r['context_len']} "
+                     f"{r['backend']}: {r['do_bench_ms']:.3f} ms ({split})")
+    return "forward time per shape (do_bench) and device ms per kernel kind", "; ".join(parts)
+
+
 def ex_generic(d: dict) -> tuple[str, str]:
     keys = [k for k in sorted(d) if k not in ("run_context", "machine", "argv", "command")]
     what = str(d.get("benchmark") or d.get("what") or "")
@@ -397,6 +422,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,
     "fp8_bench": ex_bench,
+    "forward_profile": ex_forward_profile,
 }
 
 

@@ -85,3 +85,19 @@ def test_summary_rows_are_few_and_link_into_the_doc():
             if line.startswith("## ") and mod.anchor(line[3:]) == link.split("#")[1]
         ]
         assert heading, link
+
+
+def test_forward_profile_rows_split_device_time_by_kernel_kind():
+    mod = _module()
+    row = {"heads": 16, "num_reqs": 2, "query_len": 256, "context_len": 8192,
+           "backend": "mlaprefill+graphs", "do_bench_ms": 1.5,
+           "kernels": [{"name": "nvjet_sm90_tst_320x128", "ms_per_forward": 0.9},
+                       {"name": "_hopper_attention_kernel", "ms_per_forward": 0.5},
+                       {"name": "_gather_kernel", "ms_per_forward": 0.08},
+                       {"name": "cudnn_generated_fort_native_sdpa_sm90", "ms_per_forward": 0.1},
+                       {"name": "Memset (Device)", "ms_per_forward": 0.01}]}
+    what, res = mod.EXTRACTORS["forward_profile"]({"rows": [row]})
+    assert "kernel kind" in what
+    assert res == ("H=16 2x256/8192 mlaprefill+graphs: 1.500 ms (GEMM 0.900, attention 0.600, "
+                   "gather 0.080, other 0.010)")
+    assert mod.extractor("forward_profile_narrow_h200.json") is mod.ex_forward_profile
