@@ -563,9 +563,10 @@ if HAS_GLUON:
         # (an A/B under graphs, same run: 250 and 128 queries per sequence 1.44x -> 1.36x and
         # 1.19x -> 1.11x cuDNN's time, 256 1.43-1.49x -> 1.41-1.49x, the rest unchanged; the
         # vs-ideal set run after, fp8_attention_bounds_h200.json, against the one before:
-        # 256-query causal parts at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times), and
-        # pass the decoded tile on to the next iteration (one _decode per tile and partition).
-        # _decode's modulo keeps a tile past n_tiles in bounds.
+        # 256-query causal parts at 16 heads 1.44-1.45x -> 1.39-1.40x, 250 1.41x both times). The
+        # decoded tile is passed on to the next iteration: the producer decodes each tile once,
+        # a consumer twice (the next tile's sequence before its key loop, the whole tile after
+        # it: _consumer_tile). _decode's modulo keeps a tile past n_tiles in bounds.
         return (gl.load(cu_q_ptr + seq), gl.load(cu_q_ptr + seq + 1), gl.load(cu_k_ptr + seq),
                 gl.load(cu_k_ptr + seq + 1))
 
