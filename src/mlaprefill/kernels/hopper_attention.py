@@ -183,7 +183,7 @@ if HAS_GLUON:
         # Neither runs two phases ahead of a waiter: a stage is refilled only after both
         # consumers released it, and released only after it was filled. All three partitions
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
-        _qs, _nq, _m0, k_start, seqlen_k, kv_end, _nf, b_lo, n_iter = _tile(
+        _qs, _nq, _m0, k_start, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
@@ -371,18 +371,21 @@ if HAS_GLUON:
         gl.store(l_ptrs, lse, mask=l_ok)
 
     @gluon.jit
-    def _load_q(qd1, qd2, q_bar, q1w, q2w, m_block, head, ok, qa, stride_qh, WG: gl.constexpr,
-                BLOCK_M: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr):
-        # Causal persistent form: this warpgroup's 64 query rows of a tile (_decode's m_block
-        # and head; qa: its sequence's first query) into its Q buffer by TMA, arriving on q_bar,
-        # if ok (a tile at all). Rows past the sequence read the next one's (zeros past the
-        # tensor): their scores stay in their rows, which are never stored.
-        if ok:
+    def _load_q(qd1, qd2, q_bar, q1w, q2w, t, qa, n_m, num_seqs, num_heads, n_tiles,
+                stride_qh, WG: gl.constexpr, BLOCK_M: gl.constexpr, D1: gl.constexpr,
+                D2: gl.constexpr):
+        # Causal persistent form: this warpgroup's 64 query rows of tile t (qa: its sequence's
+        # first query) into its Q buffer by TMA, arriving on q_bar, if t is a tile. Rows past
+        # the sequence read the next one's (zeros past the tensor): their scores stay in their
+        # rows, which are never stored. Returns t decoded (_decode).
+        m_block, seq, head, valid = _decode(t, n_m, num_seqs, num_heads, True, True)
+        if valid & (t < n_tiles):
             row = qa + m_block * BLOCK_M + WG * 64
             esize: gl.constexpr = q1w.dtype.primitive_bitwidth // 8
             mbarrier.expect(q_bar, 64 * (D1 + D2) * esize)
             tma.async_copy_global_to_shared(qd1, [row, head * stride_qh], q_bar, q1w)
             tma.async_copy_global_to_shared(qd2, [row, head * stride_qh + D1], q_bar, q2w)
+        return m_block, seq, head, valid
 
     @gluon.jit
     def _consumer_tile(m_block, seq, head, valid, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
@@ -403,7 +406,7 @@ if HAS_GLUON:
         # behind this tile's last PV product and epilogue. Returns (n_iter, nq) and t_next
         # decoded (_decode), for the next call: decoded after the key loop, not before, so that
         # those values are not live through it (they cost the loop register spills).
-        q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, n_free, b_lo, n_iter = _tile(
+        q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -459,13 +462,14 @@ if HAS_GLUON:
             if CAUSAL:
                 # this warpgroup's rows end at r0 + 64: its last blocks past them (WG 0's
                 # last when BLOCK_N = 64) are masked whole, so it runs n_mine < n_iter
-                # iterations and only releases the rest (below); and it sees more blocks whole
-                # than the tile's first row
+                # iterations and only releases the rest (below); its first row r0 sees keys
+                # [0, r0] whole
                 n_mine = gl.maximum(gl.minimum(
                     gl.cdiv(gl.minimum(kv_end, r0 + WM), BLOCK_N) - b_lo, n_iter), 1)
-                n_free = gl.minimum(seqlen_k, r0 + 1) // BLOCK_N
+                n_free = gl.minimum(seqlen_k, r0 + 1) // BLOCK_N  # blocks its rows see whole
             else:
                 n_mine = n_iter
+                n_free = seqlen_k // BLOCK_N
             # iteration 0 (masked), then [1, free) without a mask (blocks below n_free, every
             # row sees them whole), then the masked rest; the last iteration's PV product
             # after the loop
@@ -486,10 +490,9 @@ if HAS_GLUON:
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
             if Q_TMA:  # every warp's scores are done: the Q buffer takes the next tile's
                 gl.thread_barrier()
-                nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
-                                                   PERSISTENT)
-                _load_q(qd1, qd2, q_bar, q1w, q2w, nmb, nhead, nvalid & (t_next < n_tiles),
-                        qa_next, stride_qh, WG, BLOCK_M, D1, D2)
+                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
+                                                   n_m, num_seqs, num_heads, n_tiles, stride_qh,
+                                                   WG, BLOCK_M, D1, D2)
             g_last = it0 + n_mine - 1
             o = _values(p, acc, v_s, v_ready, g_last, STAGES)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
@@ -509,10 +512,9 @@ if HAS_GLUON:
                         io_layout)
         else:
             if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
-                nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
-                                                   PERSISTENT)
-                _load_q(qd1, qd2, q_bar, q1w, q2w, nmb, nhead, nvalid & (t_next < n_tiles),
-                        qa_next, stride_qh, WG, BLOCK_M, D1, D2)
+                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
+                                                   n_m, num_seqs, num_heads, n_tiles, stride_qh,
+                                                   WG, BLOCK_M, D1, D2)
             if not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
                 gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
                 gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
@@ -581,12 +583,7 @@ if HAS_GLUON:
         m0 = m_block * BLOCK_M
         k_start = ka
         seqlen_k = kb - ka
-        if CAUSAL:
-            kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M)
-            n_free = gl.minimum(seqlen_k, m0 + 1) // BLOCK_N  # blocks every row sees whole
-        else:
-            kv_end = seqlen_k
-            n_free = seqlen_k // BLOCK_N
+        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M) if CAUSAL else seqlen_k
         # keys [0, k_lo) of this block were left to another kernel (a dense rectangle)
         m_end = m0 + BLOCK_M
         k_lo = 0
@@ -598,7 +595,7 @@ if HAS_GLUON:
         if CAUSAL and PERSISTENT:
             live = live & valid
         n_iter = gl.where(live, gl.cdiv(kv_end, BLOCK_N) - b_lo, 0)
-        return q_start, seqlen_q, m0, k_start, seqlen_k, kv_end, n_free, b_lo, n_iter
+        return q_start, seqlen_q, m0, k_start, seqlen_k, kv_end, b_lo, n_iter
 
     @gluon.jit
     def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
@@ -686,8 +683,8 @@ if HAS_GLUON:
                 qd2 = tma.make_tensor_descriptor(
                     q_ptr, shape=[num_queries, q_cols], strides=[stride_qt, 1],
                     block_shape=[64, D2], layout=q2_s.type.layout)
-                _load_q(qd1, qd2, q_bar, q1_s.index(WG), q2_s.index(WG), mb, head,
-                        valid & (gl.program_id(0) < n_tiles), qa, stride_qh, WG, BLOCK_M, D1, D2)
+                _load_q(qd1, qd2, q_bar, q1_s.index(WG), q2_s.index(WG), gl.program_id(0), qa,
+                        n_m, num_seqs, num_heads, n_tiles, stride_qh, WG, BLOCK_M, D1, D2)
             else:
                 qd1 = 0
                 qd2 = 0
