@@ -76,7 +76,10 @@ read keys in blocks of 64, with a 4-deep ring in the same shared memory: consume
 rows then see none of the diagonal's second half, so it skips that block (releasing its ring
 stage unread) and a quarter of the diagonal's products go (A/B in that constant's comment:
 1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128 heads). Longer causal
-parts keep 128-key blocks: at 4096 queries the narrow form was 2-5 % slower.
+parts keep 128-key blocks: at 4096 queries the narrow form was 2-5 % slower. Warpgroup 0 then
+runs fewer iterations than warpgroup 1 on every tile, so the two swap halves on a pair's light
+tile (_half): 256-query causal parts 1.05x -> 1.03x cuDNN's time at 128 heads, 1.12x -> 1.09x at
+16 (A/B under graphs, same run, outputs bitwise equal).
 
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
 at the first causal call; lengths come from ``cu_seqlens``.
@@ -380,7 +383,7 @@ if HAS_GLUON:
         # rows, which are never stored. Returns t decoded (_decode).
         m_block, seq, head, valid = _decode(t, n_m, num_seqs, num_heads, True, True)
         if valid & (t < n_tiles):
-            row = qa + m_block * BLOCK_M + WG * 64
+            row = qa + m_block * BLOCK_M + _half(m_block, n_m, WG, True, True) * 64
             esize: gl.constexpr = q1w.dtype.primitive_bitwidth // 8
             mbarrier.expect(q_bar, 64 * (D1 + D2) * esize)
             tma.async_copy_global_to_shared(qd1, [row, head * stride_qh], q_bar, q1w)
@@ -418,7 +421,7 @@ if HAS_GLUON:
         io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = out_ptr.dtype.element_ty
-        r0 = m0 + WG * WM
+        r0 = m0 + _half(m_block, n_m, WG, CAUSAL, PERSISTENT) * WM
         head64 = head.to(gl.int64)
         io_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, io_layout))
         io_ok = gl.expand_dims(r0 + io_rows < seqlen_q, 1)
@@ -522,6 +525,20 @@ if HAS_GLUON:
             nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
                                                PERSISTENT)
         return n_iter, nq, nmb, nseq, nhead, nvalid
+
+    @gluon.jit
+    def _half(m_block, n_m, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        # Which 64-row half of query block m_block consumer warpgroup WG runs. Causal with
+        # 64-key blocks, the lower half's rows skip the diagonal's second half: a warpgroup
+        # always running the lower half would run fewer iterations per tile than the other
+        # (4 + 2 against 3 + 1 for a 256-query pair, 18 against 16 for 1024 queries) and then
+        # idle on the ring while the other ran alone. Persistent, a program runs a pair's heavy
+        # and light halves in turn (_decode), so the warpgroups swap halves on the light one
+        # (the block before the middle) and run the same count per pair.
+        half = WG
+        if CAUSAL and PERSISTENT:
+            half = WG ^ (2 * m_block < n_m - 1).to(gl.int32)
+        return half
 
     @gluon.jit
     def _decode(t, n_m, num_seqs, num_heads, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
