@@ -47,6 +47,7 @@ TOPICS: list[tuple[str, str]] = [
     ("audit_gpu", "Host-sync audit on the GPU"),
     ("joined_keys", "Joined keys"),
     ("fp8_attention", "FP8 context attention"),
+    ("sustained_clocks", "Sustained load and clocks"),
     ("fp8_", "FP8 latent cache"),
 ]
 
@@ -335,6 +336,23 @@ def ex_fp8_cache(d: dict) -> tuple[str, str]:
             "bf16 cache in the same run"), "; ".join(parts)
 
 
+def ex_sustained_clocks(d: dict) -> tuple[str, str]:
+    parts = []
+    for r in d.get("rows", []):
+        k = r["kernels"]
+        cells = []
+        for name, res in k.items():
+            clk = (res["sustained"].get("clocks") or {}).get("sm_mhz_min")
+            cells.append(f"{name} {res['gapped']['ms']:.3f} -> {res['sustained']['ms']:.3f} ms"
+                         + (f" (min {clk:.0f} MHz)" if clk else ""))
+        ratio = "".join(f", ours/cudnn {r[f'ours_over_cudnn_{m}']:.3f} {m}"
+                        for m in ("gapped", "sustained") if f"ours_over_cudnn_{m}" in r)
+        parts.append(f"H={r['heads']} {r['num_seqs']}x{r['q_len']}/{r['k_len']}: "
+                     + ", ".join(cells) + ratio)
+    return ("context attention timed gapped (single replays, idle between) -> sustained "
+            "(back-to-back replays), lowest SM clock sampled", "; ".join(parts))
+
+
 def ex_fp8_attention(d: dict) -> tuple[str, str]:
     parts = []
     rows = d.get("kernel", [])
@@ -418,6 +436,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "cudnn_padding": ex_cudnn_padding,
     "fp8_cache": ex_fp8_cache,
     "fp8_attention": ex_fp8_attention,
+    "sustained_clocks": ex_sustained_clocks,
     "fp8_gather": ex_fp8_gather_sweep,
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,

@@ -27,6 +27,7 @@ SMOKE = {
     "triton_attention.py": ("rows", "flops_formula"),
     "plan_upload.py": ("section_a_plan_upload_gpu_idle", "section_d_dcp_reorder"),
     "prefix_sharing.py": ("shapes", "plan_host"),
+    "sustained_clocks.py": ("rows", "sampling"),
 }
 COMMON_KEYS = ("date_utc", "machine")
 
