@@ -38,9 +38,8 @@ import torch
 
 from _common import add_cpu_smoke, empty_cache, kernel_ms, sync, write_json
 from attention import parse_shapes
-from fp8_attention import NOPE, ROPE, VDIM, cudnn_call, make_inputs
+from fp8_attention import NOPE, ROPE, VDIM, cudnn_call, make_inputs, run_bf16
 from mlaprefill._env import machine_info, utc_now
-from mlaprefill.kernels.attention import varlen_attention
 
 # (heads, num_seqs, q_len, k_len): the context parts where our kernel timed slower as graph
 # replays than eagerly (fp8_attention_halves_h200.json), and one at 128 heads
@@ -120,12 +119,7 @@ def run(shapes, device: str) -> tuple[list[dict[str, Any]], bool]:
             empty_cache()
             x = make_inputs(heads, seqs, q_len, k_len, DTYPE[device], device)
             flop = 2 * seqs * q_len * k_len * heads * (NOPE + ROPE + VDIM)
-
-            def ours(x=x, q_len=q_len):
-                return varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
-                                        max_seqlen_q=q_len, causal=False,
-                                        softmax_scale=x["scale"], k_rope=x["k_rope"])
-            kernels = {"ours": ours}
+            kernels = {"ours": lambda x=x: run_bf16(x)}  # varlen_attention, keys split
             if device == "cuda":
                 kernels["cudnn"] = cudnn_call(x, False)
             row: dict[str, Any] = {"heads": heads, "num_seqs": seqs, "q_len": q_len,
