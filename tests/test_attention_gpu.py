@@ -298,9 +298,9 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
     sizes (one token, no keys, page and block boundaries, a tail), with state merged in, with a
     dense rectangle left out, and a NaN key and value staying in their sequence (also right past
     a partial block, which the persistent form reads). ``q_max``: the longest sequence's queries;
-    causal, 256 and 1024 read keys in 64-key blocks (warpgroup 0 skipping the diagonal's second
-    half), 2100 in 128-key blocks. Every causal part runs persistent (balanced pairs of query
-    blocks), bitwise equal to one program per tile."""
+    causal, 256 and 1024 read keys in 64-key blocks (the lower half's warpgroup skipping the
+    diagonal's second half), 2100 in 128-key blocks. Every causal part runs persistent (balanced
+    pairs of query blocks), bitwise equal to one program per tile."""
     from mlaprefill.kernels import hopper_attention
     from mlaprefill.kernels.attention import default_config, varlen_attention
 

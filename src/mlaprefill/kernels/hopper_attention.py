@@ -71,15 +71,15 @@ the same run: 256-query causal parts 1.47-1.52x -> 1.43-1.47x cuDNN's time, 250 
 1.42x, 200 queries at 128 heads 1.73x -> 1.59x, 77 and 128 queries at 64 sequences 1.23-1.25x
 -> 1.09-1.19x, outputs bitwise equal, longer and context parts unchanged
 (fp8_attention_vzero_h200.json: the vs-ideal set at this code).
-Causal parts of at most ``CAUSAL_NARROW_MAX_BLOCKS`` query blocks per sequence (1024 queries)
-read keys in blocks of 64, with a 4-deep ring in the same shared memory: consumer warpgroup 0's
-rows then see none of the diagonal's second half, so it skips that block (releasing its ring
-stage unread) and a quarter of the diagonal's products go (A/B in that constant's comment:
-1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128 heads). Longer causal
-parts keep 128-key blocks: at 4096 queries the narrow form was 2-5 % slower. Warpgroup 0 then
-runs fewer iterations than warpgroup 1 on every tile, so the two swap halves on a pair's light
-tile (_half): 256-query causal parts 1.05x -> 1.03x cuDNN's time at 128 heads, 1.12x -> 1.09x at
-16 (A/B under graphs, same run, outputs bitwise equal).
+Causal parts of at most ``CAUSAL_NARROW_MAX_BLOCKS`` query blocks per sequence (1024 queries) read
+keys in blocks of 64, with a 4-deep ring in the same shared memory: the warpgroup running a query
+block's lower 64 rows then sees none of the diagonal's second half, so it skips that block
+(releasing its ring stage unread) and a quarter of the diagonal's products go (A/B in that
+constant's comment: 1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128
+heads). Longer causal parts keep 128-key blocks: at 4096 queries the narrow form was 2-5 % slower.
+Warpgroup 0 ran the lower rows at first, fewer iterations than warpgroup 1 on every tile, so the two
+swap halves on a pair's light tile (_half): 256-query causal parts 1.05x -> 1.03x cuDNN's time at
+128 heads, 1.12x -> 1.09x at 16 (A/B under graphs, same run, outputs bitwise equal).
 
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
 at the first causal call; lengths come from ``cu_seqlens``.
@@ -141,14 +141,15 @@ _CAUSAL_BUILT: set[tuple] = set()
 #: _decode, faster at every length (A/B under graphs, cuDNN in the same run: 1000-1024 queries
 #: 1.16x -> 1.00-1.12x cuDNN's time, 4096 0.94-0.97x -> 0.85-0.92x).
 CAUSAL_PERSISTENT_MAX_BLOCKS = 1 << 30
-#: Causal parts with at most this many query blocks per sequence (1024 queries) read keys in
-#: blocks of 64 with a 4-deep ring (the same shared memory): consumer warpgroup 0 then skips
-#: the diagonal's second half, masked whole for its rows (_consumer_tile's n_mine), a quarter
-#: of the diagonal's products. Longer ones keep 128-key blocks (BLOCK_N, STAGES), whose larger
-#: products the diagonal's share no longer outweighs. A/B under graphs, cuDNN in the same run:
-#: 1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time at 128 heads and 1.01x ->
-#: 0.93x at 16, 256 queries 1.15x -> 1.09x (128 heads) and 1.13-1.15x -> 1.11-1.13x (16), 128
-#: queries at 64 sequences 1.09x -> 1.01x; but 4096 queries 0.96x -> 1.01x and 0.85x -> 0.87x.
+#: Causal parts with at most this many query blocks per sequence (1024 queries) read keys in blocks
+#: of 64 with a 4-deep ring (the same shared memory): the consumer warpgroup running a query block's
+#: lower half (_half) then skips the diagonal's second half, masked whole for its rows
+#: (_consumer_tile's n_mine), a quarter of the diagonal's products. Longer ones keep 128-key blocks
+#: (BLOCK_N, STAGES), whose larger products the diagonal's share no longer outweighs. A/B under
+#: graphs, cuDNN in the same run: 1000-1024-query causal parts 1.12-1.14x -> 1.00-1.02x cuDNN's time
+#: at 128 heads and 1.01x -> 0.93x at 16, 256 queries 1.15x -> 1.09x (128 heads) and 1.13-1.15x ->
+#: 1.11-1.13x (16), 128 queries at 64 sequences 1.09x -> 1.01x; but 4096 queries 0.96x -> 1.01x and
+#: 0.85x -> 0.87x.
 CAUSAL_NARROW_MAX_BLOCKS = 8
 _NARROW = (64, 4)  # (keys per block, ring stages) of the causal parts above
 # a query-block count no sequence reaches (cu_seqlens are int32): thresholds at or past it are
@@ -402,7 +403,8 @@ if HAS_GLUON:
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_decode's m_block, seq, head, valid;
-        # _tile): query rows m0 + 64 * WG + [0, 64); its ring iterations are it0 + [0, n_iter).
+        # _tile): query rows r0 + [0, 64), r0 = m0 + 64 * _half; its ring iterations are
+        # it0 + [0, n_iter).
         # Causal persistent, its Q was loaded by _load_q (nq: the Q loads this warpgroup waited
         # for so far, q_bar's phase), and it loads the next tile's (t_next, whose sequence
         # starts at query qa_next) once its scores are done, so that load's latency hides
@@ -463,8 +465,8 @@ if HAS_GLUON:
             l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([WM, DV], gl.float32, o_layout)
             if CAUSAL:
-                # this warpgroup's rows end at r0 + 64: its last blocks past them (WG 0's
-                # last when BLOCK_N = 64) are masked whole, so it runs n_mine < n_iter
+                # this warpgroup's rows end at r0 + 64: its last blocks past them (the lower
+                # half's last when BLOCK_N = 64) are masked whole, so it runs n_mine < n_iter
                 # iterations and only releases the rest (below); its first row r0 sees keys
                 # [0, r0] whole
                 n_mine = gl.maximum(gl.minimum(
@@ -531,7 +533,7 @@ if HAS_GLUON:
         # Which 64-row half of query block m_block consumer warpgroup WG runs. Causal with
         # 64-key blocks, the lower half's rows skip the diagonal's second half: a warpgroup
         # always running the lower half would run fewer iterations per tile than the other
-        # (4 + 2 against 3 + 1 for a 256-query pair, 18 against 16 for 1024 queries) and then
+        # (4 + 2 against 3 + 1 for a 256-query pair, 18 against 16 per pair at 1024) and then
         # idle on the ring while the other ran alone. Persistent, a program runs a pair's heavy
         # and light halves in turn (_decode), so the warpgroups swap halves on the light one
         # (the block before the middle) and run the same count per pair.
