@@ -7,7 +7,7 @@ memory, registers and stack (spill) bytes per form, before any device time is sp
 MODULE defaults to ``mlaprefill.kernels.hopper_attention`` (any module holding a
 ``_hopper_attention_kernel`` of the same signature: a copy of an older version for an A/B of
 the generated code). ``--sass DIR`` writes each form's SASS to
-``DIR/c{causal}p{persistent}n{block_n}.sass``.
+``DIR/c{causal}p{persistent}n{block_n}.sass`` (``...m64.sass`` for 64-row programs).
 Gluon's API moves between Triton releases (3.9 has no ``gl.thread_barrier``), so build with the
 Triton the GPU machine runs. Nothing here runs a kernel.
 """
@@ -56,21 +56,24 @@ def main() -> int:
     fn = mod._hopper_attention_kernel
     params = list(inspect.signature(fn.fn).parameters)
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    # (causal, persistent, keys per block, stages): every form the module can launch
-    wide = (mod.BLOCK_N, mod.STAGES)
-    narrow = getattr(mod, "_NARROW", wide)  # causal parts' short form, where the module has it
+    # (causal, persistent, query rows, keys per block, stages): every form the module can launch
+    wide = (mod.BLOCK_M, mod.BLOCK_N, mod.STAGES)
+    narrow = (mod.BLOCK_M, *getattr(mod, "_NARROW", wide[1:]))  # where the module has them
+    single = getattr(mod, "_SINGLE", narrow)
     forms = [(False, True, *wide), (False, False, *wide)]
-    forms += [(True, p, *shape) for shape in dict.fromkeys([narrow, wide]) for p in (True, False)]
-    for causal, persistent, block_n, stages in forms:
+    forms += [(True, p, *shape) for shape in dict.fromkeys([single, narrow, wide])
+              for p in (True, False)]
+    for causal, persistent, block_m, block_n, stages in forms:
         constants = dict(CAUSAL=causal, PERSISTENT=persistent, ACCUMULATE=False,
-                         BLOCK_M=mod.BLOCK_M, BLOCK_N=block_n, D1=128, D2=64, DV=128,
+                         BLOCK_M=block_m, BLOCK_N=block_n, D1=128, D2=64, DV=128,
                          STAGES=stages, num_warps=4)
+        maxnreg = mod._MAXNREG if block_m == mod.BLOCK_M else mod._MAXNREG_SINGLE
         sig, consts = _signature(params, constants)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
                  if n.endswith("_ptr")}
         kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, maxnreg=mod._MAXNREG))
+                                options=dict(num_warps=4, maxnreg=maxnreg))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()
@@ -80,9 +83,12 @@ def main() -> int:
                 a.sass.mkdir(parents=True, exist_ok=True)
                 sass = subprocess.run([str(cuobjdump), "-sass", f.name],
                                       capture_output=True, text=True).stdout
-                (a.sass / f"c{int(causal)}p{int(persistent)}n{block_n}.sass").write_text(sass)
+                rows = "" if block_m == mod.BLOCK_M else f"m{block_m}"
+                name = f"c{int(causal)}p{int(persistent)}n{block_n}{rows}.sass"
+                (a.sass / name).write_text(sass)
         regs = " ".join(x for x in usage.split() if x.startswith(("REG:", "STACK:")))
-        print(f"causal={causal!s:5} persistent={persistent!s:5} block_n={block_n:3} "
+        print(f"causal={causal!s:5} persistent={persistent!s:5} block_m={block_m:3} "
+              f"block_n={block_n:3} "
               f"shared={kernel.metadata.shared} {regs}")
     return 0
 

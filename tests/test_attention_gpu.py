@@ -334,9 +334,11 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
     assert not hopper_attention._FAILED
     blocks = -(-max(q_lens) // hopper_attention.BLOCK_M)
     assert blocks <= hopper_attention.CAUSAL_PERSISTENT_MAX_BLOCKS  # persistent, every length
-    if causal:  # both key-block widths are covered
+    if causal:  # every causal form is covered: 64-row programs, 64- and 128-key blocks
         narrow = blocks <= hopper_attention.CAUSAL_NARROW_MAX_BLOCKS
         assert narrow == (q_max <= 1024)
+        single = blocks <= hopper_attention.CAUSAL_SINGLE_MAX_BLOCKS
+        assert single == (q_max <= 256)
     if causal:  # the persistent form against one program per tile: the same bits
         with monkeypatch.context() as m:
             m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)

@@ -243,23 +243,34 @@ def test_hopper_kernel_layout_gate_on_cpu_tensors():
 
 
 def test_hopper_kernel_causal_forms_follow_the_thresholds(monkeypatch):
-    """A causal part's form (persistent, keys per block, ring stages) by its query blocks per
-    sequence: 64-key blocks up to CAUSAL_NARROW_MAX_BLOCKS, then 128; one program per tile
+    """A causal part's form (persistent, query rows, keys per block, ring stages) by its
+    128-query blocks per sequence: 64-row programs up to CAUSAL_SINGLE_MAX_BLOCKS, then 128 rows
+    with 64-key blocks up to CAUSAL_NARROW_MAX_BLOCKS, then 128-key blocks; one program per tile
     only past CAUSAL_PERSISTENT_MAX_BLOCKS. The first causal call builds exactly the forms some
     length can select, so a later length compiles nothing."""
     from mlaprefill.kernels import hopper_attention as ha
 
-    narrow, wide = ha._NARROW, (ha.BLOCK_N, ha.STAGES)
-    cut = ha.CAUSAL_NARROW_MAX_BLOCKS
-    assert narrow != wide and narrow[0] < wide[0]
-    assert ha._causal_form(1) == (True, *narrow)
+    single = ha._SINGLE
+    narrow, wide = (ha.BLOCK_M, *ha._NARROW), (ha.BLOCK_M, ha.BLOCK_N, ha.STAGES)
+    one, cut = ha.CAUSAL_SINGLE_MAX_BLOCKS, ha.CAUSAL_NARROW_MAX_BLOCKS
+    assert narrow != wide and narrow[1] < wide[1] and single[0] < ha.BLOCK_M
+    assert 1 <= one < cut
+    assert ha._causal_form(1) == (True, *single)
+    assert ha._causal_form(one) == (True, *single)
+    assert ha._causal_form(one + 1) == (True, *narrow)
     assert ha._causal_form(cut) == (True, *narrow)
     assert ha._causal_form(cut + 1) == (True, *wide)
     assert ha._causal_form((1 << 31) // ha.BLOCK_M) == (True, *wide)  # the longest int32 length
-    assert ha._causal_forms() == {(True, *narrow), (True, *wide)}
+    assert ha._causal_forms() == {(True, *single), (True, *narrow), (True, *wide)}
+    # the register budget follows the programs' rows: two 64-row programs share an SM
+    assert ha._form_consts((True, *single))["maxnreg"] == ha._MAXNREG_SINGLE
+    assert ha._form_consts((True, *narrow))["maxnreg"] == ha._MAXNREG
+    assert ha._form_consts((True, *wide))["maxnreg"] == ha._MAXNREG
+    assert 2 * 8 * 32 * ha._MAXNREG_SINGLE <= 64 * 1024  # two programs' 8 warps fit an SM's file
     monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)  # the tests' comparison form
-    assert ha._causal_form(1) == (False, *narrow)
-    assert ha._causal_forms() == {(False, *narrow), (False, *wide)}
+    assert ha._causal_form(1) == (False, *single)
+    assert ha._causal_forms() == {(False, *single), (False, *narrow), (False, *wide)}
+    monkeypatch.setattr(ha, "CAUSAL_SINGLE_MAX_BLOCKS", 0)
     monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 4)
     assert ha._causal_forms() == {(True, *narrow), (False, *narrow), (False, *wide)}
     monkeypatch.setattr(ha, "CAUSAL_NARROW_MAX_BLOCKS", 0)  # 128-key blocks everywhere

@@ -18,9 +18,10 @@ key loop is laid out by hand, FlashAttention-3 style:
   rope into one ``STAGES``-deep ring of shared buffers and its V into another, arming a "ready"
   mbarrier per stage, and refills a stage only after an "empty" mbarrier says both consumers
   are done with it (K and rope after the block's scores, V after its PV product);
-* two consumer warpgroups (240 registers each), 64 query rows apiece, each with its own Q
-  buffer and running max, sum and output, waiting only on those mbarriers: nothing keeps them
-  in step, so one's softmax runs while the other's wgmma do (ping-pong left to the scheduler);
+* two consumer warpgroups (240 registers each; one in the 64-row form below), 64 query rows
+  apiece, each with its own Q buffer and running max, sum and output, waiting only on those
+  mbarriers: nothing keeps them in step, so one's softmax runs while the other's wgmma do
+  (ping-pong left to the scheduler);
 * within a warpgroup the key loop is software-pipelined (FA3's intra-warpgroup overlap): block
   i's scores S = Q1 K^T + Q2 R^T are issued (two wgmma groups), then block i - 1's O += P V
   behind them, and the online softmax of block i (exp2 domain, the scale applied to fp32
@@ -80,6 +81,10 @@ heads). Longer causal parts keep 128-key blocks: at 4096 queries the narrow form
 Warpgroup 0 ran the lower rows at first, fewer iterations than warpgroup 1 on every tile, so the two
 swap halves on a pair's light tile (_half): 256-query causal parts 1.05x -> 1.03x cuDNN's time at
 128 heads, 1.12x -> 1.09x at 16 (A/B under graphs, same run, outputs bitwise equal).
+Causal parts of at most ``CAUSAL_SINGLE_MAX_BLOCKS`` 128-query blocks (256 queries) run 64-row
+programs instead, one consumer warpgroup each (128 registers per thread), two to an SM: their few
+iterations per tile left the loads' latencies exposed with one program per SM (256-query causal
+parts 1.02-1.08x -> 0.89-0.98x cuDNN's time; the constant's comment).
 
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
 at the first causal call; lengths come from ``cu_seqlens``.
@@ -110,6 +115,9 @@ _LOG2E = 1.4426950408889634
 # to a warpgroup: 12 * 32 * 168 <= 64 Ki); setmaxnreg then gives the producer warpgroup 24 and
 # each consumer warpgroup 240 (24 + 2 * 240 = 3 * 168)
 _MAXNREG = 168
+# the one-consumer form (64-row programs, _SINGLE): 8 warps (4 + the producer's padded), two
+# programs to an SM (2 * 8 * 32 * 128 = 64 Ki); the producer 24, the consumer 232 (2 * 128 - 24)
+_MAXNREG_SINGLE = 128
 
 try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental import gluon
@@ -152,6 +160,15 @@ CAUSAL_PERSISTENT_MAX_BLOCKS = 1 << 30
 #: 0.85x -> 0.87x.
 CAUSAL_NARROW_MAX_BLOCKS = 8
 _NARROW = (64, 4)  # (keys per block, ring stages) of the causal parts above
+#: Causal parts with at most this many 128-query blocks per sequence (256 queries) run 64-row
+#: programs (one consumer warpgroup, 64-key blocks, a 2-stage ring: 112 KiB of shared memory), two
+#: to an SM, so that each SM has two tiles' loads in flight; a row's arithmetic is the 128-row
+#: 64-key form's, outputs bitwise equal. A/B under graphs, cuDNN in the same run: 256-query causal
+#: parts 1.02-1.05x -> 0.98x cuDNN's time at 128 heads, 1.07-1.08x -> 0.89-0.90x at 16, 250
+#: queries 1.07-1.09x -> 0.87x (16 heads), longer parts unchanged; with the cut at 8 blocks,
+#: 1000-1024 queries 1.06-1.11x instead of about 1.0x, at 32 blocks 4096 queries up to 1.09x.
+CAUSAL_SINGLE_MAX_BLOCKS = 2
+_SINGLE = (64, 64, 2)  # (query rows, keys per block, ring stages) of the causal parts above
 # a query-block count no sequence reaches (cu_seqlens are int32): thresholds at or past it are
 # never crossed, so the forms beyond them are not built ahead
 _MAX_BLOCKS = 1 << 24
@@ -384,7 +401,7 @@ if HAS_GLUON:
         # rows, which are never stored. Returns t decoded (_decode).
         m_block, seq, head, valid = _decode(t, n_m, num_seqs, num_heads, True, True)
         if valid & (t < n_tiles):
-            row = qa + m_block * BLOCK_M + _half(m_block, n_m, WG, True, True) * 64
+            row = qa + m_block * BLOCK_M + _half(m_block, n_m, WG, True, True, BLOCK_M) * 64
             esize: gl.constexpr = q1w.dtype.primitive_bitwidth // 8
             mbarrier.expect(q_bar, 64 * (D1 + D2) * esize)
             tma.async_copy_global_to_shared(qd1, [row, head * stride_qh], q_bar, q1w)
@@ -423,7 +440,7 @@ if HAS_GLUON:
         io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = out_ptr.dtype.element_ty
-        r0 = m0 + _half(m_block, n_m, WG, CAUSAL, PERSISTENT) * WM
+        r0 = m0 + _half(m_block, n_m, WG, CAUSAL, PERSISTENT, BLOCK_M) * WM
         head64 = head.to(gl.int64)
         io_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, io_layout))
         io_ok = gl.expand_dims(r0 + io_rows < seqlen_q, 1)
@@ -529,7 +546,8 @@ if HAS_GLUON:
         return n_iter, nq, nmb, nseq, nhead, nvalid
 
     @gluon.jit
-    def _half(m_block, n_m, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    def _half(m_block, n_m, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+              BLOCK_M: gl.constexpr):
         # Which 64-row half of query block m_block consumer warpgroup WG runs. Causal with
         # 64-key blocks, the lower half's rows skip the diagonal's second half: a warpgroup
         # always running the lower half would run fewer iterations per tile than the other
@@ -538,7 +556,7 @@ if HAS_GLUON:
         # and light halves in turn (_decode), so the warpgroups swap halves on the light one
         # (the block before the middle) and run the same count per pair.
         half = WG
-        if CAUSAL and PERSISTENT:
+        if CAUSAL and PERSISTENT and BLOCK_M == 128:
             half = WG ^ (2 * m_block < n_m - 1).to(gl.int32)
         return half
 
@@ -744,9 +762,10 @@ if HAS_GLUON:
         # query block past its sequence, or with no key left to it), and run the shared rings'
         # iteration count on across tiles, so the next tile's loads overlap this one's
         # softmax and epilogue.
-        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 query rows")
+        gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128), "consumer warpgroups of 64 rows")
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         WM: gl.constexpr = 64
+        NC: gl.constexpr = BLOCK_M // WM  # consumer warpgroups
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D1], dtype)
         q2_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WM, D2], dtype)
@@ -756,8 +775,8 @@ if HAS_GLUON:
         dense = (dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3,
                  dq3, dk3)
 
-        q1_s = gl.allocate_shared_memory(dtype, [2, WM, D1], q1_sl)
-        q2_s = gl.allocate_shared_memory(dtype, [2, WM, D2], q2_sl)
+        q1_s = gl.allocate_shared_memory(dtype, [NC, WM, D1], q1_sl)
+        q2_s = gl.allocate_shared_memory(dtype, [NC, WM, D2], q2_sl)
         k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k_sl)
         r_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], r_sl)
         v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_sl)
@@ -769,33 +788,47 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             # ready: the producer's expect, then the TMA bytes; empty: one arrive per consumer
             mbarrier.init(kr_ready.index(i), count=1)
-            mbarrier.init(kr_empty.index(i), count=2)
+            mbarrier.init(kr_empty.index(i), count=NC)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=NC)
         v_land = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # the producer's own
         mbarrier.init(v_land, count=1)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a consumer's Q loads
-        for i in gl.static_range(2):
+        q_bars = gl.allocate_shared_memory(gl.int64, [NC, 1], bar_layout)  # a consumer's Q loads
+        for i in gl.static_range(NC):
             mbarrier.init(q_bars.index(i), count=1)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
-                         stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                         kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
-                         ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
-            (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
-                         stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                         kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL, PERSISTENT,
-                         ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
-            (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                         n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
-                         stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
-                         v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
-                         D2, DV, STAGES)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        if NC == 2:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
+                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
+                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                             n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
+                             stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
+                             v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
+                             D2, DV, STAGES)),
+            ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        else:  # one consumer warpgroup: 64-row programs, two to an SM
+            gl.warp_specialize([
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
+                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
+                             n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
+                             stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
+                             v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
+                             D2, DV, STAGES)),
+            ], [1], [_PRODUCER_REGS])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -898,20 +931,23 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_rt = k_rope.stride(0)
         stride_rh = k_rope.stride(1) if k_rope.dim() == 3 else 0
     ensure_allocator()  # device-side tensor descriptors need global scratch
-    n_m, num_seqs = cdiv(max_seqlen_q, BLOCK_M), cu_seqlens_q.shape[0] - 1
-    n_tiles = n_m * num_seqs * q.shape[1]
+    num_seqs = cu_seqlens_q.shape[0] - 1
     # Persistent (one program per SM walking the tiles, the next tile's loads overlapping this
-    # one's epilogue): a context part's tiles cost the same, a causal part's come in pairs of
-    # equal cost (_decode); one program per tile only past CAUSAL_PERSISTENT_MAX_BLOCKS query
-    # blocks (the tests' comparison form). Every causal form a length can select is built on
-    # the first causal call (_causal_form).
-    persistent, block_n, stages = _causal_form(n_m) if causal else (True, BLOCK_N, STAGES)
+    # one's epilogue; two per SM for 64-row programs): a context part's tiles cost the same, a
+    # causal part's come in pairs of equal cost (_decode); one program per tile only past
+    # CAUSAL_PERSISTENT_MAX_BLOCKS query blocks (the tests' comparison form). Every causal form
+    # a length can select is built on the first causal call (_causal_form).
+    form = (_causal_form(cdiv(max_seqlen_q, BLOCK_M)) if causal
+            else (True, BLOCK_M, BLOCK_N, STAGES))
+    persistent, block_m = form[:2]
+    n_m = cdiv(max_seqlen_q, block_m)
+    n_tiles = n_m * num_seqs * q.shape[1]
     if not persistent:
         grid = (n_tiles,)
     elif causal:  # pair units (_decode), two rounds each past one query block: n_tiles counts
         # every program's slots
         n_units = (n_m + 1) // 2 * num_seqs * q.shape[1]
-        progs = max(1, min(n_units, _num_sms(q.device)))
+        progs = max(1, min(n_units, _num_sms(q.device) * (BLOCK_M // block_m)))
         if n_m > 1:
             n_tiles = 2 * cdiv(n_units, progs) * progs
         grid = (progs,)
@@ -922,18 +958,17 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), stride_rt, stride_rh, v.stride(0),
             v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
-    consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M, D1=_D1,
-                  D2=_D2, DV=_DV, num_warps=4, maxnreg=_MAXNREG)
+    consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), D1=_D1, D2=_D2, DV=_DV,
+                  num_warps=4)
     try:
         built = (q.dtype, bool(accumulate), q.device.index if q.device.index is not None
                  else torch.cuda.current_device())
         if causal and built not in _CAUSAL_BUILT:  # the other forms too, compiled, not run
-            for form in _causal_forms() - {(persistent, block_n, stages)}:
-                _hopper_attention_kernel.warmup(*args, grid=(1,), PERSISTENT=form[0],
-                                                BLOCK_N=form[1], STAGES=form[2], **consts)
+            for other in _causal_forms() - {form}:
+                _hopper_attention_kernel.warmup(*args, grid=(1,), **_form_consts(other),
+                                                **consts)
             _CAUSAL_BUILT.add(built)
-        _hopper_attention_kernel[grid](*args, PERSISTENT=persistent, BLOCK_N=block_n,
-                                       STAGES=stages, **consts)
+        _hopper_attention_kernel[grid](*args, **_form_consts(form), **consts)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs
@@ -943,15 +978,28 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return True
 
 
-def _causal_form(n_m: int) -> tuple[bool, int, int]:
-    # (persistent, keys per block, ring stages) of a causal part of n_m query blocks
-    block_n, stages = _NARROW if n_m <= CAUSAL_NARROW_MAX_BLOCKS else (BLOCK_N, STAGES)
-    return n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS, block_n, stages
+def _causal_form(n_m: int) -> tuple[bool, int, int, int]:
+    # (persistent, query rows, keys per block, ring stages) of a causal part of n_m query blocks
+    # of BLOCK_M
+    if n_m <= CAUSAL_SINGLE_MAX_BLOCKS:
+        shape = _SINGLE
+    elif n_m <= CAUSAL_NARROW_MAX_BLOCKS:
+        shape = (BLOCK_M, *_NARROW)
+    else:
+        shape = (BLOCK_M, BLOCK_N, STAGES)
+    return (n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS, *shape)
 
 
-def _causal_forms() -> set[tuple[bool, int, int]]:
+def _form_consts(form: tuple[bool, int, int, int]) -> dict:
+    # a form's compile-time constants and register budget
+    persistent, block_m, block_n, stages = form
+    return dict(PERSISTENT=persistent, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                maxnreg=_MAXNREG if block_m == BLOCK_M else _MAXNREG_SINGLE)
+
+
+def _causal_forms() -> set[tuple[bool, int, int, int]]:
     # every form _causal_form selects for some reachable length, under the current thresholds
-    cuts = {CAUSAL_NARROW_MAX_BLOCKS, CAUSAL_PERSISTENT_MAX_BLOCKS}
+    cuts = {CAUSAL_SINGLE_MAX_BLOCKS, CAUSAL_NARROW_MAX_BLOCKS, CAUSAL_PERSISTENT_MAX_BLOCKS}
     return {_causal_form(n) for n in {1} | {c + 1 for c in cuts if 0 <= c < _MAX_BLOCKS}}
 
 
