@@ -1,0 +1,75 @@
+"""Where the context-attention kernels' time goes: one call each of our bf16 kernel
+(``varlen_attention``) and PyTorch's cuDNN SDPA on a few vs-ideal parts, under Nsight Compute.
+
+Every call is made (compiled, its cuDNN graph built) before the profiled window, which holds one
+call of each; run it under ``ncu --profile-from-start off`` so that only that window is profiled:
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \\
+        python scripts/ncu_attention.py > ncu.csv
+
+``--parts 128:4x1024:causal,16:4x1024x32768:context`` picks the parts (heads:seqs x q_len[x k_len]:
+part). GPU only; benchmarks/fp8_attention.py times the same calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8_attention import cudnn_call, make_inputs
+from mlaprefill.kernels.attention import varlen_attention
+
+DEFAULT = "128:4x1024:causal,128:16x256:causal,128:1x4096:causal,128:4x1024x32768:context"
+
+
+def parse(spec: str) -> list[tuple[int, int, int, int, bool]]:
+    parts = []
+    for item in spec.split(","):
+        heads, dims, part = item.split(":")
+        n = [int(v) for v in dims.split("x")]
+        seqs, q_len = n[0], n[1]
+        k_len = n[2] if len(n) > 2 else q_len
+        if part not in ("causal", "context"):
+            raise SystemExit(f"--parts: part {part!r} of {item!r} is not causal or context")
+        parts.append((int(heads), seqs, q_len, k_len, part == "causal"))
+    return parts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default=DEFAULT)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    calls = []
+    for heads, seqs, q_len, k_len, causal in parse(args.parts):
+        x = make_inputs(heads, seqs, q_len, k_len, torch.bfloat16, "cuda")
+
+        def ours(x=x, causal=causal):
+            return varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
+                                    max_seqlen_q=x["q_len"], causal=causal,
+                                    softmax_scale=x["scale"], k_rope=x["k_rope"])
+        calls.append((f"H={heads} {seqs}x{q_len} over {k_len} causal={causal}", ours,
+                      cudnn_call(x, causal)))
+    for _, ours, cudnn in calls:  # compile and build outside the window
+        for _ in range(3):
+            ours()
+            cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, ours, cudnn in calls:
+        print(f"# {name}: ours then cuDNN", file=sys.stderr, flush=True)
+        ours()
+        cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
