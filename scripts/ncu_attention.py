@@ -9,12 +9,16 @@ call of each; run it under ``ncu --profile-from-start off`` so that only that wi
         python scripts/ncu_attention.py > ncu.csv
 
 ``--parts 128:4x1024:causal,16:4x1024x32768:context`` picks the parts (heads:seqs x q_len[x k_len]:
-part). GPU only; benchmarks/fp8_attention.py times the same calls.
+part). GPU only; benchmarks/fp8_attention.py times the same calls. Then, on any machine,
+``python scripts/ncu_attention.py --summarize ncu.csv --out ncu_attention.json`` turns that CSV
+into JSON: per part, our kernel's and cuDNN's kernels with every metric of the sections.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import sys
 from pathlib import Path
 
@@ -40,10 +44,56 @@ def parse(spec: str) -> list[tuple[int, int, int, int, bool]]:
     return parts
 
 
+def _number(text: str) -> float | str:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def summarize(csv_path: Path, parts: list[tuple[int, int, int, int, bool]]) -> dict:
+    """ncu's ``--csv --page details`` rows, grouped per kernel launch, then per part: each part's
+    launches are our kernel's (its name holds ``hopper_attention``) and cuDNN's that follow it."""
+    lines = csv_path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    launches: dict[str, dict] = {}
+    for rec in csv.DictReader(lines[start:]):
+        k = launches.setdefault(rec["ID"], {"kernel": rec["Kernel Name"],
+                                            "block": rec["Block Size"], "grid": rec["Grid Size"],
+                                            "metrics": {}})
+        unit = f" [{rec['Metric Unit']}]" if rec.get("Metric Unit") else ""
+        k["metrics"][f"{rec['Section Name']}: {rec['Metric Name']}{unit}"] = _number(
+            rec["Metric Value"])
+    out, current = [], None
+    for k in launches.values():
+        if "hopper_attention" in k["kernel"]:
+            if len(out) == len(parts):
+                raise SystemExit(f"{csv_path}: more of our launches than --parts ({len(parts)})")
+            heads, seqs, q_len, k_len, causal = parts[len(out)]
+            current = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                       "causal": causal, "ours": k, "cudnn": []}
+            out.append(current)
+        elif current is not None:
+            current["cudnn"].append(k)
+    if len(out) != len(parts):
+        raise SystemExit(f"{csv_path}: {len(out)} of our launches for {len(parts)} parts")
+    return {"parts": out}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=DEFAULT)
+    ap.add_argument("--summarize", type=Path, help="ncu's CSV of a run: write it as JSON")
+    ap.add_argument("--out", type=Path, help="with --summarize: the JSON file")
     args = ap.parse_args()
+    if args.summarize:
+        doc = summarize(args.summarize, parse(args.parts))
+        text = json.dumps(doc, indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        else:
+            print(text)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     calls = []
