@@ -48,6 +48,7 @@ TOPICS: list[tuple[str, str]] = [
     ("joined_keys", "Joined keys"),
     ("fp8_attention", "FP8 context attention"),
     ("sustained_clocks", "Sustained load and clocks"),
+    ("ncu_attention", "Kernel profiles (Nsight Compute)"),
     ("fp8_", "FP8 latent cache"),
 ]
 
@@ -402,6 +403,28 @@ def ex_fp8_attention(d: dict) -> tuple[str, str]:
     return "context attention per kernel (same run), FP8 accuracy vs float64", "; ".join(parts)
 
 
+def _ncu_metric(k: dict, name: str) -> float:
+    """One SpeedOfLight metric of a profiled launch (the duration in microseconds)."""
+    for key, v in k["metrics"].items():
+        if key.startswith(f"GPU Speed Of Light Throughput: {name} ["):
+            unit = key[key.rindex("[") + 1:-1]
+            return v * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}.get(unit, 1.0)
+    raise KeyError(name)
+
+
+def ex_ncu(d: dict) -> tuple[str, str]:
+    cells = []
+    for p in d["parts"]:
+        ks = [("ours", p["ours"])] + [("cuDNN", k) for k in p["cudnn"]]
+        part = "causal" if p["causal"] else f"ctx {p['k_len']}"
+        cells.append(f"{p['heads']}h {p['num_seqs']}x{p['q_len']} {part}: " + ", ".join(
+            f"{n} {_ncu_metric(k, 'Duration'):.0f} us "
+            f"{_ncu_metric(k, 'Compute (SM) Throughput'):.0f}/"
+            f"{_ncu_metric(k, 'DRAM Throughput'):.0f}" for n, k in ks))
+    return ("one call per kernel under Nsight Compute: duration, SM / DRAM throughput (% of "
+            "peak)"), "; ".join(cells)
+
+
 def ex_prefix_sharing(d: dict) -> tuple[str, str]:
     rows = d["shapes"]["rows"]
     bound = [r["share_over_bound"] for r in rows]
@@ -437,6 +460,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "fp8_cache": ex_fp8_cache,
     "fp8_attention": ex_fp8_attention,
     "sustained_clocks": ex_sustained_clocks,
+    "ncu_attention": ex_ncu,
     "fp8_gather": ex_fp8_gather_sweep,
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,
