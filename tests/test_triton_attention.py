@@ -275,3 +275,31 @@ def test_hopper_kernel_causal_forms_follow_the_thresholds(monkeypatch):
     assert ha._causal_forms() == {(True, *narrow), (False, *narrow), (False, *wide)}
     monkeypatch.setattr(ha, "CAUSAL_NARROW_MAX_BLOCKS", 0)  # 128-key blocks everywhere
     assert ha._causal_forms() == {(True, *wide), (False, *wide)}
+
+
+def test_tile_cost_probe_variants_still_apply(tmp_path):
+    """scripts/tile_cost_probe.py writes its leave-one-out variants by editing the Hopper
+    kernel's source: each edit must still match exactly one place, so that a kernel change
+    fails here instead of on the GPU. The variants are valid Python and differ from the kernel
+    only where edited."""
+    import ast
+    import difflib
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("tile_cost_probe",
+                                                  root / "scripts" / "tile_cost_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    names = probe.write_variants(tmp_path)
+    assert names == ["hv_direct", "hv_nostore", "hv_nomask"]
+    kernel = probe.KERNEL.read_text().splitlines()
+    for name in names:
+        text = (tmp_path / f"{name}.py").read_text()
+        ast.parse(text)
+        changed = [line for line in difflib.unified_diff(kernel, text.splitlines(), n=0)
+                   if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+        edits = probe.EDITS[name[3:]]
+        assert 0 < len(changed) <= sum(old.count("\n") + new.count("\n") + 2
+                                       for old, new in edits)

@@ -1,0 +1,151 @@
+"""Where a short causal part's time goes in the Gluon kernel: leave-one-out variants of
+``mlaprefill.kernels.hopper_attention``, timed under CUDA graphs beside cuDNN in one process.
+
+Variants, each written from the current kernel source (an edit that no longer applies stops the
+script, naming it):
+
+* ``direct``: O stored from the MMA accumulator's layout, without the conversion through shared
+  memory (the same outputs; the script checks them bit for bit);
+* ``nostore``: O computed but not stored (a row sum under a mask that is false at run time);
+* ``nomask``: the masked iterations (block 0, the diagonal) run without their masks.
+
+``nostore`` and ``nomask`` give wrong outputs: they time what the store and the masks cost.
+
+    PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
+    python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_direct builds one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = ROOT / "src" / "mlaprefill" / "kernels" / "hopper_attention.py"
+# (heads, sequences, queries per sequence, keys per sequence, causal)
+SHAPES = [(128, 4, 1024, 1024, True), (128, 4, 1000, 1000, True), (16, 4, 1024, 1024, True),
+          (128, 1, 4096, 4096, True), (128, 16, 256, 256, True), (128, 1, 4096, 4096, False),
+          (16, 4, 1024, 32768, False)]
+
+def _lines(*rows: tuple[int, str]) -> str:
+    """Source lines at their indents (the kernel's text, matched exactly)."""
+    return "\n".join(" " * n + text for n, text in rows)
+
+
+_STORE = _lines((12, "_store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, "
+                     "o_layout,"), (24, "io_layout)"))
+_ROWS = _lines((8, "l_ok = r0 + o_rows < seqlen_q"), (8, "q1w = q1_s.index(WG)"))
+_MASK0 = _lines((12, "p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, "
+                     "kv_end,"), (38, "True, CAUSAL, BLOCK_N)"))
+_MASKED = _lines((43, "s_zero, qk_scale, offs_m, offs_n, kv_end, True,"),
+                 (43, "CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)"))
+
+EDITS: dict[str, list[tuple[str, str]]] = {
+    "direct": [
+        (_ROWS, _lines(
+            (8, "l_ok = r0 + o_rows < seqlen_q"),
+            (8, "oo_ok = gl.expand_dims(l_ok, 1)"),
+            (8, "oo_ptrs = (out_ptr + (q_start + r0).to(gl.int64) * stride_ot + head64 * "
+                "stride_oh"),
+            (19, "+ gl.expand_dims(o_rows, 1) * stride_ot"),
+            (19, "+ gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout)), 0))"),
+            (8, "q1w = q1_s.index(WG)"))),
+        (_STORE, _lines((12, "_store_rows(o, lse, oo_ptrs, l_ptrs, oo_ok, l_ok, ACCUMULATE, "
+                             "dtype, o_layout,"), (24, "o_layout)"))),
+    ],
+    "nostore": [(_STORE, _lines((12, "gl.store(l_ptrs, gl.sum(o, axis=1) + lse, "
+                                     "mask=l_ok & (seqlen_q < 0))")))],
+    "nomask": [(_MASK0, _MASK0.replace("True,", "False,")),
+               (_MASKED, _MASKED.replace("True,", "False,"))],
+}
+
+
+def write_variants(out_dir: Path) -> list[str]:
+    """Write hv_<name>.py for every variant into out_dir; returns the module names."""
+    src = KERNEL.read_text()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for name, edits in EDITS.items():
+        text = src
+        for old, new in edits:
+            if text.count(old) != 1:
+                raise SystemExit(f"variant {name}: its edit matches {text.count(old)} places of "
+                                 f"{KERNEL.name}, not one; update EDITS to the kernel's source")
+            text = text.replace(old, new)
+        (out_dir / f"hv_{name}.py").write_text(text)
+        names.append(f"hv_{name}")
+    return names
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", type=Path, help="only write the variant modules here")
+    ap.add_argument("--out", type=Path, default=Path("tile_cost_probe.json"))
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if args.write:
+        print(" ".join(write_variants(args.write)))
+        return 0
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (--write works anywhere)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import kernel_ms
+    from fp8_attention import cudnn_call, make_inputs
+    from mlaprefill.kernels import attention as att
+    from mlaprefill.kernels import hopper_attention as base
+
+    tmp = Path(tempfile.mkdtemp(prefix="tile_cost_probe_"))
+    sys.path.insert(0, str(tmp))
+    variants = [("base", base)] + [(n[3:], importlib.import_module(n))
+                                   for n in write_variants(tmp)]
+    rows = []
+    try:
+        for heads, seqs, q_len, k_len, causal in SHAPES:
+            x = make_inputs(heads, seqs, q_len, k_len, torch.bfloat16, "cuda")
+
+            def run(x=x, causal=causal):
+                return att.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
+                                            max_seqlen_q=x["q_len"], causal=causal,
+                                            softmax_scale=x["scale"], k_rope=x["k_rope"])
+            row = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
+                   "causal": causal, "graph_ms": {}}
+            outs = {}
+            for rnd in range(args.rounds):
+                row["graph_ms"].setdefault("cudnn", []).append(
+                    kernel_ms(cudnn_call(x, causal), graph=True)["median_ms"])
+                for name, mod in variants:
+                    att.hopper_attention = mod
+                    if rnd == 0:
+                        outs[name] = run()
+                    row["graph_ms"].setdefault(name, []).append(
+                        kernel_ms(run, graph=True)["median_ms"])
+            bo, bl = outs["base"]
+            row["bitwise_equal_base"] = {n: bool(torch.equal(o, bo) and torch.equal(lse, bl))
+                                         for n, (o, lse) in outs.items()}
+            cud = row["graph_ms"]["cudnn"]
+            row["over_cudnn"] = {n: [t / c for t, c in zip(ts, cud, strict=True)]
+                                 for n, ts in row["graph_ms"].items()}
+            print(f"H={heads} {seqs}x{q_len} over {k_len} causal={causal}: " + ", ".join(
+                f"{n} {' '.join(f'{r:.3f}' for r in v)}" for n, v in row["over_cudnn"].items())
+                + f"; equal {row['bitwise_equal_base']}", flush=True)
+            rows.append(row)
+            x = outs = None
+    finally:
+        att.hopper_attention = base
+    failed = {n: dict(m._FAILED) for n, m in variants if m._FAILED}
+    args.out.write_text(json.dumps({"benchmark": "tile_cost_probe", "argv": sys.argv,
+                                    "failed_builds": failed, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}; failed builds: {failed or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
