@@ -798,6 +798,8 @@ if HAS_GLUON:
             mbarrier.init(q_bars.index(i), count=1)
         fence_async_shared()
 
+        # The argument lists are written out in each branch: held in a variable and shared, the
+        # tuple did not build with Triton 3.6 (the consumer's WG no longer a constexpr).
         if NC == 2:
             gl.warp_specialize([
                 (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
