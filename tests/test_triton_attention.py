@@ -303,3 +303,44 @@ def test_tile_cost_probe_variants_still_apply(tmp_path):
         edits = probe.EDITS[name[3:]]
         assert 0 < len(changed) <= sum(old.count("\n") + new.count("\n") + 2
                                        for old, new in edits)
+
+
+def test_ncu_attention_summarize_groups_launches_per_part(tmp_path):
+    """scripts/ncu_attention.py --summarize: ncu's details CSV (after its log lines) becomes one
+    entry per part, our launch with the cuDNN launches that follow it, values as numbers
+    (thousands separators dropped); a CSV with fewer of our launches than parts is an error."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ncu_attention",
+                                                  root / "scripts" / "ncu_attention.py")
+    ncu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu)
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+            '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+            '"Metric Value"')
+
+    def rec(i, kernel, metric, unit, value):
+        return (f'"{i}","1","python","h","{kernel}","1","7","(384, 1, 1)","(132, 1, 1)","0",'
+                f'"9.0","GPU Speed Of Light Throughput","{metric}","{unit}","{value}"')
+    csv = tmp_path / "ncu.csv"
+    csv.write_text("\n".join([
+        "==PROF== Connected to process 1", head,
+        rec(0, "_hopper_attention_kernel", "Duration", "ns", "378,944"),
+        rec(0, "_hopper_attention_kernel", "DRAM Throughput", "%", "33.38"),
+        rec(1, "cudnn_generated_fort_native_sdpa_sm90", "Duration", "ns", "372512"),
+        rec(2, "_hopper_attention_kernel", "Duration", "us", "14.6"),
+    ]) + "\n")
+    parts = ncu.parse("128:4x1024:causal,16:4x1024x32768:context")
+    doc = ncu.summarize(csv, parts)
+    first, second = doc["parts"]
+    assert (first["heads"], first["q_len"], first["k_len"], first["causal"]) == (128, 1024,
+                                                                                  1024, True)
+    assert first["ours"]["metrics"]["GPU Speed Of Light Throughput: Duration [ns]"] == 378944.0
+    assert [k["kernel"] for k in first["cudnn"]] == ["cudnn_generated_fort_native_sdpa_sm90"]
+    assert (second["k_len"], second["causal"], second["cudnn"]) == (32768, False, [])
+    with pytest.raises(SystemExit, match="2 of our launches for 3 parts"):
+        ncu.summarize(csv, ncu.parse("128:4x1024:causal,16:4x1024x32768:context,16:1x4:causal"))
+    with pytest.raises(SystemExit, match="part 'both'"):
+        ncu.parse("128:4x1024:both")
