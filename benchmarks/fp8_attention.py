@@ -244,9 +244,9 @@ def make_inputs(heads: int, seqs: int, q_len: int, k_len: int, dtype: torch.dtyp
             "cu_k": cu_k, "q_len": q_len, "k_len": k_len, "scale": (nope + rope) ** -0.5}
 
 
-def run_bf16(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def run_bf16(x: dict, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max_seqlen_q=x["q_len"],
-                            causal=False, softmax_scale=x["scale"], k_rope=x["k_rope"])
+                            causal=causal, softmax_scale=x["scale"], k_rope=x["k_rope"])
 
 
 def run_fp8(x: dict, cfg: FP8AttentionConfig | None = None, quantized=None):
@@ -309,9 +309,7 @@ def bench_ideal(shapes, dtype: torch.dtype, device: str) -> list[dict]:
             flop = 2 * pairs * heads * (NOPE + ROPE + VDIM)
             row: dict = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
                          "part": part, "causal": causal, "flop": flop, "kernels": {}}
-            for name, fn in (("bf16", lambda: varlen_attention(
-                    x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max_seqlen_q=q_len,
-                    causal=causal, softmax_scale=x["scale"], k_rope=x["k_rope"])),
+            for name, fn in (("bf16", lambda: run_bf16(x, causal)),
                              ("cudnn", cudnn_call(x, causal) if cudnn else None)):
                 if fn is None:
                     continue

@@ -98,7 +98,7 @@ def main() -> int:
         raise SystemExit("needs a CUDA GPU (--write works anywhere)")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _common import kernel_ms
-    from fp8_attention import cudnn_call, make_inputs
+    from fp8_attention import cudnn_call, make_inputs, run_bf16
     from mlaprefill.kernels import attention as att
     from mlaprefill.kernels import hopper_attention as base
 
@@ -111,10 +111,8 @@ def main() -> int:
         for heads, seqs, q_len, k_len, causal in SHAPES:
             x = make_inputs(heads, seqs, q_len, k_len, torch.bfloat16, "cuda")
 
-            def run(x=x, causal=causal):
-                return att.varlen_attention(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"],
-                                            max_seqlen_q=x["q_len"], causal=causal,
-                                            softmax_scale=x["scale"], k_rope=x["k_rope"])
+            def run(x=x, causal=causal):  # varlen_attention: att.hopper_attention at call time
+                return run_bf16(x, causal)
             row = {"heads": heads, "num_seqs": seqs, "q_len": q_len, "k_len": k_len,
                    "causal": causal, "graph_ms": {}}
             outs = {}
