@@ -64,10 +64,15 @@ def main() -> int:
     forms += [(True, p, *shape) for shape in dict.fromkeys([single, narrow, wide])
               for p in (True, False)]
     for causal, persistent, block_m, block_n, stages in forms:
-        constants = dict(CAUSAL=causal, PERSISTENT=persistent, ACCUMULATE=False,
-                         BLOCK_M=block_m, BLOCK_N=block_n, D1=128, D2=64, DV=128,
-                         STAGES=stages, num_warps=4)
-        maxnreg = mod._MAXNREG if block_m == mod.BLOCK_M else mod._MAXNREG_SINGLE
+        # the form's constants and register budget as the module launches it (older modules
+        # without _form_consts: one budget)
+        form = dict(PERSISTENT=persistent, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                    maxnreg=mod._MAXNREG)
+        if hasattr(mod, "_form_consts"):
+            form = mod._form_consts((persistent, block_m, block_n, stages))
+        maxnreg = form.pop("maxnreg")
+        constants = dict(CAUSAL=causal, ACCUMULATE=False, D1=128, D2=64, DV=128, num_warps=4,
+                         **form)
         sig, consts = _signature(params, constants)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
                  if n.endswith("_ptr")}
