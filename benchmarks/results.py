@@ -404,11 +404,15 @@ def ex_fp8_attention(d: dict) -> tuple[str, str]:
 
 
 def _ncu_metric(k: dict, name: str) -> float:
-    """One SpeedOfLight metric of a profiled launch (the duration in microseconds)."""
+    """One SpeedOfLight metric of a profiled launch: a percentage, or a duration in
+    microseconds. Another unit is an error, not a number printed in the wrong one."""
+    scale = {"%": 1.0, "ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     for key, v in k["metrics"].items():
         if key.startswith(f"GPU Speed Of Light Throughput: {name} ["):
             unit = key[key.rindex("[") + 1:-1]
-            return v * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}.get(unit, 1.0)
+            if unit not in scale:
+                raise ValueError(f"ncu metric {key!r}: unit {unit!r} is not one of {sorted(scale)}")
+            return v * scale[unit]
     raise KeyError(name)
 
 
