@@ -49,6 +49,7 @@ TOPICS: list[tuple[str, str]] = [
     ("fp8_attention", "FP8 context attention"),
     ("sustained_clocks", "Sustained load and clocks"),
     ("ncu_attention", "Kernel profiles (Nsight Compute)"),
+    ("tile_", "Kernel variant probes"),
     ("fp8_", "FP8 latent cache"),
 ]
 
@@ -429,6 +430,17 @@ def ex_ncu(d: dict) -> tuple[str, str]:
             "peak)"), "; ".join(cells)
 
 
+def ex_tile_probe(d: dict) -> tuple[str, str]:
+    cells = []
+    for r in d["rows"]:
+        part = "causal" if r["causal"] else f"ctx {r['k_len']}"
+        ratios = ", ".join(f"{n} {_range(v)}" for n, v in r["over_cudnn"].items()
+                           if n != "cudnn")
+        cells.append(f"{r['heads']}h {r['num_seqs']}x{r['q_len']} {part}: {ratios}")
+    return ("kernel variants (scripts/tile_cost_probe.py) under graphs: time / cuDNN's, per "
+            "round"), "; ".join(cells)
+
+
 def ex_prefix_sharing(d: dict) -> tuple[str, str]:
     rows = d["shapes"]["rows"]
     bound = [r["share_over_bound"] for r in rows]
@@ -465,6 +477,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "fp8_attention": ex_fp8_attention,
     "sustained_clocks": ex_sustained_clocks,
     "ncu_attention": ex_ncu,
+    "tile_": ex_tile_probe,
     "fp8_gather": ex_fp8_gather_sweep,
     "prefix_sharing": ex_prefix_sharing,
     "bench_shared-prefix": ex_bench,
