@@ -1,19 +1,22 @@
-"""Where a short causal part's time goes in the Gluon kernel: leave-one-out variants of
+"""Where a short causal part's time goes in the Gluon kernel, and A/B of its forms: variants of
 ``mlaprefill.kernels.hopper_attention``, timed under CUDA graphs beside cuDNN in one process.
 
 Variants, each written from the current kernel source (an edit that no longer applies stops the
 script, naming it):
 
-* ``direct``: O stored from the MMA accumulator's layout, without the conversion through shared
-  memory (the same outputs; the script checks them bit for bit);
-* ``nostore``: O computed but not stored (a row sum under a mask that is false at run time);
-* ``nomask``: the masked iterations (block 0, the diagonal) run without their masks.
+* ``ring4``: 1000-1024-query causal parts (the narrow form) with a 4-deep ring of 64-key blocks
+  and O stored by hand (the kernel before the TMA store of O);
+* ``plain3``: the narrow form's 3-deep ring, O stored by hand (the ring's share of the change);
+* ``nomask``: the masked iterations (block 0, the diagonal) run without their masks (wrong
+  outputs: it times what the masks cost).
 
-``nostore`` and ``nomask`` give wrong outputs: they time what the store and the masks cost.
+The script checks each variant's outputs against the kernel's bit for bit. Earlier variants (O
+stored from the MMA layout: slower; O not stored) and their times are in
+benchmarks/results/tile_cost_probe_h200.json and in git history.
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
-    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_direct builds one)
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_ring4 builds one)
 """
 
 from __future__ import annotations
@@ -28,37 +31,24 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src" / "mlaprefill" / "kernels" / "hopper_attention.py"
 # (heads, sequences, queries per sequence, keys per sequence, causal)
 SHAPES = [(128, 4, 1024, 1024, True), (128, 4, 1000, 1000, True), (16, 4, 1024, 1024, True),
-          (128, 1, 4096, 4096, True), (128, 16, 256, 256, True), (128, 1, 4096, 4096, False),
-          (16, 4, 1024, 32768, False)]
+          (128, 8, 512, 512, True), (16, 8, 600, 600, True)]
+
 
 def _lines(*rows: tuple[int, str]) -> str:
     """Source lines at their indents (the kernel's text, matched exactly)."""
     return "\n".join(" " * n + text for n, text in rows)
 
 
-_STORE = _lines((12, "_store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, "
-                     "o_layout,"), (24, "io_layout)"))
-_ROWS = _lines((8, "l_ok = r0 + o_rows < seqlen_q"), (8, "q1w = q1_s.index(WG)"))
 _MASK0 = _lines((12, "p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, "
                      "kv_end,"), (38, "True, CAUSAL, BLOCK_N)"))
 _MASKED = _lines((43, "s_zero, qk_scale, offs_m, offs_n, kv_end, True,"),
                  (43, "CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)"))
+_RING = "_NARROW = (64, 3)"
+_STAGED = "O_TMA=o_tma and _o_staged(form),"
 
 EDITS: dict[str, list[tuple[str, str]]] = {
-    "direct": [
-        (_ROWS, _lines(
-            (8, "l_ok = r0 + o_rows < seqlen_q"),
-            (8, "oo_ok = gl.expand_dims(l_ok, 1)"),
-            (8, "oo_ptrs = (out_ptr + (q_start + r0).to(gl.int64) * stride_ot + head64 * "
-                "stride_oh"),
-            (19, "+ gl.expand_dims(o_rows, 1) * stride_ot"),
-            (19, "+ gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout)), 0))"),
-            (8, "q1w = q1_s.index(WG)"))),
-        (_STORE, _lines((12, "_store_rows(o, lse, oo_ptrs, l_ptrs, oo_ok, l_ok, ACCUMULATE, "
-                             "dtype, o_layout,"), (24, "o_layout)"))),
-    ],
-    "nostore": [(_STORE, _lines((12, "gl.store(l_ptrs, gl.sum(o, axis=1) + lse, "
-                                     "mask=l_ok & (seqlen_q < 0))")))],
+    "ring4": [(_RING, "_NARROW = (64, 4)")],
+    "plain3": [(_STAGED, "O_TMA=False,")],
     "nomask": [(_MASK0, _MASK0.replace("True,", "False,")),
                (_MASKED, _MASKED.replace("True,", "False,"))],
 }
