@@ -93,7 +93,7 @@ def main() -> int:
                 (a.sass / name).write_text(sass)
         regs = " ".join(x for x in usage.split() if x.startswith(("REG:", "STACK:")))
         print(f"causal={causal!s:5} persistent={persistent!s:5} block_m={block_m:3} "
-              f"block_n={block_n:3} stages={stages} o_tma={form.get('O_TMA', False)!s:5} "
+              f"block_n={block_n:3} "
               f"shared={kernel.metadata.shared} {regs}")
     return 0
 

@@ -4,19 +4,17 @@
 Variants, each written from the current kernel source (an edit that no longer applies stops the
 script, naming it):
 
-* ``ring4``: 1000-1024-query causal parts (the narrow form) with a 4-deep ring of 64-key blocks
-  and O stored by hand (the kernel before the TMA store of O);
-* ``plain3``: the narrow form's 3-deep ring, O stored by hand (the ring's share of the change);
-* ``nomask``: the masked iterations (block 0, the diagonal) run without their masks (wrong
-  outputs: it times what the masks cost).
+* ``mask0``: every tile's first key block softmaxed under its mask, also where all its rows see
+  that block whole (the kernel before that test);
+* ``mask0_single``: the 64-row form's first block unmasked too where its rows see it whole.
 
-The script checks each variant's outputs against the kernel's bit for bit. Earlier variants (O
-stored from the MMA layout: slower; O not stored) and their times are in
-benchmarks/results/tile_cost_probe_h200.json and in git history.
+The script checks each variant's outputs against the kernel's bit for bit. Earlier variants and
+their times are in benchmarks/results/tile_*.json and in git history (O stored from the MMA
+layout; O not stored; no masks; O by TMA store with a 3-deep narrow ring, commit 56485b4).
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
-    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_ring4 builds one)
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_mask0 builds one)
 """
 
 from __future__ import annotations
@@ -31,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src" / "mlaprefill" / "kernels" / "hopper_attention.py"
 # (heads, sequences, queries per sequence, keys per sequence, causal)
 SHAPES = [(128, 4, 1024, 1024, True), (128, 4, 1000, 1000, True), (16, 4, 1024, 1024, True),
-          (128, 8, 512, 512, True), (16, 8, 600, 600, True)]
+          (128, 8, 512, 512, True), (16, 8, 600, 600, True), (128, 16, 256, 256, True),
+          (128, 1, 4096, 4096, True)]
 
 
 def _lines(*rows: tuple[int, str]) -> str:
@@ -39,18 +38,14 @@ def _lines(*rows: tuple[int, str]) -> str:
     return "\n".join(" " * n + text for n, text in rows)
 
 
-_MASK0 = _lines((12, "p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, "
-                     "kv_end,"), (38, "True, CAUSAL, BLOCK_N)"))
-_MASKED = _lines((43, "s_zero, qk_scale, offs_m, offs_n, kv_end, True,"),
-                 (43, "CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)"))
-_RING = "_NARROW = (64, 3)"
-_STAGED = "O_TMA=o_tma and _o_staged(form),"
+_MASK0 = _lines((12, "if BLOCK_M == 128 and b_lo < n_free:"),
+                (16, "p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, "
+                     "kv_end,"), (42, "False, CAUSAL, BLOCK_N)"))
 
 EDITS: dict[str, list[tuple[str, str]]] = {
-    "ring4": [(_RING, "_NARROW = (64, 4)")],
-    "plain3": [(_STAGED, "O_TMA=False,")],
-    "nomask": [(_MASK0, _MASK0.replace("True,", "False,")),
-               (_MASKED, _MASKED.replace("True,", "False,"))],
+    "mask0": [(_MASK0, _MASK0.replace("BLOCK_M == 128 and b_lo < n_free", "False"))],
+    "mask0_single": [(_MASK0, _MASK0.replace("BLOCK_M == 128 and b_lo < n_free",
+                                             "b_lo < n_free"))],
 }
 
 

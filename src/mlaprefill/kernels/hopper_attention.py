@@ -28,8 +28,9 @@ key loop is laid out by hand, FlashAttention-3 style:
   scores, safe max) runs as soon as the scores are done, while that PV product is still in
   flight; then O is rescaled and P kept in registers for the next iteration.
 
-Block 0's softmax runs masked (once per program), then unmasked blocks, then the masked ones
-(the tail, the causal diagonal), scores set to ``-inf`` with ``where``. Keys are read by TMA:
+A tile's first key block runs its softmax masked (in the 128-row forms only where some of its
+rows do not see that block whole), then come unmasked blocks, then the masked ones (the tail, the
+causal diagonal), scores set to ``-inf`` with ``where``. Keys are read by TMA:
 in the persistent form through descriptors over the whole K / rope / V tensors, made once per
 program, so a sequence's last, partial block also reads rows of the next one; their scores are
 masked, and the producer sets their V rows to 0 in shared memory before it marks the block
@@ -81,10 +82,6 @@ heads). Longer causal parts keep 128-key blocks: at 4096 queries the narrow form
 Warpgroup 0 ran the lower rows at first, fewer iterations than warpgroup 1 on every tile, so the two
 swap halves on a pair's light tile (_half): 256-query causal parts 1.05x -> 1.03x cuDNN's time at
 128 heads, 1.12x -> 1.09x at 16 (A/B under graphs, same run, outputs bitwise equal).
-Where a form's shared memory has room (the narrow form, with a 3-deep ring), a tile whose 64-row
-halves lie whole in its sequence stores each half's O by TMA from a staging buffer (a tile at a
-sequence's end stores by hand: a TMA box would write the next sequence's rows); ``state`` merges
-and an ``out`` TMA cannot address store by hand too.
 Causal parts of at most ``CAUSAL_SINGLE_MAX_BLOCKS`` 128-query blocks (256 queries) run 64-row
 programs instead, one consumer warpgroup each (128 registers per thread), two to an SM: their few
 iterations per tile left the loads' latencies exposed with one program per SM (256-query causal
@@ -122,9 +119,6 @@ _MAXNREG = 168
 # the one-consumer form (64-row programs, _SINGLE): 8 warps (4 + the producer's padded), two
 # programs to an SM (2 * 8 * 32 * 128 = 64 Ki); the producer 24, the consumer 232 (2 * 128 - 24)
 _MAXNREG_SINGLE = 128
-# an sm_90 SM's shared memory for its programs (227 KiB; two 64-row programs take half each),
-# and what the compiler adds to a form's buffers (its layout conversions' scratch, barriers)
-_SMEM_SM, _SMEM_SCRATCH = 232448, 16 * 1024
 
 try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental import gluon
@@ -166,14 +160,10 @@ CAUSAL_PERSISTENT_MAX_BLOCKS = 1 << 30
 #: 1.11-1.13x (16), 128 queries at 64 sequences 1.09x -> 1.01x; but 4096 queries 0.96x -> 1.01x and
 #: 0.85x -> 0.87x.
 CAUSAL_NARROW_MAX_BLOCKS = 8
-#: Their ring is 3 deep, not 4, which leaves room for each consumer's O staging buffer (16 KiB):
-#: a tile whose rows all lie in its sequence leaves by one TMA store (_o_staged), not waited for,
-#: instead of a layout conversion through shared memory and 16-byte stores. A/B under graphs,
-#: cuDNN in the same run, 2 rounds (tile_ab_otma_h200.json; time / cuDNN's): 128 heads 4 x 1024
-#: 1.008-1.019 -> 0.988-1.003, 4 x 1000 1.002-1.015 -> 0.997-1.004, 16 heads 4 x 1024
-#: 0.914-0.922 -> 0.854-0.913, 128 heads 8 x 512 1.034-1.040 -> 1.037-1.042, but 16 heads
-#: 8 x 600 1.113-1.123 -> 1.129-1.140; the 3-deep ring with plain stores: 1.010-1.069.
-_NARROW = (64, 3)  # (keys per block, ring stages) of the causal parts above
+#: O stored by TMA from a staging buffer per consumer (room made by a 3-deep ring; commit 56485b4,
+#: tile_ab_otma_h200.json, tile_ab_mask0_h100.json) measured 1-2 % faster at 1000-1024 queries
+#: but 1.5-3.5 % slower at 512-600 (16 and 128 heads, H200 and H100), so it was taken out again.
+_NARROW = (64, 4)  # (keys per block, ring stages) of the causal parts above
 #: Causal parts with at most this many 128-query blocks per sequence (256 queries) run 64-row
 #: programs (one consumer warpgroup, 64-key blocks, a 2-stage ring: 112 KiB of shared memory), two
 #: to an SM, so that each SM has two tiles' loads in flight; a row's arithmetic is the 128-row
@@ -425,12 +415,12 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_tile(m_block, seq, head, valid, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
                        kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1, qd2,
-                       q_bar, od, o_w,
+                       q_bar,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
                        PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
-                       O_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_decode's m_block, seq, head, valid;
@@ -442,8 +432,6 @@ if HAS_GLUON:
         # behind this tile's last PV product and epilogue. Returns (n_iter, nq) and t_next
         # decoded (_decode), for the next call: decoded after the key loop, not before, so that
         # those values are not live through it (they cost the loop register spills).
-        # With O_TMA, a tile whose 64 rows all lie in its sequence leaves its O through this
-        # warpgroup's staging buffer o_w by one TMA store (descriptor od), not waited for here.
         q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
@@ -508,14 +496,19 @@ if HAS_GLUON:
             else:
                 n_mine = n_iter
                 n_free = seqlen_k // BLOCK_N
-            # iteration 0 (masked), then [1, free) without a mask (blocks below n_free, every
-            # row sees them whole), then the masked rest; the last iteration's PV product
-            # after the loop
+            # iteration 0 (masked, in the 128-row forms only where some row does not see its
+            # block whole), then [1, free) without a mask (blocks below n_free, every row sees
+            # them whole), then the masked rest; the last iteration's PV product after the loop.
+            # (The 64-row form ran 1.5 % slower with its first block unmasked: H100 A/B.)
             t = _scores(q1w, q2w, k_s, r_s, kr_ready, it0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
             mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
-            p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
-                                      True, CAUSAL, BLOCK_N)
+            if BLOCK_M == 128 and b_lo < n_free:
+                p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
+                                          False, CAUSAL, BLOCK_N)
+            else:
+                p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
+                                          True, CAUSAL, BLOCK_N)
             p = gl.convert_layout(p.to(dtype), p_layout)
             free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_mine)
             acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1w, q2w, k_s,
@@ -546,17 +539,8 @@ if HAS_GLUON:
             o = acc * gl.expand_dims(1.0 / l_o, 1)
             o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-            if O_TMA and r0 + WM <= seqlen_q:  # (rows past the sequence are the next one's)
-                tma.store_wait(0)  # the previous tile's store has read o_w (its issuer waits)
-                gl.thread_barrier()  # ... and every warp knows it
-                o_w.store(o.to(dtype))
-                fence_async_shared()  # generic-proxy stores before the TMA engine reads them
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(od, [q_start + r0, head * stride_oh], o_w)
-                gl.store(l_ptrs, lse, mask=l_ok)
-            else:
-                _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
-                            io_layout)
+            _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
+                        io_layout)
         else:
             if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
                 nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
@@ -711,10 +695,9 @@ if HAS_GLUON:
     def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
                   num_queries, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
-                  kr_empty, v_ready, v_empty, q_bars, o_s,
+                  kr_empty, v_ready, v_empty, q_bars,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                  ACCUMULATE: gl.constexpr, O_TMA: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr,
+                  ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
                   STAGES: gl.constexpr):
         if not PERSISTENT:  # one tile per program (as the producer)
@@ -722,11 +705,10 @@ if HAS_GLUON:
                                            PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
             _consumer_tile(mb, seq, head, valid, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                           dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, 0, 0,
-                           stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-                           qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
-                           v_empty, WG, CAUSAL, PERSISTENT, ACCUMULATE, False, BLOCK_M, BLOCK_N,
-                           D1, D2, DV, STAGES)
+                           dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, stride_qt,
+                           stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+                           q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
+                           CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
         else:
             it = 0
             nq = 0
@@ -752,14 +734,6 @@ if HAS_GLUON:
             else:
                 qd1 = 0
                 qd2 = 0
-            if O_TMA:  # out as a [num_queries, every head's columns] matrix, as Q
-                od = tma.make_tensor_descriptor(
-                    out_ptr, shape=[num_queries, (num_heads - 1) * stride_oh + DV],
-                    strides=[stride_ot, 1], block_shape=[64, DV], layout=o_s.type.layout)
-                o_w = o_s.index(WG)
-            else:
-                od = 0
-                o_w = 0
             for t in range(gl.program_id(0), n_tiles, progs):
                 # the next tile's sequence bounds now (their loads' latency hides behind this
                 # tile); the rest of its decode comes back from _consumer_tile
@@ -768,14 +742,12 @@ if HAS_GLUON:
                 na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
                 n, nq, mb, seq, head, valid = _consumer_tile(
                     mb, seq, head, valid, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense,
-                    t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar, od, o_w,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-                    q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL,
-                    PERSISTENT, ACCUMULATE, O_TMA, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                    t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
+                    k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
+                    ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
                 it += n
                 qa, qb, ka, kb = na, nb, nka, nkb
-            if O_TMA:  # the last store has read its buffer before the program ends
-                tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
@@ -788,9 +760,8 @@ if HAS_GLUON:
             stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
             stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
             CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
-            O_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-            num_warps: gl.constexpr):
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
+            DV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         # A context part is persistent: program p runs tiles p, p + P, p + 2P, ... of the
         # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM; so is a
         # causal part with PERSISTENT (short sequences), else it runs one tile per program
@@ -818,11 +789,6 @@ if HAS_GLUON:
         k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k_sl)
         r_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], r_sl)
         v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_sl)
-        if O_TMA:  # each consumer's O on its way out (_consumer_tile)
-            o_s = gl.allocate_shared_memory(
-                dtype, [NC, WM, DV], gl.NVMMASharedLayout.get_default_for([WM, DV], dtype))
-        else:
-            o_s = 0
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         kr_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         kr_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -848,13 +814,13 @@ if HAS_GLUON:
                 (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                              n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
                              stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, o_s, 0, CAUSAL,
-                             PERSISTENT, ACCUMULATE, O_TMA, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
                 (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                              n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
                              stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, o_s, 1, CAUSAL,
-                             PERSISTENT, ACCUMULATE, O_TMA, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
                 (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                              n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
                              stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
@@ -866,8 +832,8 @@ if HAS_GLUON:
                 (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                              n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
                              stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, o_s, 0, CAUSAL,
-                             PERSISTENT, ACCUMULATE, O_TMA, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
+                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
+                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
                 (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
                              n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
                              stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
@@ -1005,17 +971,15 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), D1=_D1, D2=_D2, DV=_DV,
                   num_warps=4)
-    # O by TMA store where the form has room for it, not when merging into out (a read first)
-    o_tma = not accumulate and _aligned(out, out.stride()[:2])
     try:
         built = (q.dtype, bool(accumulate), q.device.index if q.device.index is not None
                  else torch.cuda.current_device())
         if causal and built not in _CAUSAL_BUILT:  # the other forms too, compiled, not run
             for other in _causal_forms() - {form}:
-                _hopper_attention_kernel.warmup(*args, grid=(1,),
-                                                **_form_consts(other, o_tma), **consts)
+                _hopper_attention_kernel.warmup(*args, grid=(1,), **_form_consts(other),
+                                                **consts)
             _CAUSAL_BUILT.add(built)
-        _hopper_attention_kernel[grid](*args, **_form_consts(form, o_tma), **consts)
+        _hopper_attention_kernel[grid](*args, **_form_consts(form), **consts)
     except torch.OutOfMemoryError:  # its descriptor scratch: the caller's problem, not a build's
         raise
     except Exception as exc:  # this Triton / toolchain cannot build it: the Triton kernel runs
@@ -1037,21 +1001,10 @@ def _causal_form(n_m: int) -> tuple[bool, int, int, int]:
     return (n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS, *shape)
 
 
-def _o_staged(form: tuple[bool, int, int, int]) -> bool:
-    # whether a form's O leaves by TMA store (O_TMA): persistent, and its Q, ring and O staging
-    # buffers (2-byte elements) fit its share of an SM's shared memory beside the compiler's
-    # scratch (layout conversions, barriers: _SMEM_SCRATCH)
-    persistent, block_m, block_n, stages = form
-    elems = block_m * (_D1 + _D2) + stages * block_n * (_D1 + _D2 + _DV) + block_m * _DV
-    return persistent and 2 * elems + _SMEM_SCRATCH <= _SMEM_SM * block_m // BLOCK_M
-
-
-def _form_consts(form: tuple[bool, int, int, int], o_tma: bool = True) -> dict:
-    # a form's compile-time constants and register budget; o_tma=False: O by plain stores
-    # (merging into out, or an out that TMA cannot address)
+def _form_consts(form: tuple[bool, int, int, int]) -> dict:
+    # a form's compile-time constants and register budget
     persistent, block_m, block_n, stages = form
     return dict(PERSISTENT=persistent, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                O_TMA=o_tma and _o_staged(form),
                 maxnreg=_MAXNREG if block_m == BLOCK_M else _MAXNREG_SINGLE)
 
 
