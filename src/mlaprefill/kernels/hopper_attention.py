@@ -499,7 +499,7 @@ if HAS_GLUON:
             # iteration 0 (masked, in the 128-row forms only where some row does not see its
             # block whole), then [1, free) without a mask (blocks below n_free, every row sees
             # them whole), then the masked rest; the last iteration's PV product after the loop.
-            # (The 64-row form ran 1.5 % slower with its first block unmasked: H100 A/B.)
+            # (The 64-row form ran 1-1.5 % slower with its first block unmasked: H100 A/B.)
             t = _scores(q1w, q2w, k_s, r_s, kr_ready, it0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
             mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
