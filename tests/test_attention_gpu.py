@@ -288,6 +288,43 @@ def _attention_f64(q, k, v, q_lens, k_lens, causal, scale, heads=(0, 5)):
         softmax_scale=scale)
 
 
+@pytest.mark.parametrize("q_lens", [[256] * 24, [1024] * 6, [4096, 1, 700, 3, 1, 2000, 64]])
+def test_hopper_causal_forms_at_128_heads_run_each_tile_once(q_lens, monkeypatch):
+    """Every causal form (64-row programs at 256 queries, 64-key blocks at 1024, 128-key blocks
+    past) with far more tiles than programs (128 heads) and with uneven lengths (most of a
+    short sequence's tiles empty): the persistent pair order runs every tile once, bitwise one
+    program per tile's outputs, the same on every repeat, matching the float64 reference."""
+    from mlaprefill.kernels import hopper_attention
+    from mlaprefill.kernels.attention import varlen_attention
+
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper_attention.HAS_GLUON:
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    h, scale = 128, 192 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n = sum(q_lens)
+    q = torch.randn(n, h, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(n, h, NOPE + V, device="cuda", generator=g).bfloat16()
+    k_pe = torch.randn(n, ROPE, device="cuda", generator=g).bfloat16()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    kw = dict(max_seqlen_q=max(q_lens), causal=True, softmax_scale=scale, k_rope=k_pe)
+    runs = [varlen_attention(q, kv[..., :NOPE], kv[..., NOPE:], cu, cu, **kw) for _ in range(3)]
+    out, lse = runs[0]
+    assert all(torch.equal(o, out) and torch.equal(s, lse) for o, s in runs[1:])
+    assert not hopper_attention._FAILED and not torch.isnan(out).any()
+    with monkeypatch.context() as m:
+        m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)
+        tile = varlen_attention(q, kv[..., :NOPE], kv[..., NOPE:], cu, cu, **kw)
+    assert torch.equal(tile[0], out) and torch.equal(tile[1], lse)
+    k_joined = torch.cat([kv[..., :NOPE], k_pe[:, None].expand(n, h, ROPE)], dim=-1)
+    heads = (0, 77, 127)
+    ref_o, ref_l = _attention_f64(q, k_joined, kv[..., NOPE:], q_lens, q_lens, True, scale,
+                                  heads=heads)
+    got_o, got_l = out[:, list(heads)].double(), lse[:, list(heads)].double()
+    assert (got_l - ref_l).abs().max() <= 1e-3
+    assert ((got_o - ref_o).norm() / ref_o.norm()) <= 1e-2
+
+
 @pytest.mark.parametrize("causal,q_max", [(False, 2048), (True, 256), (True, 1024),
                                            (True, 2100)])
 @pytest.mark.parametrize("keys", ["split", "joined"])

@@ -268,8 +268,8 @@ def test_hopper_kernel_causal_forms_follow_the_thresholds(monkeypatch):
     assert ha._form_consts((True, *wide))["maxnreg"] == ha._MAXNREG
     assert 2 * 8 * 32 * ha._MAXNREG_SINGLE <= 64 * 1024  # two programs' 8 warps fit an SM's file
     monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)  # the tests' comparison form
-    assert ha._causal_form(1) == (False, *single)
-    assert ha._causal_forms() == {(False, *single), (False, *narrow), (False, *wide)}
+    assert ha._causal_form(1) == (False, *narrow)  # 64-row programs only persistent
+    assert ha._causal_forms() == {(False, *narrow), (False, *wide)}
     monkeypatch.setattr(ha, "CAUSAL_SINGLE_MAX_BLOCKS", 0)
     monkeypatch.setattr(ha, "CAUSAL_PERSISTENT_MAX_BLOCKS", 4)
     assert ha._causal_forms() == {(True, *narrow), (False, *narrow), (False, *wide)}

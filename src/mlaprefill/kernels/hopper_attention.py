@@ -85,7 +85,9 @@ swap halves on a pair's light tile (_half): 256-query causal parts 1.05x -> 1.03
 Causal parts of at most ``CAUSAL_SINGLE_MAX_BLOCKS`` 128-query blocks (256 queries) run 64-row
 programs instead, one consumer warpgroup each (128 registers per thread), two to an SM: their few
 iterations per tile left the loads' latencies exposed with one program per SM (256-query causal
-parts 1.02-1.08x -> 0.89-0.98x cuDNN's time; the constant's comment).
+parts 1.02-1.08x -> 0.89-0.98x cuDNN's time; the constant's comment). They run persistent only:
+one 64-row program per tile left NaN in a few rows' outputs (H200, cause not found), so the
+one-program-per-tile comparison form runs those parts with 128 rows and 64-key blocks.
 
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
 at the first causal call; lengths come from ``cu_seqlens``.
@@ -992,13 +994,17 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _causal_form(n_m: int) -> tuple[bool, int, int, int]:
     # (persistent, query rows, keys per block, ring stages) of a causal part of n_m query blocks
     # of BLOCK_M
-    if n_m <= CAUSAL_SINGLE_MAX_BLOCKS:
+    # 64-row programs run persistent only: one program per 64-row tile left NaN in the output
+    # of a few tiles' first rows, different ones each run (H200, 128 heads x 24 x 256 queries;
+    # not found yet), while the 128-row form of the same rows gave the same bits every run
+    persistent = n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS
+    if n_m <= CAUSAL_SINGLE_MAX_BLOCKS and persistent:
         shape = _SINGLE
     elif n_m <= CAUSAL_NARROW_MAX_BLOCKS:
         shape = (BLOCK_M, *_NARROW)
     else:
         shape = (BLOCK_M, BLOCK_N, STAGES)
-    return (n_m <= CAUSAL_PERSISTENT_MAX_BLOCKS, *shape)
+    return (persistent, *shape)
 
 
 def _form_consts(form: tuple[bool, int, int, int]) -> dict:
