@@ -27,6 +27,12 @@ RANK, NOPE, ROPE, V, PAGE = 512, 128, 64, 128, 64
 GPU_BACKENDS = ["mlaprefill", "cudnn", "flex", "fa2", "math"]
 
 
+def _cu(lens, device="cuda"):
+    """cu_seqlens of a packed batch of these lengths: int32 [len(lens) + 1]."""
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
 def _inputs(query_lens, context_lens, heads, seed=0):
     """DeepSeek-sized bf16 inputs, built on the GPU."""
     return paged_mla_inputs(query_lens, context_lens, heads=heads, rank=RANK, nope=NOPE, rope=ROPE,
@@ -64,15 +70,11 @@ def test_backend_matches_math_with_empty_sequences(backend, causal, host_offsets
     k_lens = q_lens if causal else [100, 0, 129, 64]
     heads, qk = 8, NOPE + ROPE
 
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                            device="cuda")
-
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(sum(q_lens), heads, qk, device="cuda", generator=g).bfloat16()
     k = torch.randn(sum(k_lens), heads, qk, device="cuda", generator=g).bfloat16()
     v = torch.randn(sum(k_lens), heads, V, device="cuda", generator=g).bfloat16()
-    seqs = VarlenSeqs(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    seqs = VarlenSeqs(_cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens))
     ref_o, ref_l = BACKENDS["math"]().attend(q.double(), k.double(), v.double(), seqs,
                                             causal=causal, softmax_scale=qk ** -0.5)
     be = get_backend(backend, device="cuda", dtype=torch.bfloat16, qk_head_dim=qk, v_head_dim=V)
@@ -208,11 +210,9 @@ def test_triton_split_keys_and_epilogue_merge_match_joined_and_merge_pass():
     k[..., :NOPE] = k_nope
     broadcast_rope_(k, k_pe, NOPE)
     assert torch.equal(k[..., NOPE:], k_pe[:, None, :].expand(-1, h, -1))
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                                   dtype=torch.int32, device="cuda")
     kw = dict(max_seqlen_q=max(q_lens), causal=False, softmax_scale=0.1)
-    joined = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)
-    split = varlen_attention(q, k_nope, v, cu(q_lens), cu(k_lens), **kw, k_rope=k_pe)
+    joined = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw)
+    split = varlen_attention(q, k_nope, v, _cu(q_lens), _cu(k_lens), **kw, k_rope=k_pe)
     assert torch.equal(joined[0], split[0]) and torch.equal(joined[1], split[1])
     base_o = (torch.randn(sum(q_lens), h, V, device="cuda", generator=g) * 0.1).bfloat16()
     base_l = torch.randn(sum(q_lens), h, device="cuda", generator=g) * 3
@@ -220,7 +220,7 @@ def test_triton_split_keys_and_epilogue_merge_match_joined_and_merge_pass():
     first = None
     for _ in range(10):
         state = (base_o.clone(), base_l.clone())
-        varlen_attention(q, k_nope, v, cu(q_lens), cu(k_lens), **kw, k_rope=k_pe, state=state)
+        varlen_attention(q, k_nope, v, _cu(q_lens), _cu(k_lens), **kw, k_rope=k_pe, state=state)
         if first is None:
             first = state
             assert torch.allclose(state[1], ref_l, atol=1e-5)
@@ -248,14 +248,12 @@ def test_triton_tma_loads_match_pointer_loads(causal):
     kv = torch.randn(sum(k_lens), h, NOPE + V, device="cuda", generator=g).bfloat16()
     k_pe = torch.randn(sum(k_lens), ROPE, device="cuda", generator=g).bfloat16()
     k, v = kv[..., :NOPE], kv[..., NOPE:]
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                                   dtype=torch.int32, device="cuda")
     tma = dataclasses.replace(DEFAULT_ATTENTION_CONFIG, tma=True)
 
     def run(cfg, kk):
         state = (torch.zeros(sum(q_lens), h, V, device="cuda", dtype=torch.bfloat16),
                  torch.full((sum(q_lens), h), float("-inf"), device="cuda"))
-        return varlen_attention(q, kk, v, cu(q_lens), cu(k_lens), max_seqlen_q=max(q_lens),
+        return varlen_attention(q, kk, v, _cu(q_lens), _cu(k_lens), max_seqlen_q=max(q_lens),
                                 causal=causal, softmax_scale=0.1, config=cfg, k_rope=k_pe,
                                 state=state)
 
@@ -278,14 +276,11 @@ def test_triton_tma_loads_match_pointer_loads(causal):
 def _attention_f64(q, k, v, q_lens, k_lens, causal, scale, heads=(0, 5)):
     """float64 out / LSE of a packed varlen batch for a few heads, by the math backend:
     ([Tq, h, Dv], [Tq, h])."""
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                            device=q.device)
     h = list(heads)
     return BACKENDS["math"]().attend(
         q[:, h].double(), k[:, h].double(), v[:, h].double(),
-        VarlenSeqs(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens)), causal=causal,
-        softmax_scale=scale)
+        VarlenSeqs(_cu(q_lens, q.device), _cu(k_lens, q.device), max(q_lens), max(k_lens)),
+        causal=causal, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("q_lens", [[256] * 24, [1024] * 6, [4096, 1, 700, 3, 1, 2000, 64]])
@@ -305,8 +300,7 @@ def test_hopper_causal_forms_at_128_heads_run_each_tile_once(q_lens, monkeypatch
     q = torch.randn(n, h, NOPE + ROPE, device="cuda", generator=g).bfloat16()
     kv = torch.randn(n, h, NOPE + V, device="cuda", generator=g).bfloat16()
     k_pe = torch.randn(n, ROPE, device="cuda", generator=g).bfloat16()
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")
+    cu = _cu(q_lens)
     kw = dict(max_seqlen_q=max(q_lens), causal=True, softmax_scale=scale, k_rope=k_pe)
     runs = [varlen_attention(q, kv[..., :NOPE], kv[..., NOPE:], cu, cu, **kw) for _ in range(3)]
     assert not hopper_attention._FAILED
@@ -366,13 +360,11 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
         k, extra = kv[..., :NOPE], {"k_rope": k_pe}
     else:
         k, extra = k_joined, {}
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                                   dtype=torch.int32, device="cuda")
     kw = dict(max_seqlen_q=max(q_lens), causal=causal, softmax_scale=scale, **extra)
     assert hopper_attention.unsupported_reason(q, k, v, extra.get("k_rope"),
                                                causal=causal) is None
     before = hopper_attention.num_compiled_kernels()
-    out, lse = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)
+    out, lse = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw)
     torch.cuda.synchronize()
     assert hopper_attention.num_compiled_kernels() >= max(before, 1)
     assert not hopper_attention._FAILED
@@ -386,7 +378,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
     if causal:  # the persistent form against one program per tile: the same bits
         with monkeypatch.context() as m:
             m.setattr(hopper_attention, "CAUSAL_PERSISTENT_MAX_BLOCKS", 0)
-            tile_o, tile_l = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw)
+            tile_o, tile_l = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw)
         assert torch.equal(tile_o, out) and torch.equal(tile_l, lse)
     ref_o, ref_l = _attention_f64(q, k_joined, v, q_lens, k_lens, causal, scale)
     heads = [0, 5]
@@ -397,7 +389,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
     assert ((got_o - ref_o).norm() / ref_o.norm()) <= 1e-2
     empty = torch.isneginf(ref_l)
     assert (got_o[empty] == 0).all()  # no keys: out = 0, lse = -inf
-    tri = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw,
+    tri = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw,
                            config=default_config(causal=causal, max_seqlen_q=max(q_lens)))
     assert torch.allclose(lse, tri[1], atol=1e-4, rtol=0)
     assert torch.allclose(out.float(), tri[0].float(), atol=2e-2, rtol=2e-2)
@@ -408,7 +400,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
     runs = []
     for _ in range(3):
         state = (base_o.clone(), base_l.clone())
-        varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw, state=state)
+        varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw, state=state)
         runs.append(state)
     assert torch.allclose(runs[0][1], ref_ml, atol=1e-5)
     assert torch.allclose(runs[0][0].float(), ref_mo.float(), atol=1e-2, rtol=1e-2)
@@ -419,7 +411,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
         # a dense rectangle (sequence 2: queries [0, 1024) x keys [0, 4096)) left out: those
         # rows see keys [4096, 8192) only, the others everything
         s2q, s2k = sum(q_lens[:2]), sum(k_lens[:2])
-        d_out, d_lse = varlen_attention(q, k, v, cu(q_lens), cu(k_lens), **kw,
+        d_out, d_lse = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), **kw,
                                         dense=((2, 3, 1024, 4096),))
         part_o, part_l = _attention_f64(q[s2q:s2q + 1024], k_joined[s2k + 4096:s2k + 8192],
                                         v[s2k + 4096:s2k + 8192], [1024], [4096], False, scale)
@@ -438,7 +430,7 @@ def test_hopper_kernel_is_the_default_and_matches_f64_and_triton(causal, q_max, 
         kv_bad[sum(k_lens[:bad_seq]), 3, NOPE + 5] = float("nan")
         k_bad = kv_bad[..., :NOPE] if keys == "split" else torch.cat(
             [kv_bad[..., :NOPE], k_pe[:, None].expand(-1, h, -1)], -1)
-        bad_o, bad_l = varlen_attention(q, k_bad, kv_bad[..., NOPE:], cu(q_lens), cu(k_lens),
+        bad_o, bad_l = varlen_attention(q, k_bad, kv_bad[..., NOPE:], _cu(q_lens), _cu(k_lens),
                                         **kw)
         rows = slice(sum(q_lens[:bad_seq]), sum(q_lens[:bad_seq + 1]))
         assert torch.isnan(bad_l[rows, 3]).all() and torch.isnan(bad_o[rows, 3, 5]).all()
@@ -565,8 +557,7 @@ def test_hybrid_rectangles_on_cudnn_match_reference(causal, lens):
         q_lens, k_lens, num_rects, nan_seq = [256, 256, 256, 1, 512], [4096] * 3 + [7, 4096], 2, 1
     k_lens = q_lens if causal else k_lens
     heads, qk = 8, NOPE + ROPE
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q, cu_k = _cu(q_lens, "cpu"), _cu(k_lens, "cpu")
     rects = dense_rectangles(cu_q.tolist(), cu_k.tolist(), num_heads=heads, causal=causal,
                              big_work=1)
     assert len(rects) == num_rects, rects
@@ -635,8 +626,7 @@ def test_triton_compiles_once_per_config_not_per_length():
     g = torch.Generator(device="cuda").manual_seed(5)
 
     def call(q_lens, k_lens, causal):
-        cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
-                           device="cuda") for x in (q_lens, k_lens)]
+        cu = [_cu(q_lens), _cu(k_lens)]
         q = torch.randn(sum(q_lens), 16, NOPE + ROPE, device="cuda", generator=g).bfloat16()
         k = torch.randn(sum(k_lens), 16, NOPE + ROPE, device="cuda", generator=g).bfloat16()
         v = torch.randn(sum(k_lens), 16, V, device="cuda", generator=g).bfloat16()
