@@ -44,6 +44,7 @@ TOPICS: list[tuple[str, str]] = [
     ("forward_host_profile", "Forward host profile"),
     ("forward_profile", "Forward profile"),
     ("upproj", "Up-projection"),
+    ("gather_gemm", "Gather fused into the up-projection (probe)"),
     ("audit_gpu", "Host-sync audit on the GPU"),
     ("joined_keys", "Joined keys"),
     ("fp8_attention", "FP8 context attention"),
@@ -441,6 +442,19 @@ def ex_tile_probe(d: dict) -> tuple[str, str]:
             "round"), "; ".join(cells)
 
 
+def ex_gather_gemm(d: dict) -> tuple[str, str]:
+    cells = []
+    for r in d["rows"]:
+        over = r["over_gather_mm_best"]
+        fused = min((v, k) for k, v in over.items() if k.startswith("fused"))
+        cells.append(f"{r['heads']}h {r['num_reqs']}x{r['rows_per_req']} rows: mm alone "
+                     f"{_f(over['mm'])}, best fused {_f(fused[0])} "
+                     f"({r['tflops_best'][fused[1]]:.0f} against "
+                     f"{r['tflops_best']['gather+mm']:.0f} TFLOP/s)")
+    return ("one iteration's gather + up-projection GEMM under graphs: time / (Triton gather + "
+            "cuBLAS)"), "; ".join(cells)
+
+
 def ex_prefix_sharing(d: dict) -> tuple[str, str]:
     rows = d["shapes"]["rows"]
     bound = [r["share_over_bound"] for r in rows]
@@ -469,6 +483,7 @@ EXTRACTORS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "triton_attention": ex_kernel_configs,
     "gluon_attention": ex_kernel_configs,
     "upproj": ex_upproj,
+    "gather_gemm": ex_gather_gemm,
     "joined_keys": ex_joined_keys,
     "determinism": ex_determinism,
     "audit_gpu": ex_audit_gpu,
