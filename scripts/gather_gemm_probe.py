@@ -37,6 +37,11 @@ SHAPES = [(16, 16, 4096), (16, 1, 65536), (128, 16, 4096), (128, 2, 32768), (16,
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
            (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
+# the persistent TMA GEMM on the gathered workspace: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
+# flatten the tile loop into the K loop (pipelined across tiles), store C in two halves)
+TMA_CONFIGS = [(128, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 4, True, True),
+               (128, 256, 64, 8, 3, False, True), (128, 256, 64, 8, 3, True, False),
+               (128, 128, 64, 4, 4, True, False), (256, 128, 64, 8, 3, True, True)]
 
 try:
     import triton
@@ -91,6 +96,51 @@ if HAS_TRITON:
             tl.store(rope_ptr + rows[:, None] * stride_r + r[None, :], x, mask=row_ok[:, None])
 
 
+    @triton.jit
+    def _tma_mm_kernel(a_desc, b_desc, c_desc, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr):
+        # c = a @ b.T, persistent: program p takes tiles p, p + NUM_PROGS, ... in grouped order
+        n_m = tl.cdiv(M, BLOCK_M)
+        n_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGS, flatten=FLATTEN):
+            first_m = (tile // (GROUP_M * n_n)) * GROUP_M
+            size_m = tl.minimum(n_m - first_m, GROUP_M)
+            pid_m = first_m + (tile % (GROUP_M * n_n)) % size_m
+            pid_n = (tile % (GROUP_M * n_n)) // size_m
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                b = b_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(a, b.T, acc)
+            if SPLIT:  # two half-width stores: half the staging buffer
+                halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1])
+                c0, c1 = tl.split(halves)
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c0.to(c_desc.dtype))
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2],
+                             c1.to(c_desc.dtype))
+            else:
+                c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def tma_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+           config: tuple[int, int, int, int, int, bool, bool], num_progs: int) -> torch.Tensor:
+    """``out = a @ w.T`` by the persistent TMA kernel; ``a [M, K]`` (rows 16-byte aligned),
+    ``w [N, K]``, ``out [M, N]`` contiguous."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bm, bn, bk, warps, stages, flatten, split = config
+    m, k = a.shape
+    n = w.shape[0]
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn // 2 if split else bn])
+    progs = min(num_progs, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    _tma_mm_kernel[(progs,)](a_desc, b_desc, c_desc, m, n, K=k, BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=bk, GROUP_M=8, NUM_PROGS=progs, FLATTEN=flatten,
+                             SPLIT=split, num_warps=warps, num_stages=stages)
+    return out
+
+
 def fused(cache: torch.Tensor, w: torch.Tensor, block_table: torch.Tensor, cu: torch.Tensor,
           starts: torch.Tensor, out: torch.Tensor, rope: torch.Tensor, num_rows: int,
           config: tuple[int, int, int, int, int]) -> torch.Tensor:
@@ -143,6 +193,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gather_gemm_probe.json"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="fused,tma",
+                    help="comma list: fused (gather inside the GEMM), tma (persistent TMA GEMM "
+                         "on the gathered rows, timed against cuBLAS's mm alone)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check the setup against float64 with torch only (no GPU, no timing)")
     args = ap.parse_args()
@@ -163,6 +216,8 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _common import kernel_ms
     from mlaprefill.kernels.gather import gather_context_rows
+    wanted = set(args.variants.split(","))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out_rows = []
     for heads, reqs, per in SHAPES:
         c = make_case(heads, reqs, per, "cuda")
@@ -192,7 +247,7 @@ def main() -> int:
                "max_err_vs_float64_sample": {"gather+mm": base_err}, "graph_ms": {},
                "max_abs_diff_vs_gather_mm": {}, "rope_equal": {}}
         variants = {"gather+mm": gather_mm, "mm": mm}
-        for cfg in CONFIGS:
+        for cfg in CONFIGS if "fused" in wanted else []:
             name = "fused " + "x".join(map(str, cfg))
 
             def run(c=c, w=w, kv_f=kv_f, rope_f=rope_f, n=n, cfg=cfg):
@@ -210,6 +265,22 @@ def main() -> int:
             row["max_err_vs_float64_sample"][name] = (
                 kv_f[sample.cuda()].double().cpu() - ref_kv).abs().max().item()
             variants[name] = run
+        for cfg in TMA_CONFIGS if "tma" in wanted else []:
+            name = "tma " + "x".join(str(int(v)) for v in cfg)
+
+            def run_tma(ws=ws, w=w, kv_f=kv_f, cfg=cfg, sms=sms):
+                tma_mm(ws[:, :RANK], w, kv_f, cfg, sms)
+            try:
+                kv_f.fill_(float("nan"))
+                run_tma()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a config that does not build (shared memory): recorded
+                row.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            row["max_abs_diff_vs_gather_mm"][name] = (kv_f.float() - kv.float()).abs().max().item()
+            row["max_err_vs_float64_sample"][name] = (
+                kv_f[sample.cuda()].double().cpu() - ref_kv).abs().max().item()
+            variants[name] = run_tma
         for _ in range(args.rounds):
             for name, fn in variants.items():
                 row["graph_ms"].setdefault(name, []).append(
@@ -217,9 +288,11 @@ def main() -> int:
         best = {k: min(v) for k, v in row["graph_ms"].items()}
         row["tflops_best"] = {k: flops / (t * 1e9) for k, t in best.items()}
         row["over_gather_mm_best"] = {k: t / best["gather+mm"] for k, t in best.items()}
+        row["over_mm_best"] = {k: t / best["mm"] for k, t in best.items()}
         print(f"H={heads} {reqs}x{per} rows: " + ", ".join(
             f"{k} {t:.3f} ms ({row['tflops_best'][k]:.0f} TF/s, "
-            f"{row['over_gather_mm_best'][k]:.3f}x)" for k, t in best.items()), flush=True)
+            f"{row['over_gather_mm_best'][k]:.3f}x gather+mm, {row['over_mm_best'][k]:.3f}x mm)"
+            for k, t in best.items()), flush=True)
         print(f"  errors vs float64 (sample): {row['max_err_vs_float64_sample']}; "
               f"rope equal {row['rope_equal']}; failed {list(row.get('failed', {}))}",
               flush=True)
@@ -228,7 +301,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     doc = {"benchmark": "gather_gemm_probe", "argv": sys.argv,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "configs": CONFIGS, "rows": out_rows}
+           "triton": triton.__version__, "variants": sorted(wanted),
+           "configs": CONFIGS if "fused" in wanted else [],
+           "tma_configs": TMA_CONFIGS if "tma" in wanted else [], "rows": out_rows}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
