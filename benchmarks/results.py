@@ -96,8 +96,10 @@ def meta(d: dict) -> dict[str, str]:
     m = re.search(r"\bcommit ([0-9a-f]{7,40})\b", rc)
     commit = m.group(1) if m else ""
     mach = d.get("machine") if isinstance(d.get("machine"), dict) else {}
-    m = re.search(r"lent (nvidia-h200(?:-x\d)?)", rc)
+    m = re.search(r"lent (nvidia-h[12]00(?:-x\d)?)", rc)
     gpu = mach.get("device_name") or mach.get("gpu") or ""
+    if not gpu and isinstance(d.get("device"), str):
+        gpu = d["device"]
     machine = (m.group(1) + (f" ({gpu})" if gpu else "")) if m else gpu
     date = _date(d.get("date_utc") or d.get("date") or "")
     return {"command": cmd, "machine": machine, "date": date, "commit": commit}
@@ -445,14 +447,20 @@ def ex_tile_probe(d: dict) -> tuple[str, str]:
 def ex_gather_gemm(d: dict) -> tuple[str, str]:
     cells = []
     for r in d["rows"]:
-        over = r["over_gather_mm_best"]
-        fused = min((v, k) for k, v in over.items() if k.startswith("fused"))
-        cells.append(f"{r['heads']}h {r['num_reqs']}x{r['rows_per_req']} rows: mm alone "
-                     f"{_f(over['mm'])}, best fused {_f(fused[0])} "
-                     f"({r['tflops_best'][fused[1]]:.0f} against "
-                     f"{r['tflops_best']['gather+mm']:.0f} TFLOP/s)")
-    return ("one iteration's gather + up-projection GEMM under graphs: time / (Triton gather + "
-            "cuBLAS)"), "; ".join(cells)
+        tf = r["tflops_best"]
+        parts = []
+        for prefix, base, ratios in (("fused", "gather+mm", r["over_gather_mm_best"]),
+                                     ("tma", "mm", r.get("over_mm_best", {}))):
+            got = [(v, k) for k, v in ratios.items() if k.startswith(prefix)]
+            if got:
+                best, name = min(got)
+                parts.append(f"best {prefix} {_f(best)}x {base} ({tf[name]:.0f} against "
+                             f"{tf[base]:.0f} TFLOP/s)")
+        cells.append(f"{r['heads']}h {r['num_reqs']}x{r['rows_per_req']} rows: gather+mm "
+                     f"{_f(r['over_gather_mm_best']['mm'] ** -1)}x mm; " + ", ".join(parts))
+    return ("one iteration's gather + up-projection GEMM under graphs: a GEMM reading the paged "
+            "cache (fused) against gather + cuBLAS, a persistent TMA GEMM (tma) against cuBLAS"
+            ), "; ".join(cells)
 
 
 def ex_prefix_sharing(d: dict) -> tuple[str, str]:
