@@ -247,40 +247,36 @@ def main() -> int:
                "max_err_vs_float64_sample": {"gather+mm": base_err}, "graph_ms": {},
                "max_abs_diff_vs_gather_mm": {}, "rope_equal": {}}
         variants = {"gather+mm": gather_mm, "mm": mm}
+
+        def add(name, fn, row=row, kv=kv, kv_f=kv_f, sample=sample, ref_kv=ref_kv,
+                variants=variants):
+            # run once into a NaN-filled output, record its errors, keep it for timing
+            try:
+                kv_f.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a config that does not build (shared memory): recorded
+                row.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+                return False
+            row["max_abs_diff_vs_gather_mm"][name] = (kv_f.float() - kv.float()).abs().max().item()
+            row["max_err_vs_float64_sample"][name] = (
+                kv_f[sample.cuda()].double().cpu() - ref_kv).abs().max().item()
+            variants[name] = fn
+            return True
+
         for cfg in CONFIGS if "fused" in wanted else []:
             name = "fused " + "x".join(map(str, cfg))
 
             def run(c=c, w=w, kv_f=kv_f, rope_f=rope_f, n=n, cfg=cfg):
                 fused(c["cache"], w, c["block_table"], c["cu"], c["starts"], kv_f, rope_f, n,
                       cfg)
-            try:
-                kv_f.fill_(float("nan"))
-                run()
-                torch.cuda.synchronize()
-            except Exception as exc:  # a config that does not build (shared memory): recorded
-                row.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
-                continue
-            row["max_abs_diff_vs_gather_mm"][name] = (kv_f.float() - kv.float()).abs().max().item()
-            row["rope_equal"][name] = bool(torch.equal(rope_f, ws[:, RANK:]))
-            row["max_err_vs_float64_sample"][name] = (
-                kv_f[sample.cuda()].double().cpu() - ref_kv).abs().max().item()
-            variants[name] = run
+            if add(name, run):
+                row["rope_equal"][name] = bool(torch.equal(rope_f, ws[:, RANK:]))
         for cfg in TMA_CONFIGS if "tma" in wanted else []:
-            name = "tma " + "x".join(str(int(v)) for v in cfg)
 
             def run_tma(ws=ws, w=w, kv_f=kv_f, cfg=cfg, sms=sms):
                 tma_mm(ws[:, :RANK], w, kv_f, cfg, sms)
-            try:
-                kv_f.fill_(float("nan"))
-                run_tma()
-                torch.cuda.synchronize()
-            except Exception as exc:  # a config that does not build (shared memory): recorded
-                row.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
-                continue
-            row["max_abs_diff_vs_gather_mm"][name] = (kv_f.float() - kv.float()).abs().max().item()
-            row["max_err_vs_float64_sample"][name] = (
-                kv_f[sample.cuda()].double().cpu() - ref_kv).abs().max().item()
-            variants[name] = run_tma
+            add("tma " + "x".join(str(int(v)) for v in cfg), run_tma)
         for _ in range(args.rounds):
             for name, fn in variants.items():
                 row["graph_ms"].setdefault(name, []).append(

@@ -136,3 +136,14 @@ def test_every_script_has_a_cpu_smoke_mode() -> None:
     # results.py writes docs/RESULTS.md and is no benchmark: test_results_doc.py runs its --check
     scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - {"results.py"}
     assert scripts == set(SMOKE), f"scripts without a --cpu-smoke test: {scripts - set(SMOKE)}"
+
+
+def test_gather_gemm_probe_cpu_smoke_checks_its_setup_against_float64() -> None:
+    """scripts/gather_gemm_probe.py --cpu-smoke: its paged cache, shuffled block table and
+    unaligned piece starts, gathered by the library's torch path, against float64 indexing (exit
+    0 only when they agree), so a stale call fails here rather than on the GPU."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gather_gemm_probe.py"),
+                           "--cpu-smoke"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rope equal True" in proc.stdout
