@@ -51,6 +51,7 @@ except ImportError:
     HAS_TRITON = False
 
 if HAS_TRITON:
+    from mlaprefill.kernels.gather import _row_requests
 
     @triton.jit
     def _fused_kernel(cache_ptr, w_ptr, out_ptr, rope_ptr, block_table_ptr, cu_ptr, starts_ptr,
@@ -69,13 +70,7 @@ if HAS_TRITON:
         pid_n = (pid % (GROUP_M * n_n)) // size_m
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
-        # each row's request: the largest r with cu[r] <= row (the gather kernel's search)
-        req = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for k in tl.static_range(LOG2_REQS):
-            cand = req + (1 << (LOG2_REQS - 1 - k))
-            ok = row_ok & (cand < num_reqs)
-            off = tl.load(cu_ptr + cand, mask=ok, other=0)
-            req = tl.where(ok & (off <= rows), cand, req)
+        req = _row_requests(cu_ptr, rows, row_ok, num_reqs, LOG2_REQS)  # the gather's search
         pos = (tl.load(starts_ptr + req, mask=row_ok, other=0).to(tl.int64) + rows
                - tl.load(cu_ptr + req, mask=row_ok, other=0).to(tl.int64))
         block = tl.load(block_table_ptr + req.to(tl.int64) * stride_bt + pos // PAGE_SIZE,

@@ -43,6 +43,21 @@ __all__ = ["gather_context_records", "gather_context_rows", "gather_context_rows
 if HAS_TRITON:
 
     @triton.jit
+    def _row_requests(cu_seq_lens_ptr, rows, row_mask, num_reqs, LOG2_REQS: tl.constexpr):
+        """The request of each workspace row (int32, 0 where ``row_mask`` is off): the largest
+        r in [0, num_reqs) with cu_seq_lens[r] <= row (binary lifting: cu_seq_lens is
+        non-decreasing, cu_seq_lens[0] = 0; ``LOG2_REQS = ceil(log2(num_reqs))`` steps).
+        Requests with an empty piece share their offset with the next one, so the largest such
+        r is the one whose piece holds the row."""
+        req = tl.zeros(rows.shape, dtype=tl.int32)
+        for k in tl.static_range(LOG2_REQS):
+            cand = req + (1 << (LOG2_REQS - 1 - k))
+            ok = row_mask & (cand < num_reqs)
+            off = tl.load(cu_seq_lens_ptr + cand, mask=ok, other=0)
+            req = tl.where(ok & (off <= rows), cand, req)
+        return req
+
+    @triton.jit
     def _gather_tile(kv_cache_ptr, scales_ptr, workspace_ptr, src, dst, d0, cols, bad, row_mask,
                      load_mask, scale, out_ty: tl.constexpr, FORMAT: tl.constexpr,
                      BYTES: tl.constexpr):
@@ -92,15 +107,7 @@ if HAS_TRITON:
         if pid.to(tl.int64) * BLOCK_ROWS >= total:
             return  # a launch over a capacity (num_rows) far past this iteration's rows
         row_mask = (rows < num_rows) & (rows < total)
-        # Largest r in [0, num_reqs) with cu_seq_lens[r] <= row (binary lifting: cu_seq_lens is
-        # non-decreasing, cu_seq_lens[0] = 0). Requests with an empty piece share their offset
-        # with the next one, so the largest such r is the one whose piece holds the row.
-        req = tl.zeros([BLOCK_ROWS], dtype=tl.int32)
-        for k in tl.static_range(LOG2_REQS):
-            cand = req + (1 << (LOG2_REQS - 1 - k))
-            ok = row_mask & (cand < num_reqs)
-            off = tl.load(cu_seq_lens_ptr + cand, mask=ok, other=0)
-            req = tl.where(ok & (off <= rows), cand, req)
+        req = _row_requests(cu_seq_lens_ptr, rows, row_mask, num_reqs, LOG2_REQS)
         start = tl.load(chunk_starts_ptr + req, mask=row_mask, other=0).to(tl.int64)
         first_row = tl.load(cu_seq_lens_ptr + req, mask=row_mask, other=0).to(tl.int64)
         pos = start + rows - first_row
