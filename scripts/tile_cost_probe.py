@@ -4,17 +4,20 @@
 Variants, each written from the current kernel source (an edit that no longer applies stops the
 script, naming it):
 
-* ``mask0``: every tile's first key block softmaxed under its mask, also where all its rows see
-  that block whole (the kernel before that test);
-* ``mask0_single``: the 64-row form's first block unmasked too where its rows see it whole.
+* ``qsmem``: the scores' Q operand read from shared memory in every form (the kernel before
+  ``Q_REG``: the 64-key forms now hold Q in registers);
+* ``qreg_all``: Q in registers in the 128-key forms too (context and long causal parts);
+* ``qearly``: with Q in registers, the next tile's Q loaded as soon as this tile's is in
+  registers, not after the key loop.
 
 The script checks each variant's outputs against the kernel's bit for bit. Earlier variants and
 their times are in benchmarks/results/tile_*.json and in git history (O stored from the MMA
-layout; O not stored; no masks; O by TMA store with a 3-deep narrow ring, commit 56485b4).
+layout; O not stored; no masks; O by TMA store with a 3-deep narrow ring, commit 56485b4;
+the first key block masked, commit d1116c8).
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
-    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_mask0 builds one)
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_qsmem builds one)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ KERNEL = ROOT / "src" / "mlaprefill" / "kernels" / "hopper_attention.py"
 # (heads, sequences, queries per sequence, keys per sequence, causal)
 SHAPES = [(128, 4, 1024, 1024, True), (128, 4, 1000, 1000, True), (16, 4, 1024, 1024, True),
           (128, 8, 512, 512, True), (16, 8, 600, 600, True), (128, 16, 256, 256, True),
-          (128, 1, 4096, 4096, True)]
+          (128, 1, 4096, 4096, True), (16, 4, 1024, 32768, False)]
 
 
 def _lines(*rows: tuple[int, str]) -> str:
@@ -38,14 +41,23 @@ def _lines(*rows: tuple[int, str]) -> str:
     return "\n".join(" " * n + text for n, text in rows)
 
 
-_MASK0 = _lines((12, "if BLOCK_M == 128 and b_lo < n_free:"),
-                (16, "p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, "
-                     "kv_end,"), (42, "False, CAUSAL, BLOCK_N)"))
+_QREG = _lines((8, "Q_REG: gl.constexpr = BLOCK_N == 64"))
+_QLOAD = _lines((16, "q2 = q2w.load(qa_layout)"))
+_QLATE = _lines((12, "if Q_TMA:  # every warp's scores are done: the Q buffer takes the next "
+                     "tile's"))
+_QEARLY = _QLOAD + "\n" + _lines(
+    (16, "if Q_TMA:  # the buffer is free now: the next tile's Q"),
+    (20, "gl.thread_barrier()"),
+    (20, "fence_async_shared()"),
+    (20, "nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,"),
+    (55, "n_m, num_seqs, num_heads, n_tiles, stride_qh,"),
+    (55, "WG, BLOCK_M, D1, D2)"))
 
 EDITS: dict[str, list[tuple[str, str]]] = {
-    "mask0": [(_MASK0, _MASK0.replace("BLOCK_M == 128 and b_lo < n_free", "False"))],
-    "mask0_single": [(_MASK0, _MASK0.replace("BLOCK_M == 128 and b_lo < n_free",
-                                             "b_lo < n_free"))],
+    "qsmem": [(_QREG, _QREG.replace("BLOCK_N == 64", "False"))],
+    "qreg_all": [(_QREG, _QREG.replace("BLOCK_N == 64", "True"))],
+    "qearly": [(_QLOAD, _QEARLY),
+               (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
 
 

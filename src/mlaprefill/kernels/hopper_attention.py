@@ -460,6 +460,7 @@ if HAS_GLUON:
         q1w = q1_s.index(WG)
         q2w = q2_s.index(WG)
         Q_TMA: gl.constexpr = CAUSAL and PERSISTENT
+        Q_REG: gl.constexpr = BLOCK_N == 64
         if Q_TMA:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if valid:  # _load_q issued this tile's Q (before the loop or in the previous tile)
                 mbarrier.wait(q_bar, nq & 1)
@@ -481,6 +482,14 @@ if HAS_GLUON:
                 fence_async_shared()  # generic-proxy stores before the wgmma read them
                 gl.thread_barrier()  # this partition's warps only
 
+            if Q_REG:  # Q as the scores' A operand from registers (_form_consts)
+                qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,
+                                                              k_width=2)
+                q1 = q1w.load(qa_layout)
+                q2 = q2w.load(qa_layout)
+            else:
+                q1 = q1w
+                q2 = q2w
             offs_m = r0 + gl.arange(0, WM, layout=gl.SliceLayout(1, s_layout))
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([WM, BLOCK_N], gl.float32, s_layout)
@@ -502,7 +511,7 @@ if HAS_GLUON:
             # block whole), then [1, free) without a mask (blocks below n_free, every row sees
             # them whole), then the masked rest; the last iteration's PV product after the loop.
             # (The 64-row form ran 1-1.5 % slower with its first block unmasked: H100 A/B.)
-            t = _scores(q1w, q2w, k_s, r_s, kr_ready, it0, s_zero, STAGES)
+            t = _scores(q1, q2, k_s, r_s, kr_ready, it0, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
             mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
             if BLOCK_M == 128 and b_lo < n_free:
@@ -513,11 +522,11 @@ if HAS_GLUON:
                                           True, CAUSAL, BLOCK_N)
             p = gl.convert_layout(p.to(dtype), p_layout)
             free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_mine)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1w, q2w, k_s,
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1, q2, k_s,
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, False,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_mine, it0, b_lo, q1w, q2w,
+            acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, free, n_mine, it0, b_lo, q1, q2,
                                            k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
