@@ -133,13 +133,19 @@ def main() -> int:
                 + f"; equal {row['bitwise_equal_base']}", flush=True)
             rows.append(row)
             x = outs = None
+            failed = _write(args.out, variants, rows)  # after every shape: a cut run keeps them
     finally:
         att.hopper_attention = base
-    failed = {n: dict(m._FAILED) for n, m in variants if m._FAILED}
-    args.out.write_text(json.dumps({"benchmark": "tile_cost_probe", "argv": sys.argv,
-                                    "failed_builds": failed, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}; failed builds: {failed or 'none'}")
     return 0
+
+
+def _write(out: Path, variants: list, rows: list[dict]) -> dict:
+    """The JSON so far; returns the variants' failed builds."""
+    failed = {n: dict(m._FAILED) for n, m in variants if m._FAILED}
+    out.write_text(json.dumps({"benchmark": "tile_cost_probe", "argv": sys.argv,
+                               "failed_builds": failed, "rows": rows}, indent=1) + "\n")
+    return failed
 
 
 if __name__ == "__main__":
