@@ -89,6 +89,10 @@ parts 1.02-1.08x -> 0.89-0.98x cuDNN's time; the constant's comment). They run p
 one 64-row program per tile left NaN in a few rows' outputs (H200, cause not found), so the
 one-program-per-tile comparison form runs those parts with 128 rows and 64-key blocks.
 
+Causal forms read Q from registers for the scores (``Q_REG`` in _consumer_tile: 128-head
+1000-1024-query causal parts 1.00-1.02x -> 0.96-0.99x cuDNN's time on an H100); context parts,
+slower so, keep it in shared memory.
+
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
 at the first causal call; lengths come from ``cu_seqlens``.
 """
@@ -460,7 +464,16 @@ if HAS_GLUON:
         q1w = q1_s.index(WG)
         q2w = q2_s.index(WG)
         Q_TMA: gl.constexpr = CAUSAL and PERSISTENT
-        Q_REG: gl.constexpr = BLOCK_N == 64
+        # Causal forms hold Q in registers (48 per thread) as the scores' A operand, read once
+        # per tile from its buffer: from shared memory, a wgmma with 64-key blocks reads as many
+        # bytes of Q as of K, at the SM's shared-memory rate. A/B under graphs, cuDNN in the same
+        # run, outputs bitwise equal (tile_ab_qreg_h100.json, H100): 128 heads 4 x 1024 causal
+        # 1.00-1.02x -> 0.96-0.97x cuDNN's time, 4 x 1000 1.00-1.01x -> 0.97-0.99x, 8 x 512
+        # 1.03x -> 1.00-1.01x, 16 x 256 1.06-1.08x -> 1.02-1.04x, 1 x 4096 (128-key blocks)
+        # 0.92-0.94x -> 0.91x, 16 heads 4 x 1024 0.90-0.92x -> 0.88-0.89x, 8 x 600 1.06-1.08x
+        # both; a context part (16 heads 4 x 1024 over 32768) 0.89-0.91x -> 1.01-1.04x, so
+        # context parts keep Q in shared memory.
+        Q_REG: gl.constexpr = CAUSAL
         if Q_TMA:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if valid:  # _load_q issued this tile's Q (before the loop or in the previous tile)
                 mbarrier.wait(q_bar, nq & 1)
@@ -482,7 +495,7 @@ if HAS_GLUON:
                 fence_async_shared()  # generic-proxy stores before the wgmma read them
                 gl.thread_barrier()  # this partition's warps only
 
-            if Q_REG:  # Q as the scores' A operand from registers (_form_consts)
+            if Q_REG:  # Q as the scores' A operand from registers (Q_REG above)
                 qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,
                                                               k_width=2)
                 q1 = q1w.load(qa_layout)
