@@ -5,8 +5,8 @@ Variants, each written from the current kernel source (an edit that no longer ap
 script, naming it):
 
 * ``qsmem``: the scores' Q operand read from shared memory in every form (the kernel before
-  ``Q_REG``: the 64-key forms now hold Q in registers);
-* ``qreg_all``: Q in registers in the 128-key forms too (context and long causal parts);
+  ``Q_REG``: causal forms now hold Q in registers);
+* ``qreg_all``: Q in registers in the context form too;
 * ``qearly``: with Q in registers, the next tile's Q loaded as soon as this tile's is in
   registers, not after the key loop.
 
@@ -41,7 +41,7 @@ def _lines(*rows: tuple[int, str]) -> str:
     return "\n".join(" " * n + text for n, text in rows)
 
 
-_QREG = _lines((8, "Q_REG: gl.constexpr = BLOCK_N == 64"))
+_QREG = _lines((8, "Q_REG: gl.constexpr = CAUSAL"))
 _QLOAD = _lines((16, "q2 = q2w.load(qa_layout)"))
 _QLATE = _lines((12, "if Q_TMA:  # every warp's scores are done: the Q buffer takes the next "
                      "tile's"))
@@ -54,8 +54,8 @@ _QEARLY = _QLOAD + "\n" + _lines(
     (55, "WG, BLOCK_M, D1, D2)"))
 
 EDITS: dict[str, list[tuple[str, str]]] = {
-    "qsmem": [(_QREG, _QREG.replace("BLOCK_N == 64", "False"))],
-    "qreg_all": [(_QREG, _QREG.replace("BLOCK_N == 64", "True"))],
+    "qsmem": [(_QREG, _QREG.replace("CAUSAL", "False"))],
+    "qreg_all": [(_QREG, _QREG.replace("CAUSAL", "True"))],
     "qearly": [(_QLOAD, _QEARLY),
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
