@@ -470,8 +470,8 @@ if HAS_GLUON:
         # run, outputs bitwise equal (tile_ab_qreg_h100.json, H100): 128 heads 4 x 1024 causal
         # 1.00-1.02x -> 0.96-0.97x cuDNN's time, 4 x 1000 1.00-1.01x -> 0.97-0.99x, 8 x 512
         # 1.03x -> 1.00-1.01x, 16 x 256 1.06-1.08x -> 1.02-1.04x, 1 x 4096 (128-key blocks)
-        # 0.92-0.94x -> 0.91x, 16 heads 4 x 1024 0.90-0.92x -> 0.88-0.89x, 8 x 600 1.06-1.08x
-        # both; a context part (16 heads 4 x 1024 over 32768) 0.89-0.91x -> 1.01-1.04x, so
+        # 0.92-0.94x -> 0.91x, 16 heads 4 x 1024 0.90-0.92x -> 0.88-0.90x, 8 x 600 1.06-1.08x
+        # both; a context part (16 heads 4 x 1024 over 32768) 0.88-0.91x -> 1.01-1.04x, so
         # context parts keep Q in shared memory.
         Q_REG: gl.constexpr = CAUSAL
         if Q_TMA:  # noqa: SIM102 (a compile-time branch around a run-time one)
