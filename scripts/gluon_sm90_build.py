@@ -60,7 +60,9 @@ def main() -> int:
     wide = (mod.BLOCK_M, mod.BLOCK_N, mod.STAGES)
     narrow = (mod.BLOCK_M, *getattr(mod, "_NARROW", wide[1:]))  # where the module has them
     single = getattr(mod, "_SINGLE", narrow)
-    forms = [(False, True, *wide), (False, False, *wide)]
+    # (context parts run the wide form; the narrow one too for an A/B of their key-block size)
+    forms = [(False, True, *shape) for shape in dict.fromkeys([wide, narrow])]
+    forms += [(False, False, *wide)]
     forms += [(True, p, *shape) for shape in dict.fromkeys([single, narrow, wide])
               for p in (True, False)]
     for causal, persistent, block_m, block_n, stages in forms:

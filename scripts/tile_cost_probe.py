@@ -1,14 +1,19 @@
-"""Where a short causal part's time goes in the Gluon kernel, and A/B of its forms: variants of
+"""Where the Gluon kernel's time goes, and A/B of its forms: variants of
 ``mlaprefill.kernels.hopper_attention``, timed under CUDA graphs beside cuDNN in one process.
 
 Variants, each written from the current kernel source (an edit that no longer applies stops the
-script, naming it):
+script, naming it), each run on the parts it changes (``causal``, ``context``):
 
-* ``qsmem``: the scores' Q operand read from shared memory in every form (the kernel before
-  ``Q_REG``: causal forms now hold Q in registers);
-* ``qreg_all``: Q in registers in the context form too;
-* ``qearly``: with Q in registers, the next tile's Q loaded as soon as this tile's is in
-  registers, not after the key loop.
+* ``seqslow``: tiles ordered with the sequence slowest, not the head, so that the programs running
+  at once read neighbouring heads of the same token rows (causal and context);
+* ``single4``: causal parts of up to 512 queries in the 64-row form, two programs to an SM (up to
+  256 now);
+* ``grid_even``: a context part's persistent grid cut to the fewest programs that keep its number
+  of rounds (128 rather than 132 for 4096 tiles), every program the same tile count;
+* ``ctx_narrow``: context parts in 64-key blocks with a 4-deep ring (the narrow causal form's);
+* ``qsmem`` / ``qreg_all`` / ``qearly`` (only with ``--variants``): the scores' Q operand from
+  shared memory in every form (the kernel before ``Q_REG``); Q in registers in the context form
+  too; with Q in registers, the next tile's Q loaded as soon as this tile's is in registers.
 
 The script checks each variant's outputs against the kernel's bit for bit. Earlier variants and
 their times are in benchmarks/results/tile_*.json and in git history (O stored from the MMA
@@ -17,7 +22,7 @@ the first key block masked, commit d1116c8).
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
-    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_qsmem builds one)
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_seqslow builds one)
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ KERNEL = ROOT / "src" / "mlaprefill" / "kernels" / "hopper_attention.py"
 # (heads, sequences, queries per sequence, keys per sequence, causal)
 SHAPES = [(128, 4, 1024, 1024, True), (128, 4, 1000, 1000, True), (16, 4, 1024, 1024, True),
           (128, 8, 512, 512, True), (16, 8, 600, 600, True), (128, 16, 256, 256, True),
-          (128, 1, 4096, 4096, True), (16, 4, 1024, 32768, False)]
+          (16, 16, 256, 256, True), (128, 1, 4096, 4096, True),
+          (16, 4, 1024, 32768, False), (128, 4, 1024, 32768, False),
+          (128, 16, 256, 8192, False), (16, 16, 256, 8192, False),
+          (128, 1, 4096, 131072, False)]
 
 
 def _lines(*rows: tuple[int, str]) -> str:
@@ -52,21 +60,52 @@ _QEARLY = _QLOAD + "\n" + _lines(
     (20, "nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,"),
     (55, "n_m, num_seqs, num_heads, n_tiles, stride_qh,"),
     (55, "WG, BLOCK_M, D1, D2)"))
+# the two tile orders of _decode (causal pair units; context and one-tile-per-program tiles)
+_PAIR_ORDER = _lines((12, "seq = (u // n_pairs) % num_seqs"),
+                     (12, "head = u // (n_pairs * num_seqs)"))
+_PAIR_SEQSLOW = _lines((12, "head = (u // n_pairs) % num_heads"),
+                       (12, "seq = (u // (n_pairs * num_heads)) % num_seqs"))
+_PAIR_VALID = "valid = (head < num_heads) & (heavy | (n_m - 1 - j != j))"
+_TILE_ORDER = _lines((12, "seq = (t // n_m) % num_seqs"),
+                     (12, "head = t // (n_m * num_seqs)"))
+_TILE_SEQSLOW = _lines((12, "head = (t // n_m) % num_heads"),
+                       (12, "seq = (t // (n_m * num_heads)) % num_seqs"))
+_TILE_VALID = "valid = head < num_heads  # true for t < n_tiles: the loops stop there"
+_GRID = "grid = (max(1, min(n_tiles, _num_sms(q.device))),)"
+_CTX_FORM = "else (True, BLOCK_M, BLOCK_N, STAGES))"
 
+# name -> (edits (old, new), the parts it changes: "causal", "context")
 EDITS: dict[str, list[tuple[str, str]]] = {
+    "seqslow": [(_PAIR_ORDER, _PAIR_SEQSLOW),
+                (_PAIR_VALID, _PAIR_VALID.replace("head < num_heads",
+                                                  "u < n_pairs * num_heads * num_seqs")),
+                (_TILE_ORDER, _TILE_SEQSLOW),
+                (_TILE_VALID, _TILE_VALID.replace("head < num_heads",
+                                                  "t < n_m * num_heads * num_seqs"))],
+    "single4": [("CAUSAL_SINGLE_MAX_BLOCKS = 2", "CAUSAL_SINGLE_MAX_BLOCKS = 4")],
+    "grid_even": [(_GRID, _GRID.replace("min(n_tiles, _num_sms(q.device))",
+                                        "cdiv(n_tiles, cdiv(n_tiles, _num_sms(q.device)))"))],
+    "ctx_narrow": [(_CTX_FORM, "else (True, BLOCK_M, *_NARROW))")],
     "qsmem": [(_QREG, _QREG.replace("CAUSAL", "False"))],
     "qreg_all": [(_QREG, _QREG.replace("CAUSAL", "True"))],
     "qearly": [(_QLOAD, _QEARLY),
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
+PARTS = {"seqslow": ("causal", "context"), "single4": ("causal",), "grid_even": ("context",),
+         "ctx_narrow": ("context",), "qsmem": ("causal",), "qreg_all": ("context",),
+         "qearly": ("causal",)}
+DEFAULT_VARIANTS = ("seqslow", "single4", "grid_even", "ctx_narrow")
 
 
-def write_variants(out_dir: Path) -> list[str]:
-    """Write hv_<name>.py for every variant into out_dir; returns the module names."""
+def write_variants(out_dir: Path, only: tuple[str, ...] | None = None) -> list[str]:
+    """Write hv_<name>.py for every variant (or those in ``only``) into out_dir; returns the
+    module names."""
     src = KERNEL.read_text()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
     for name, edits in EDITS.items():
+        if only is not None and name not in only:
+            continue
         text = src
         for old, new in edits:
             if text.count(old) != 1:
@@ -83,9 +122,17 @@ def main() -> int:
     ap.add_argument("--write", type=Path, help="only write the variant modules here")
     ap.add_argument("--out", type=Path, default=Path("tile_cost_probe.json"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, of {', '.join(EDITS)}")
+    ap.add_argument("--parts", choices=("causal", "context", "all"), default="all",
+                    help="which of the shapes to run")
     args = ap.parse_args()
+    only = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in only if v not in EDITS]
+    if unknown:
+        raise SystemExit(f"--variants: {', '.join(unknown)} not among {', '.join(EDITS)}")
     if args.write:
-        print(" ".join(write_variants(args.write)))
+        print(" ".join(write_variants(args.write, only)))
         return 0
     import tempfile
 
@@ -102,10 +149,14 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tile_cost_probe_"))
     sys.path.insert(0, str(tmp))
     variants = [("base", base)] + [(n[3:], importlib.import_module(n))
-                                   for n in write_variants(tmp)]
+                                   for n in write_variants(tmp, only)]
     rows = []
     try:
         for heads, seqs, q_len, k_len, causal in SHAPES:
+            part = "causal" if causal else "context"
+            if args.parts not in (part, "all"):
+                continue
+            mine = [(n, m) for n, m in variants if n == "base" or part in PARTS[n]]
             x = make_inputs(heads, seqs, q_len, k_len, torch.bfloat16, "cuda")
 
             def run(x=x, causal=causal):  # varlen_attention: att.hopper_attention at call time
@@ -116,7 +167,7 @@ def main() -> int:
             for rnd in range(args.rounds):
                 row["graph_ms"].setdefault("cudnn", []).append(
                     kernel_ms(cudnn_call(x, causal), graph=True)["median_ms"])
-                for name, mod in variants:
+                for name, mod in mine:
                     att.hopper_attention = mod
                     if rnd == 0:
                         outs[name] = run()
@@ -125,6 +176,11 @@ def main() -> int:
             bo, bl = outs["base"]
             row["bitwise_equal_base"] = {n: bool(torch.equal(o, bo) and torch.equal(lse, bl))
                                          for n, (o, lse) in outs.items()}
+            # where not equal (another key-block size sums in another order): how far apart
+            row["max_abs_diff_base"] = {
+                n: [float((o.float() - bo.float()).abs().nan_to_num(float("inf")).max()),
+                    float((lse - bl).abs().nan_to_num(float("inf")).max())]
+                for n, (o, lse) in outs.items() if not row["bitwise_equal_base"][n]}
             cud = row["graph_ms"]["cudnn"]
             row["over_cudnn"] = {n: [t / c for t, c in zip(ts, cud, strict=True)]
                                  for n, ts in row["graph_ms"].items()}

@@ -293,7 +293,8 @@ def test_tile_cost_probe_variants_still_apply(tmp_path):
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     names = probe.write_variants(tmp_path)
-    assert names == ["hv_qsmem", "hv_qreg_all", "hv_qearly"]
+    assert names == [f"hv_{name}" for name in probe.EDITS]
+    assert set(probe.PARTS) == set(probe.EDITS) and set(probe.DEFAULT_VARIANTS) <= set(probe.EDITS)
     kernel = probe.KERNEL.read_text().splitlines()
     for name in names:
         text = (tmp_path / f"{name}.py").read_text()
