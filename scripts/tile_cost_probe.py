@@ -4,8 +4,8 @@
 Variants, each written from the current kernel source (an edit that no longer applies stops the
 script, naming it), each run on the parts it changes (``causal``, ``context``):
 
-* ``seqslow``: tiles ordered with the sequence slowest, not the head, so that the programs running
-  at once read neighbouring heads of the same token rows (causal and context);
+* ``headslow``: tiles ordered with the head slowest, the sequence in between (the kernel before
+  ``_decode`` put the sequence slowest; causal and context);
 * ``single4``: causal parts of up to 512 queries in the 64-row form, two programs to an SM (up to
   256 now);
 * ``grid_even``: a context part's persistent grid cut to the fewest programs that keep its number
@@ -25,7 +25,7 @@ the first key block masked, commit d1116c8).
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
-    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_seqslow builds one)
+    # then PYTHONPATH=/tmp/t36:src:DIR python scripts/gluon_sm90_build.py hv_headslow builds one)
 """
 
 from __future__ import annotations
@@ -66,28 +66,29 @@ _QEARLY = _QLOAD + "\n" + _lines(
     (20, "nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,"),
     (55, "n_m, num_seqs, num_heads, n_tiles, stride_qh,"),
     (55, "WG, BLOCK_M, D1, D2)"))
-# the two tile orders of _decode (causal pair units; context and one-tile-per-program tiles)
-_PAIR_ORDER = _lines((12, "seq = (u // n_pairs) % num_seqs"),
-                     (12, "head = u // (n_pairs * num_seqs)"))
-_PAIR_SEQSLOW = _lines((12, "head = (u // n_pairs) % num_heads"),
-                       (12, "seq = (u // (n_pairs * num_heads)) % num_seqs"))
-_PAIR_VALID = "valid = (head < num_heads) & (heavy | (n_m - 1 - j != j))"
-_TILE_ORDER = _lines((12, "seq = (t // n_m) % num_seqs"),
-                     (12, "head = t // (n_m * num_seqs)"))
-_TILE_SEQSLOW = _lines((12, "head = (t // n_m) % num_heads"),
-                       (12, "seq = (t // (n_m * num_heads)) % num_seqs"))
-_TILE_VALID = "valid = head < num_heads  # true for t < n_tiles: the loops stop there"
+# _decode's tile order (causal pair units; context and one-tile-per-program tiles) and the one
+# before it, with the head slowest
+_PAIR_ORDER = _lines((12, "head = (u // n_pairs) % num_heads"),
+                     (12, "seq = (u // (n_pairs * num_heads)) % num_seqs"))
+_PAIR_HEADSLOW = _lines((12, "seq = (u // n_pairs) % num_seqs"),
+                        (12, "head = u // (n_pairs * num_seqs)"))
+_PAIR_VALID = "valid = (u < n_pairs * num_heads * num_seqs) & (heavy | (n_m - 1 - j != j))"
+_TILE_ORDER = _lines((12, "head = (t // n_m) % num_heads"),
+                     (12, "seq = (t // (n_m * num_heads)) % num_seqs"))
+_TILE_HEADSLOW = _lines((12, "seq = (t // n_m) % num_seqs"),
+                        (12, "head = t // (n_m * num_seqs)"))
+_TILE_VALID = "valid = t < n_m * num_heads * num_seqs  # true for t < n_tiles: the loops stop there"
 _GRID = "grid = (max(1, min(n_tiles, _num_sms(q.device))),)"
 _CTX_FORM = "else (True, BLOCK_M, BLOCK_N, STAGES))"
 
 # name -> (edits (old, new), the parts it changes: "causal", "context")
 EDITS: dict[str, list[tuple[str, str]]] = {
-    "seqslow": [(_PAIR_ORDER, _PAIR_SEQSLOW),
-                (_PAIR_VALID, _PAIR_VALID.replace("head < num_heads",
-                                                  "u < n_pairs * num_heads * num_seqs")),
-                (_TILE_ORDER, _TILE_SEQSLOW),
-                (_TILE_VALID, _TILE_VALID.replace("head < num_heads",
-                                                  "t < n_m * num_heads * num_seqs"))],
+    "headslow": [(_PAIR_ORDER, _PAIR_HEADSLOW),
+                 (_PAIR_VALID, _PAIR_VALID.replace("u < n_pairs * num_heads * num_seqs",
+                                                   "head < num_heads")),
+                 (_TILE_ORDER, _TILE_HEADSLOW),
+                 (_TILE_VALID, _TILE_VALID.replace("t < n_m * num_heads * num_seqs",
+                                                   "head < num_heads"))],
     "single4": [("CAUSAL_SINGLE_MAX_BLOCKS = 2", "CAUSAL_SINGLE_MAX_BLOCKS = 4")],
     "grid_even": [(_GRID, _GRID.replace("min(n_tiles, _num_sms(q.device))",
                                         "cdiv(n_tiles, cdiv(n_tiles, _num_sms(q.device)))"))],
@@ -97,10 +98,10 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     "qearly": [(_QLOAD, _QEARLY),
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
-PARTS = {"seqslow": ("causal", "context"), "single4": ("causal",), "grid_even": ("context",),
+PARTS = {"headslow": ("causal", "context"), "single4": ("causal",), "grid_even": ("context",),
          "ctx_narrow": ("context",), "qsmem": ("causal",), "qreg_all": ("context",),
          "qearly": ("causal",)}
-DEFAULT_VARIANTS = ("seqslow",)
+DEFAULT_VARIANTS = ("headslow",)
 
 
 def write_variants(out_dir: Path, only: tuple[str, ...] | None = None) -> list[str]:

@@ -596,9 +596,16 @@ if HAS_GLUON:
     @gluon.jit
     def _decode(t, n_m, num_seqs, num_heads, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
         # Tile t's (query block, sequence, head) and whether it is a tile at all.
-        # Query blocks fastest (the programs running at once share one head's keys in L2). A
-        # causal part: heaviest (last) query block first. Persistent, the blocks come
-        # in pairs of equal total cost (block n_m - 1 - j then j: n_m + 1 key blocks) and
+        # Query blocks fastest (the programs running at once share one head's keys in L2), then
+        # heads, the sequence slowest: the programs running at once read neighbouring heads of
+        # the same key rows (a row holds every head's K and V), not one head of many sequences.
+        # A/B under graphs, cuDNN in the same run, 4 rounds on an H100, outputs bitwise equal
+        # (tile_ab_seqslow_h100.json): 128 heads 16 x 256 causal 1.01-1.02x -> 0.95-0.97x
+        # cuDNN's time, the rest within their spread; and 4096 queries over 131072 keys (one
+        # sequence: the same tiles in the same order, the binary differs) 0.95-0.97x ->
+        # 0.90-0.91x, not explained (its L2 hit rate under ncu was 58 % before, against 91 % over
+        # 32768 keys). A causal part: heaviest (last) query block first. Persistent, the blocks
+        # come in pairs of equal total cost (block n_m - 1 - j then j: n_m + 1 key blocks) and
         # program p's rounds alternate between a pair's heavy and light half, round 2r + h
         # being half h of pair unit r * P + p (P programs), so a static round robin gives every
         # program the same work: plain round robin gave program p only block n_m - 1 - p % n_m
@@ -606,7 +613,8 @@ if HAS_GLUON:
         # queries (A/B under graphs, cuDNN in the same run: 256-query causal parts 1.39-1.40x
         # -> 1.12-1.18x cuDNN's time, 250 queries 1.35x -> 1.15x). The odd middle block's
         # second half, and units past the last, are no tile. With one query block (n_m = 1)
-        # every tile costs the same and rounds are not doubled: a unit per round.
+        # every tile costs the same and rounds are not doubled: a unit per round. The modulo
+        # keeps seq in bounds past the last tile (its cu_seqlens entries are loaded).
         if CAUSAL and PERSISTENT:
             progs = gl.num_programs(0)
             paired = (n_m > 1).to(gl.int32)  # rounds per unit: 1 << paired
@@ -614,17 +622,17 @@ if HAS_GLUON:
             u = (rnd >> paired) * progs + t % progs
             n_pairs = (n_m + 1) // 2
             j = u % n_pairs
-            seq = (u // n_pairs) % num_seqs
-            head = u // (n_pairs * num_seqs)
+            head = (u // n_pairs) % num_heads
+            seq = (u // (n_pairs * num_heads)) % num_seqs
             heavy = (rnd & paired) == 0
             m_block = gl.where(heavy, n_m - 1 - j, j)
-            valid = (head < num_heads) & (heavy | (n_m - 1 - j != j))
+            valid = (u < n_pairs * num_heads * num_seqs) & (heavy | (n_m - 1 - j != j))
         else:
             mi = t % n_m
-            seq = (t // n_m) % num_seqs
-            head = t // (n_m * num_seqs)
+            head = (t // n_m) % num_heads
+            seq = (t // (n_m * num_heads)) % num_seqs
             m_block = n_m - 1 - mi if CAUSAL else mi
-            valid = head < num_heads  # true for t < n_tiles: the loops stop there
+            valid = t < n_m * num_heads * num_seqs  # true for t < n_tiles: the loops stop there
         return m_block, seq, head, valid
 
     @gluon.jit
