@@ -420,6 +420,11 @@ def _ncu_metric(k: dict, name: str) -> float:
     raise KeyError(name)
 
 
+def _l2_hit(k: dict) -> float | None:
+    """A profiled launch's L2 hit rate (%), where its sections had it."""
+    return k["metrics"].get("Memory Workload Analysis: L2 Hit Rate [%]")
+
+
 def ex_ncu(d: dict) -> tuple[str, str]:
     cells = []
     for p in d["parts"]:
@@ -428,7 +433,8 @@ def ex_ncu(d: dict) -> tuple[str, str]:
         cells.append(f"{p['heads']}h {p['num_seqs']}x{p['q_len']} {part}: " + ", ".join(
             f"{n} {_ncu_metric(k, 'Duration'):.0f} us "
             f"{_ncu_metric(k, 'Compute (SM) Throughput'):.0f}/"
-            f"{_ncu_metric(k, 'DRAM Throughput'):.0f}" for n, k in ks))
+            f"{_ncu_metric(k, 'DRAM Throughput'):.0f}"
+            + (f" L2 hit {hit:.0f} %" if (hit := _l2_hit(k)) is not None else "") for n, k in ks))
     return ("one call per kernel under Nsight Compute: duration, SM / DRAM throughput (% of "
             "peak)"), "; ".join(cells)
 
