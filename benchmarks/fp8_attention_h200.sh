@@ -4,6 +4,9 @@
 #                                                  # and accuracy sections of fp8_attention.py
 #   bash benchmarks/fp8_attention_h200.sh forward  # whole forwards vs the unchunked cuDNN bound:
 #                                                  # mlaprefill+graphs and mlaprefill-fp8+graphs
+#   bash benchmarks/fp8_attention_h200.sh check    # after a bf16 kernel change: the gpu-marked
+#                                                  # attention tests (JUnit XML), the vs-ideal
+#                                                  # kernel set beside cuDNN, and ncu of three parts
 # Writes under $OUT (the device tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +26,20 @@ case "${1:-kernel}" in
       --skip gather,merge,attention,forward,policies \
       --backends "${IDEAL_BACKENDS:-mlaprefill+graphs,mlaprefill-fp8+graphs}" \
       --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
+    ;;
+  check)
+    (cd benchmarks && timeout 240 python fp8_attention.py --sections ideal \
+      --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    PARTS=128:1x4096x32768:context,128:1x4096x131072:context,128:16x256:causal
+    timeout 120 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \
+      python scripts/ncu_attention.py --parts "$PARTS" > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+    echo "ncu rc $? ($(wc -l < "$OUT/ncu.csv") lines)"
+    timeout "${TEST_TIMEOUT:-$((570 - SECONDS))}" python -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_attention_gpu.py tests/test_nan.py tests/test_prefix.py \
+      tests/test_fp8_attention_gpu.py tests/test_triton_attention.py \
+      --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
+    tail -3 "$OUT/gpu_tests.txt"
     ;;
 esac
