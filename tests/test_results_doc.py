@@ -87,6 +87,26 @@ def test_summary_rows_are_few_and_link_into_the_doc():
         assert heading, link
 
 
+def test_summary_rows_take_no_h100_run(tmp_path):
+    # the README heads its summary "one NVIDIA H200": a run on an H100 (RESULTS.md lists it)
+    # gives no row there, newer or not
+    mod = _module()
+    run = json.loads((RESULTS / "plan_upload_h200.json").read_text())
+    run["date_utc"] = "2099-01-01T00:00:00Z"
+    run["run_context"] = "commit 1234567, lent nvidia-h100-x1 machine"
+    run["machine"] = {"device_name": "NVIDIA H100 80GB HBM3"}
+    (tmp_path / "plan_upload_h100.json").write_text(json.dumps(run))
+
+    def plan_rows():
+        return [r for r in mod.summary_rows(tmp_path) if r[0].startswith("Plan + upload")]
+
+    assert plan_rows() == []
+    run["machine"] = {"device_name": "NVIDIA H200"}
+    run["run_context"] = "commit 1234567, lent nvidia-h200 machine"
+    (tmp_path / "plan_upload_h100.json").write_text(json.dumps(run))
+    assert len(plan_rows()) == 1
+
+
 def test_forward_profile_rows_split_device_time_by_kernel_kind():
     mod = _module()
     row = {"heads": 16, "num_reqs": 2, "query_len": 256, "context_len": 8192,
