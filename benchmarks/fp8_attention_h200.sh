@@ -7,12 +7,23 @@
 #   bash benchmarks/fp8_attention_h200.sh check    # after a bf16 kernel change: the gpu-marked
 #                                                  # attention tests (JUnit XML), the vs-ideal
 #                                                  # kernel set beside cuDNN, and ncu of three parts
+#   bash benchmarks/fp8_attention_h200.sh ab       # an A/B of the bf16 kernel's variants
+#                                                  # (scripts/tile_cost_probe.py: AB_VARIANTS,
+#                                                  # AB_PARTS, AB_ROUNDS), then the same tests
+#                                                  # (AB_TESTS=0: none)
 # Writes under $OUT (the device tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fp8-attn-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/hostsync/src
+gpu_tests() {  # the gpu-marked attention tests in the time left of the call's 570 s
+  timeout "${TEST_TIMEOUT:-$((570 - SECONDS))}" python -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_attention_gpu.py tests/test_nan.py tests/test_prefix.py \
+    tests/test_fp8_attention_gpu.py tests/test_triton_attention.py \
+    --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+}
 case "${1:-kernel}" in
   kernel)
     timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
@@ -27,6 +38,12 @@ case "${1:-kernel}" in
       --backends "${IDEAL_BACKENDS:-mlaprefill+graphs,mlaprefill-fp8+graphs}" \
       --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
     ;;
+  ab)
+    timeout "${AB_TIMEOUT:-330}" python scripts/tile_cost_probe.py \
+      --variants "${AB_VARIANTS:-xfirst_off,xfirst_all,xfirst_never}" --parts "${AB_PARTS:-causal}" \
+      --rounds "${AB_ROUNDS:-4}" --out "$OUT/tile_ab.json" 2>&1 | tail -30
+    if [ "${AB_TESTS:-1}" = 1 ]; then gpu_tests; fi
+    ;;
   check)
     (cd benchmarks && timeout 240 python fp8_attention.py --sections ideal \
       --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
@@ -36,10 +53,6 @@ case "${1:-kernel}" in
       --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \
       python scripts/ncu_attention.py --parts "$PARTS" > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
     echo "ncu rc $? ($(wc -l < "$OUT/ncu.csv") lines)"
-    timeout "${TEST_TIMEOUT:-$((570 - SECONDS))}" python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_attention_gpu.py tests/test_nan.py tests/test_prefix.py \
-      tests/test_fp8_attention_gpu.py tests/test_triton_attention.py \
-      --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
-    tail -3 "$OUT/gpu_tests.txt"
+    gpu_tests
     ;;
 esac
