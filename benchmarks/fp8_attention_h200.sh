@@ -40,7 +40,7 @@ case "${1:-kernel}" in
     ;;
   ab)
     timeout "${AB_TIMEOUT:-330}" python scripts/tile_cost_probe.py \
-      --variants "${AB_VARIANTS:-xfirst_off,xfirst_all,xfirst_never}" --parts "${AB_PARTS:-causal}" \
+      --variants "${AB_VARIANTS:-headslow}" --parts "${AB_PARTS:-causal}" \
       --rounds "${AB_ROUNDS:-4}" --out "$OUT/tile_ab.json" 2>&1 | tail -30
     if [ "${AB_TESTS:-1}" = 1 ]; then gpu_tests; fi
     ;;

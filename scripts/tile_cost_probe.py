@@ -13,21 +13,16 @@ script, naming it), each run on the parts it changes (``causal``, ``context``):
 * ``ctx_narrow``: context parts in 64-key blocks with a 4-deep ring (the narrow causal form's);
 * ``kwin`` (not a kernel edit; one-sequence context parts past ``KWIN`` keys): the kernel once per
   window of ``KWIN`` keys, each call merged into the previous one's result (``state=``);
-* ``xfirst_off``: the 128-row causal forms with 64-key blocks without ``_XFIRST`` (the kernel
-  before it): a tile's first key block run at its own start, its Q loaded after the previous
-  tile's key loop; ``xfirst_all``: the next tile's first scores issued before this tile's
-  epilogue after every tile, not only a pair's heavy one; ``xfirst_never``: after none (the
-  next tile's Q still loaded early, its first block still run at this tile's end);
-* ``qsmem`` / ``qreg_all``: the scores' Q operand from shared memory in every form (the kernel
-  before ``Q_REG``); Q in registers in the context form too.
-
-``xfirst_off``, ``xfirst_all`` and ``xfirst_never`` run by default, the others with ``--variants``.
+* ``single4``, ``grid_even``, ``ctx_narrow``, ``qsmem`` / ``qreg_all`` / ``qearly`` (only with
+  ``--variants``): the scores' Q operand from
+  shared memory in every form (the kernel before ``Q_REG``); Q in registers in the context form
+  too; with Q in registers, the next tile's Q loaded as soon as this tile's is in registers.
 
 The script checks each variant's outputs against the kernel's bit for bit. Earlier variants and
 their times are in benchmarks/results/tile_*.json and in git history (O stored from the MMA
 layout; O not stored; no masks; O by TMA store with a 3-deep narrow ring, commit 56485b4;
-the first key block masked, commit d1116c8; the next tile's Q loaded as soon as this tile's is
-in registers, without XFIRST: ``qearly``, up to commit d18e3ff).
+the first key block masked, commit d1116c8; a tile's first key block run at the end of the
+previous tile's call, its scores before that tile's epilogue, ``xfirst_*``, commit 0b44098).
 
     PYTHONPATH=src:hostsync/src python scripts/tile_cost_probe.py --out probe.json   # on an H200
     python scripts/tile_cost_probe.py --write DIR   # only write the variant modules (any machine;
@@ -62,7 +57,16 @@ def _lines(*rows: tuple[int, str]) -> str:
 
 
 _QREG = _lines((8, "Q_REG: gl.constexpr = CAUSAL"))
-_XHEAVY = "if (n_iter_n > 0) & (2 * m_block >= n_m - 1):"
+_QLOAD = _lines((16, "q2 = q2w.load(qa_layout)"))
+_QLATE = _lines((12, "if Q_TMA:  # every warp's scores are done: the Q buffer takes the next "
+                     "tile's"))
+_QEARLY = _QLOAD + "\n" + _lines(
+    (16, "if Q_TMA:  # the buffer is free now: the next tile's Q"),
+    (20, "gl.thread_barrier()"),
+    (20, "fence_async_shared()"),
+    (20, "nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,"),
+    (55, "n_m, num_seqs, num_heads, n_tiles, stride_qh,"),
+    (55, "WG, BLOCK_M, D1, D2)"))
 # _decode's tile order (causal pair units; context and one-tile-per-program tiles) and the one
 # before it, with the head slowest
 _PAIR_ORDER = _lines((12, "head = (u // n_pairs) % num_heads"),
@@ -92,14 +96,13 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     "ctx_narrow": [(_CTX_FORM, "else (True, BLOCK_M, *_NARROW))")],
     "qsmem": [(_QREG, _QREG.replace("CAUSAL", "False"))],
     "qreg_all": [(_QREG, _QREG.replace("CAUSAL", "True"))],
-    "xfirst_off": [("_XFIRST = gl.constexpr(True)", "_XFIRST = gl.constexpr(False)")],
-    "xfirst_all": [(_XHEAVY, "if n_iter_n > 0:")],
-    "xfirst_never": [(_XHEAVY, "if (n_iter_n > 0) & (n_iter_n < 0):")],
+    "qearly": [(_QLOAD, _QEARLY),
+               (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
 PARTS = {"headslow": ("causal", "context"), "single4": ("causal",), "grid_even": ("context",),
          "ctx_narrow": ("context",), "qsmem": ("causal",), "qreg_all": ("context",),
-         "xfirst_off": ("causal",), "xfirst_all": ("causal",), "xfirst_never": ("causal",)}
-DEFAULT_VARIANTS = ("xfirst_off", "xfirst_all", "xfirst_never")
+         "qearly": ("causal",)}
+DEFAULT_VARIANTS = ("headslow",)
 
 
 def write_variants(out_dir: Path, only: tuple[str, ...] | None = None) -> list[str]:

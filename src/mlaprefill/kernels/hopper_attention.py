@@ -186,9 +186,6 @@ _MAX_BLOCKS = 1 << 24
 if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(240)
     _PRODUCER_REGS = gl.constexpr(24)
-    # the 128-row causal forms with 64-key blocks run a tile's first key block in the previous
-    # tile's call, its scores issued before that tile's epilogue (XFIRST in _consumer_tile)
-    _XFIRST = gl.constexpr(True)
 
     @gluon.jit
     def _producer_tile(m_block, seq, head, valid, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
@@ -422,87 +419,9 @@ if HAS_GLUON:
         return m_block, seq, head, valid
 
     @gluon.jit
-    def _first_block(s, it, b_lo, r0, seqlen_k, kv_end, kr_empty, qk_scale,
-                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                     dtype: gl.constexpr):
-        # A tile's first key block (ring iteration it, key block b_lo) once its scores s are
-        # done: releases its K and rope and returns (p, m, l), p in the PV product's operand
-        # layout. Masked in the 128-row forms only where some of this warpgroup's rows (from r0)
-        # do not see the block whole; the 64-row form always masks it (1-1.5 % slower unmasked,
-        # H100 A/B).
-        mbarrier.arrive(kr_empty.index(it % STAGES), count=1)
-        offs_m = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-        n_free = (gl.minimum(seqlen_k, r0 + 1) if CAUSAL else seqlen_k) // BLOCK_N
-        if BLOCK_M == 128 and b_lo < n_free:
-            p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
-                                      False, CAUSAL, BLOCK_N)
-        else:
-            p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
-                                      True, CAUSAL, BLOCK_N)
-        return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
-
-    @gluon.jit
-    def _next_tile(m_block, seq, valid, t, n_tiles, bounds, dense, n_m, WG: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # XFIRST (_consumer_tile): tile t (decoded; bounds: its sequence's _tile_bounds), whose
-        # first key block this warpgroup runs next. Returns (n_iter, b_lo, r0, seqlen_k,
-        # kv_end, is_tile); _load_q loaded its Q if is_tile.
-        qa, qb, ka, kb = bounds
-        is_tile = valid & (t < n_tiles)
-        _qs, _nq, m0, _ks, seqlen_k, kv_end, b_lo, n_iter = _tile(
-            m_block, seq, is_tile, qa, qb, ka, kb, dense, True, True, BLOCK_M, BLOCK_N)
-        r0 = m0 + _half(m_block, n_m, WG, True, True, BLOCK_M) * 64
-        return n_iter, b_lo, r0, seqlen_k, kv_end, is_tile
-
-    @gluon.jit
-    def _open(m_block, seq, valid, t, n_tiles, bounds, it, nq, q_bar, dense, n_m, q1w, q2w, k_s,
-              r_s, kr_ready, kr_empty, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-              p_layout: gl.constexpr, dtype: gl.constexpr):
-        # XFIRST without overlap (before the first tile, after a tile without keys): tile t's
-        # Q waited for and its first key block run (_first_block; Q from its buffer), or zeros
-        # if it has no key. Returns ((p, m, l), nq).
-        n_iter, b_lo, r0, seqlen_k, kv_end, is_tile = _next_tile(
-            m_block, seq, valid, t, n_tiles, bounds, dense, n_m, WG, BLOCK_M, BLOCK_N)
-        if is_tile:
-            mbarrier.wait(q_bar, nq & 1)
-            nq += 1
-        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-        if n_iter > 0:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[
-                _scores(q1w, q2w, k_s, r_s, kr_ready, it, s_zero, STAGES)])
-            p, m_i, l_i = _first_block(s, it, b_lo, r0, seqlen_k, kv_end, kr_empty, qk_scale,
-                                       True, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout,
-                                       dtype)
-        else:
-            p = gl.zeros([64, BLOCK_N], dtype, p_layout)
-            m_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-        return (p, m_i, l_i), nq
-
-    @gluon.jit
-    def _finish(acc, m_i, l_i, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE: gl.constexpr,
-                dtype: gl.constexpr, o_layout: gl.constexpr, io_layout: gl.constexpr):
-        # A tile's epilogue: O = acc / l and the natural-log LSE stored (_store_rows). A row
-        # with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come from
-        # non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        l_o = gl.convert_layout(l_i, row_o)
-        lse2 = gl.convert_layout(m_i, row_o) + gl.log2(l_o)
-        bad = (l_o == 0.0) | (lse2 == float("inf"))
-        o = acc * gl.expand_dims(1.0 / l_o, 1)
-        o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
-        lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-        _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout, io_layout)
-
-    @gluon.jit
-    def _consumer_tile(m_block, seq, head, valid, it0, nq, first, q_ptr, out_ptr, lse_ptr, qa,
-                       qb, ka, kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, nbounds,
-                       qd1, qd2, q_bar,
+    def _consumer_tile(m_block, seq, head, valid, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
+                       kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1, qd2,
+                       q_bar,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -512,18 +431,13 @@ if HAS_GLUON:
                        STAGES: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_decode's m_block, seq, head, valid;
         # _tile): query rows r0 + [0, 64), r0 = m0 + 64 * _half; its ring iterations are
-        # it0 + [0, n_iter). t_next is the next tile, nbounds its sequence's _tile_bounds.
+        # it0 + [0, n_iter).
         # Causal persistent, its Q was loaded by _load_q (nq: the Q loads this warpgroup waited
-        # for so far, q_bar's phase), and it loads the next tile's. In the 64-row form it waits
-        # for this tile's Q here and loads the next one once its scores are done, so that load's
-        # latency hides behind this tile's last PV product and epilogue. In the 128-row forms
-        # (XFIRST) the next tile's Q is loaded as soon as this one's is in registers, and the
-        # next tile's first key block runs here: its scores are issued before this tile's
-        # epilogue, so the tensor cores work while O is stored; this call then gets that block's
-        # (p, m, l) as `first` (from _open or the previous call) and returns the next one's.
-        # Returns (n_iter, nq), t_next decoded (_decode), and first: decoded after the key loop,
-        # not before, so that those values are not live through it (they cost the loop register
-        # spills).
+        # for so far, q_bar's phase), and it loads the next tile's (t_next, whose sequence
+        # starts at query qa_next) once its scores are done, so that load's latency hides
+        # behind this tile's last PV product and epilogue. Returns (n_iter, nq) and t_next
+        # decoded (_decode), for the next call: decoded after the key loop, not before, so that
+        # those values are not live through it (they cost the loop register spills).
         q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
         WM: gl.constexpr = 64
@@ -550,7 +464,6 @@ if HAS_GLUON:
         q1w = q1_s.index(WG)
         q2w = q2_s.index(WG)
         Q_TMA: gl.constexpr = CAUSAL and PERSISTENT
-        XFIRST: gl.constexpr = _XFIRST and Q_TMA and BLOCK_M == 128 and BLOCK_N == 64
         # Causal forms hold Q in registers (48 per thread) as the scores' A operand, read once
         # per tile from its buffer: from shared memory, a wgmma with 64-key blocks reads as many
         # bytes of Q as of K, at the SM's shared-memory rate. A/B under graphs, cuDNN in the same
@@ -561,7 +474,7 @@ if HAS_GLUON:
         # both; a context part (16 heads 4 x 1024 over 32768) 0.88-0.91x -> 1.01-1.04x, so
         # context parts keep Q in shared memory.
         Q_REG: gl.constexpr = CAUSAL
-        if Q_TMA and not XFIRST:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if Q_TMA:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if valid:  # _load_q issued this tile's Q (before the loop or in the previous tile)
                 mbarrier.wait(q_bar, nq & 1)
                 nq += 1
@@ -590,15 +503,11 @@ if HAS_GLUON:
             else:
                 q1 = q1w
                 q2 = q2w
-            if XFIRST:  # every warp has its Q in registers: the buffer takes the next tile's
-                gl.thread_barrier()
-                fence_async_shared()  # the generic-proxy reads before the TMA writes
-                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next,
-                                                   nbounds[0], n_m, num_seqs, num_heads,
-                                                   n_tiles, stride_qh, WG, BLOCK_M, D1, D2)
             offs_m = r0 + gl.arange(0, WM, layout=gl.SliceLayout(1, s_layout))
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([WM, BLOCK_N], gl.float32, s_layout)
+            m_i = gl.full([WM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([WM], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([WM, DV], gl.float32, o_layout)
             if CAUSAL:
                 # this warpgroup's rows end at r0 + 64: its last blocks past them (the lower
@@ -611,17 +520,20 @@ if HAS_GLUON:
             else:
                 n_mine = n_iter
                 n_free = seqlen_k // BLOCK_N
-            # iteration 0 (_first_block; with XFIRST run by the previous call or _open), then
-            # [1, free) without a mask (blocks below n_free, every row sees them whole), then
-            # the masked rest; the last iteration's PV product after the loop.
-            if XFIRST:
-                p, m_i, l_i = first
+            # iteration 0 (masked, in the 128-row forms only where some row does not see its
+            # block whole), then [1, free) without a mask (blocks below n_free, every row sees
+            # them whole), then the masked rest; the last iteration's PV product after the loop.
+            # (The 64-row form ran 1-1.5 % slower with its first block unmasked: H100 A/B.)
+            t = _scores(q1, q2, k_s, r_s, kr_ready, it0, s_zero, STAGES)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+            mbarrier.arrive(kr_empty.index(it0 % STAGES), count=1)
+            if BLOCK_M == 128 and b_lo < n_free:
+                p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
+                                          False, CAUSAL, BLOCK_N)
             else:
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[
-                    _scores(q1, q2, k_s, r_s, kr_ready, it0, s_zero, STAGES)])
-                p, m_i, l_i = _first_block(s, it0, b_lo, r0, seqlen_k, kv_end, kr_empty,
-                                           qk_scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES,
-                                           s_layout, p_layout, dtype)
+                p, _, m_i, l_i = _softmax(s, m_i, l_i, b_lo, qk_scale, offs_m, offs_n, kv_end,
+                                          True, CAUSAL, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
             free = gl.minimum(gl.maximum(n_free - b_lo, 1), n_mine)
             acc, m_i, l_i, p = _key_blocks(acc, m_i, l_i, p, 1, free, it0, b_lo, q1, q2, k_s,
                                            r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
@@ -631,72 +543,40 @@ if HAS_GLUON:
                                            k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty,
                                            s_zero, qk_scale, offs_m, offs_n, kv_end, True,
                                            CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+            if Q_TMA:  # every warp's scores are done: the Q buffer takes the next tile's
+                gl.thread_barrier()
+                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
+                                                   n_m, num_seqs, num_heads, n_tiles, stride_qh,
+                                                   WG, BLOCK_M, D1, D2)
             g_last = it0 + n_mine - 1
-            if XFIRST:
-                for i in range(n_mine, n_iter):  # the iterations this warpgroup skips
+            o = _values(p, acc, v_s, v_ready, g_last, STAGES)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
+            mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
+            if CAUSAL:  # the iterations this warpgroup skips: released without reading
+                for i in range(n_mine, n_iter):
                     _release(kr_empty, v_empty, it0 + i, STAGES)
-                it_n = it0 + n_iter
-                n_iter_n, b_lo_n, r0_n, seqlen_k_n, kv_end_n, _is_tile = _next_tile(
-                    nmb, nseq, nvalid, t_next, n_tiles, nbounds, dense, n_m, WG, BLOCK_M,
-                    BLOCK_N)
-                if (n_iter_n > 0) & (2 * m_block >= n_m - 1):
-                    # after a pair's heavy tile (its Q load had that tile's time to land): the
-                    # last PV product, then the next tile's first scores (Q from its buffer)
-                    # behind it; this tile's epilogue runs while they are in flight
-                    mbarrier.wait(q_bar, nq & 1)
-                    nq += 1
-                    o = _values(p, acc, v_s, v_ready, g_last, STAGES)
-                    t_n = _scores(q1w, q2w, k_s, r_s, kr_ready, it_n, s_zero, STAGES)
-                    acc, p = warpgroup_mma_wait(num_outstanding=2, deps=[o, p])
-                    mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
-                    _finish(acc, m_i, l_i, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype,
-                            o_layout, io_layout)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=[t_n])
-                    first = _first_block(s, it_n, b_lo_n, r0_n, seqlen_k_n, kv_end_n,
-                                         kr_empty, qk_scale, True, BLOCK_M, BLOCK_N, STAGES,
-                                         s_layout, p_layout, dtype)
-                else:  # after a light tile: its epilogue first, then the next tile's first block
-                    o = _values(p, acc, v_s, v_ready, g_last, STAGES)
-                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
-                    mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
-                    _finish(acc, m_i, l_i, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype,
-                            o_layout, io_layout)
-                    first, nq = _open(nmb, nseq, nvalid, t_next, n_tiles, nbounds, it_n, nq,
-                                      q_bar, dense, n_m, q1w, q2w, k_s, r_s, kr_ready,
-                                      kr_empty, qk_scale, WG, BLOCK_M, BLOCK_N, STAGES,
-                                      s_layout, p_layout, dtype)
-            else:
-                if Q_TMA:  # every warp's scores are done: the Q buffer takes the next tile's
-                    gl.thread_barrier()
-                    nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next,
-                                                       nbounds[0], n_m, num_seqs, num_heads,
-                                                       n_tiles, stride_qh, WG, BLOCK_M, D1,
-                                                       D2)
-                o = _values(p, acc, v_s, v_ready, g_last, STAGES)
-                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[o, p])
-                mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
-                if CAUSAL:  # the iterations this warpgroup skips: released without reading
-                    for i in range(n_mine, n_iter):
-                        _release(kr_empty, v_empty, it0 + i, STAGES)
-                _finish(acc, m_i, l_i, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype,
-                        o_layout, io_layout)
+            # A row with keys has l >= 1 for finite inputs; l == 0 or an LSE of +inf only come
+            # from non-finite ones: NaN (flag_inf_lse_as_nan's rule). A NaN l gives NaN anyway.
+            l_o = gl.convert_layout(l_i, row_o)
+            lse2 = gl.convert_layout(m_i, row_o) + gl.log2(l_o)
+            bad = (l_o == 0.0) | (lse2 == float("inf"))
+            o = acc * gl.expand_dims(1.0 / l_o, 1)
+            o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
+            lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
+            _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
+                        io_layout)
         else:
             if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
-                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next,
-                                                   nbounds[0], n_m, num_seqs, num_heads,
-                                                   n_tiles, stride_qh, WG, BLOCK_M, D1, D2)
+                nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
+                                                   n_m, num_seqs, num_heads, n_tiles, stride_qh,
+                                                   WG, BLOCK_M, D1, D2)
             if not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
                 gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
                 gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
-            if XFIRST:
-                first, nq = _open(nmb, nseq, nvalid, t_next, n_tiles, nbounds, it0 + n_iter,
-                                  nq, q_bar, dense, n_m, q1w, q2w, k_s, r_s, kr_ready,
-                                  kr_empty, qk_scale, WG, BLOCK_M, BLOCK_N, STAGES, s_layout,
-                                  p_layout, dtype)
         if not Q_TMA:
             nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
                                                PERSISTENT)
-        return n_iter, nq, nmb, nseq, nhead, nvalid, first
+        return n_iter, nq, nmb, nseq, nhead, nvalid
 
     @gluon.jit
     def _half(m_block, n_m, WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -856,9 +736,8 @@ if HAS_GLUON:
             mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
                                            PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
-            _consumer_tile(mb, seq, head, valid, 0, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
-                           kb, dense, 0, n_m, num_seqs, num_heads, n_tiles, (0, 0, 0, 0), 0, 0,
-                           0, stride_qt,
+            _consumer_tile(mb, seq, head, valid, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
+                           dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, stride_qt,
                            stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
                            q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
                            CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
@@ -887,30 +766,15 @@ if HAS_GLUON:
             else:
                 qd1 = 0
                 qd2 = 0
-            if _XFIRST and CAUSAL and BLOCK_M == 128 and BLOCK_N == 64:
-                # XFIRST (_consumer_tile): the first tile's first key block, run here
-                s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                    version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-                p_layout: gl.constexpr = gl.DotOperandLayout(
-                    operand_index=0, parent=gl.NVMMADistributedLayout(
-                        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16]),
-                    k_width=2)
-                first, nq = _open(mb, seq, valid, gl.program_id(0), n_tiles, (qa, qb, ka, kb),
-                                  0, nq, q_bar, dense, n_m, q1_s.index(WG), q2_s.index(WG), k_s,
-                                  r_s, kr_ready, kr_empty, qk_scale, WG, BLOCK_M, BLOCK_N,
-                                  STAGES, s_layout, p_layout, out_ptr.dtype.element_ty)
-            else:
-                first = 0
             for t in range(gl.program_id(0), n_tiles, progs):
                 # the next tile's sequence bounds now (their loads' latency hides behind this
                 # tile); the rest of its decode comes back from _consumer_tile
                 _nmb, nseq, _nh, _nv = _decode(t + progs, n_m, num_seqs, num_heads, CAUSAL,
                                                PERSISTENT)
                 na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
-                n, nq, mb, seq, head, valid, first = _consumer_tile(
-                    mb, seq, head, valid, it, nq, first, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                    dense, t + progs, n_m, num_seqs, num_heads, n_tiles, (na, nb, nka, nkb), qd1,
-                    qd2, q_bar, stride_qt,
+                n, nq, mb, seq, head, valid = _consumer_tile(
+                    mb, seq, head, valid, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense,
+                    t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar, stride_qt,
                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
                     k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
                     ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
