@@ -10,6 +10,9 @@ script, naming it), each run on the parts it changes (``causal``, ``context``):
   256 now);
 * ``grid_even``: a context part's persistent grid cut to the fewest programs that keep its number
   of rounds (128 rather than 132 for 4096 tiles), every program the same tile count;
+* ``notail`` (a measure, not a kernel: wrong output rows): a context part without its last,
+  partial round of tiles (4096 tiles on 132 SMs: 31 full rounds and 4 tiles), i.e. the most a
+  schedule that spreads those tiles' keys over every SM (stream-K, split keys merged) could save;
 * ``ctx_narrow``: context parts in 64-key blocks with a 4-deep ring (the narrow causal form's);
 * ``kwin`` (not a kernel edit; one-sequence context parts past ``KWIN`` keys): the kernel once per
   window of ``KWIN`` keys, each call merged into the previous one's result (``state=``);
@@ -91,6 +94,7 @@ EDITS: dict[str, list[tuple[str, str]]] = {
                  (_TILE_VALID, _TILE_VALID.replace("t < n_m * num_heads * num_seqs",
                                                    "head < num_heads"))],
     "single4": [("CAUSAL_SINGLE_MAX_BLOCKS = 2", "CAUSAL_SINGLE_MAX_BLOCKS = 4")],
+    "notail": [(_GRID, _GRID + "\n        n_tiles = n_tiles // grid[0] * grid[0]")],
     "grid_even": [(_GRID, _GRID.replace("min(n_tiles, _num_sms(q.device))",
                                         "cdiv(n_tiles, cdiv(n_tiles, _num_sms(q.device)))"))],
     "ctx_narrow": [(_CTX_FORM, "else (True, BLOCK_M, *_NARROW))")],
@@ -99,9 +103,9 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     "qearly": [(_QLOAD, _QEARLY),
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
-PARTS = {"headslow": ("causal", "context"), "single4": ("causal",), "grid_even": ("context",),
-         "ctx_narrow": ("context",), "qsmem": ("causal",), "qreg_all": ("context",),
-         "qearly": ("causal",)}
+PARTS = {"headslow": ("causal", "context"), "notail": ("context",), "single4": ("causal",),
+         "grid_even": ("context",), "ctx_narrow": ("context",), "qsmem": ("causal",),
+         "qreg_all": ("context",), "qearly": ("causal",)}
 DEFAULT_VARIANTS = ("headslow",)
 
 
