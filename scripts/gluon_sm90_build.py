@@ -36,7 +36,7 @@ def _signature(params: list[str], constants: dict) -> tuple[dict, dict]:
             consts[(i,)] = constants[name]
         elif name in _BF16_PTRS:
             sig[name] = "*bf16"
-        elif name == "lse_ptr":
+        elif name in ("lse_ptr", "ws_o_ptr", "ws_l_ptr"):
             sig[name] = "*fp32"
         elif name in ("cu_q_ptr", "cu_k_ptr"):
             sig[name] = "*i32"
@@ -61,11 +61,14 @@ def main() -> int:
     narrow = (mod.BLOCK_M, *getattr(mod, "_NARROW", wide[1:]))  # where the module has them
     single = getattr(mod, "_SINGLE", narrow)
     # (context parts run the wide form; the narrow one too for an A/B of their key-block size)
-    forms = [(False, True, *shape) for shape in dict.fromkeys([wide, narrow])]
-    forms += [(False, False, *wide)]
-    forms += [(True, p, *shape) for shape in dict.fromkeys([single, narrow, wide])
+    # (and with the last round's tiles split over the programs, SPLIT, where the module has it)
+    splits = (False, True) if "SPLIT" in params else (False,)
+    forms = [(False, True, *shape, sp) for shape in dict.fromkeys([wide, narrow])
+             for sp in splits]
+    forms += [(False, False, *wide, False)]
+    forms += [(True, p, *shape, False) for shape in dict.fromkeys([single, narrow, wide])
               for p in (True, False)]
-    for causal, persistent, block_m, block_n, stages in forms:
+    for causal, persistent, block_m, block_n, stages, split in forms:
         # the form's constants and register budget as the module launches it (older modules
         # without _form_consts: one budget)
         form = dict(PERSISTENT=persistent, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
@@ -75,6 +78,8 @@ def main() -> int:
         maxnreg = form.pop("maxnreg")
         constants = dict(CAUSAL=causal, ACCUMULATE=False, D1=128, D2=64, DV=128, num_warps=4,
                          **form)
+        if "SPLIT" in params:
+            constants["SPLIT"] = split
         sig, consts = _signature(params, constants)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
                  if n.endswith("_ptr")}
@@ -91,11 +96,11 @@ def main() -> int:
                 sass = subprocess.run([str(cuobjdump), "-sass", f.name],
                                       capture_output=True, text=True).stdout
                 rows = "" if block_m == mod.BLOCK_M else f"m{block_m}"
-                name = f"c{int(causal)}p{int(persistent)}n{block_n}{rows}.sass"
+                name = f"c{int(causal)}p{int(persistent)}n{block_n}{rows}{'s' * split}.sass"
                 (a.sass / name).write_text(sass)
         regs = " ".join(x for x in usage.split() if x.startswith(("REG:", "STACK:")))
         print(f"causal={causal!s:5} persistent={persistent!s:5} block_m={block_m:3} "
-              f"block_n={block_n:3} "
+              f"block_n={block_n:3} split={split!s:5} "
               f"shared={kernel.metadata.shared} {regs}")
     return 0
 

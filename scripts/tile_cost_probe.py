@@ -8,15 +8,16 @@ script, naming it), each run on the parts it changes (``causal``, ``context``):
   ``_decode`` put the sequence slowest; causal and context);
 * ``single4``: causal parts of up to 512 queries in the 64-row form, two programs to an SM (up to
   256 now);
-* ``grid_even``: a context part's persistent grid cut to the fewest programs that keep its number
-  of rounds (128 rather than 132 for 4096 tiles), every program the same tile count;
+* ``nosplit``: context parts with every tile whole (``SPLIT_TAIL`` off: the last, partial round
+  of tiles not split over the programs); ``short``: tiles of fewer than ``_MIN_TILE_BLOCKS``
+  key blocks split too;
 * ``notail`` (a measure, not a kernel: wrong output rows): a context part without its last,
-  partial round of tiles (4096 tiles on 132 SMs: 31 full rounds and 4 tiles), i.e. the most a
-  schedule that spreads those tiles' keys over every SM (stream-K, split keys merged) could save;
+  partial round of tiles (4096 tiles on 132 SMs: 31 full rounds and 4 tiles), i.e. the most that
+  splitting those tiles' keys over every SM could save;
 * ``ctx_narrow``: context parts in 64-key blocks with a 4-deep ring (the narrow causal form's);
 * ``kwin`` (not a kernel edit; one-sequence context parts past ``KWIN`` keys): the kernel once per
   window of ``KWIN`` keys, each call merged into the previous one's result (``state=``);
-* ``single4``, ``grid_even``, ``ctx_narrow``, ``qsmem`` / ``qreg_all`` / ``qearly`` (only with
+* ``single4``, ``ctx_narrow``, ``qsmem`` / ``qreg_all`` / ``qearly`` (only with
   ``--variants``): the scores' Q operand from
   shared memory in every form (the kernel before ``Q_REG``); Q in registers in the context form
   too; with Q in registers, the next tile's Q loaded as soon as this tile's is in registers.
@@ -82,7 +83,8 @@ _TILE_ORDER = _lines((12, "head = (t // n_m) % num_heads"),
 _TILE_HEADSLOW = _lines((12, "seq = (t // n_m) % num_seqs"),
                         (12, "head = t // (n_m * num_seqs)"))
 _TILE_VALID = "valid = t < n_m * num_heads * num_seqs  # true for t < n_tiles: the loops stop there"
-_GRID = "grid = (max(1, min(n_tiles, _num_sms(q.device))),)"
+_SPLIT_ON = "SPLIT_TAIL = True"
+_PLAN = "    n_main, n_split, ws_o, ws_l = n_tiles, 1, out, lse"
 _CTX_FORM = "else (True, BLOCK_M, BLOCK_N, STAGES))"
 
 # name -> (edits (old, new), the parts it changes: "causal", "context")
@@ -94,9 +96,11 @@ EDITS: dict[str, list[tuple[str, str]]] = {
                  (_TILE_VALID, _TILE_VALID.replace("t < n_m * num_heads * num_seqs",
                                                    "head < num_heads"))],
     "single4": [("CAUSAL_SINGLE_MAX_BLOCKS = 2", "CAUSAL_SINGLE_MAX_BLOCKS = 4")],
-    "notail": [(_GRID, _GRID + "\n        n_tiles = n_tiles // grid[0] * grid[0]")],
-    "grid_even": [(_GRID, _GRID.replace("min(n_tiles, _num_sms(q.device))",
-                                        "cdiv(n_tiles, cdiv(n_tiles, _num_sms(q.device)))"))],
+    "nosplit": [(_SPLIT_ON, "SPLIT_TAIL = False")],
+    "short": [("_MIN_TILE_BLOCKS = 512", "_MIN_TILE_BLOCKS = 0")],
+    "notail": [(_SPLIT_ON, "SPLIT_TAIL = False"),
+               (_PLAN, "    n_tiles = max(n_tiles // _num_sms(q.device) * _num_sms(q.device), 1)"
+                       "\n" + _PLAN)],
     "ctx_narrow": [(_CTX_FORM, "else (True, BLOCK_M, *_NARROW))")],
     "qsmem": [(_QREG, _QREG.replace("CAUSAL", "False"))],
     "qreg_all": [(_QREG, _QREG.replace("CAUSAL", "True"))],
@@ -104,8 +108,8 @@ EDITS: dict[str, list[tuple[str, str]]] = {
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
 }
 PARTS = {"headslow": ("causal", "context"), "notail": ("context",), "single4": ("causal",),
-         "grid_even": ("context",), "ctx_narrow": ("context",), "qsmem": ("causal",),
-         "qreg_all": ("context",), "qearly": ("causal",)}
+         "nosplit": ("context",), "short": ("context",), "ctx_narrow": ("context",),
+         "qsmem": ("causal",), "qreg_all": ("context",), "qearly": ("causal",)}
 DEFAULT_VARIANTS = ("headslow",)
 
 

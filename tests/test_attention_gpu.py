@@ -326,6 +326,85 @@ def test_hopper_causal_forms_at_128_heads_run_each_tile_once(q_lens, monkeypatch
     assert ((got_o - ref_o).norm() / ref_o.norm()) <= 1e-2
 
 
+@pytest.mark.parametrize("heads,q_lens,k_lens", [
+    (4, [200, 130, 5], [197000, 300, 0]),  # fewer tiles than SMs: every tile in parts
+    (9, [1024, 100], [131000, 300]),       # 144 tiles: one round and 12 tiles, the 12 in parts
+])
+def test_hopper_split_last_round_matches_f64_and_whole_tiles(heads, q_lens, k_lens,
+                                                              monkeypatch):
+    """A context part whose last round of tiles is split over every SM (parts of a tile's keys
+    merged by LSE, _split_plan / _merge_tail): against the float64 reference and against whole
+    tiles (SPLIT_TAIL off), bitwise repeatable, merged into a state (rows without keys
+    untouched), and a NaN key of a split tile's sequence staying in that sequence and head."""
+    from mlaprefill.kernels import hopper_attention as ha
+    from mlaprefill.kernels.attention import varlen_attention
+
+    if torch.cuda.get_device_capability() != (9, 0) or not ha.HAS_GLUON:
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    n_tiles = -(-max(q_lens) // ha.BLOCK_M) * len(q_lens) * heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, n_main, n_split = ha._split_plan(n_tiles, sms, sum(k_lens) / len(q_lens) / ha.BLOCK_N)
+    assert n_split > 1, "the case must split"
+    scale = 192 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(sum(q_lens), heads, NOPE + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(sum(k_lens), heads, NOPE + V, device="cuda", generator=g).bfloat16()
+    k_pe = torch.randn(sum(k_lens), ROPE, device="cuda", generator=g).bfloat16()
+    kw = dict(max_seqlen_q=max(q_lens), causal=False, softmax_scale=scale, k_rope=k_pe)
+    cq, ck = _cu(q_lens), _cu(k_lens)
+
+    def run(kv=kv, **extra):
+        return varlen_attention(q, kv[..., :NOPE], kv[..., NOPE:], cq, ck, **kw, **extra)
+
+    out, lse = run()
+    again = run()
+    assert not ha._FAILED
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    with monkeypatch.context() as m:
+        m.setattr(ha, "SPLIT_TAIL", False)
+        whole_o, whole_l = run()
+    assert torch.allclose(lse, whole_l, atol=1e-5, rtol=0)
+    assert torch.allclose(out.float(), whole_o.float(), atol=1e-2, rtol=1e-2)
+    # the split tiles are the last ones: the last sequence's last heads
+    split_heads = sorted({(t // -(-max(q_lens) // ha.BLOCK_M)) % heads
+                          for t in range(n_main, n_tiles)})
+    k_joined = torch.cat([kv[..., :NOPE], k_pe[:, None].expand(-1, heads, -1)], -1)
+    check = sorted({0, *split_heads[:2], split_heads[-1]})
+    ref_o, ref_l = _attention_f64(q, k_joined, kv[..., NOPE:], q_lens, k_lens, False, scale,
+                                  heads=check)
+    got_o, got_l = out[:, check].double(), lse[:, check].double()
+    assert torch.equal(torch.isneginf(got_l), torch.isneginf(ref_l))
+    fin = torch.isfinite(ref_l)
+    assert (got_l[fin] - ref_l[fin]).abs().max() <= 1e-3
+    assert ((got_o - ref_o).norm() / ref_o.norm()) <= 1e-2
+    assert (got_o[torch.isneginf(ref_l)] == 0).all()
+    # merged into a state: the merge rules, rows without keys untouched
+    base_o = (torch.randn(sum(q_lens), heads, V, device="cuda", generator=g) * 0.1).bfloat16()
+    base_l = torch.randn(sum(q_lens), heads, device="cuda", generator=g) * 3
+    state = (base_o.clone(), base_l.clone())
+    run(state=state)
+    ref_mo, ref_ml = merge_attention_states(base_o.clone(), base_l.clone(), out, lse)
+    assert torch.allclose(state[1], ref_ml, atol=1e-5)
+    assert torch.allclose(state[0].float(), ref_mo.float(), atol=1e-2, rtol=1e-2)
+    empty = [i for i, n in enumerate(k_lens) if n == 0]
+    for s_ in empty:
+        rows = slice(sum(q_lens[:s_]), sum(q_lens[:s_ + 1]))
+        assert torch.equal(state[0][rows], base_o[rows]) and torch.equal(state[1][rows],
+                                                                          base_l[rows])
+    # a NaN key and value of the last sequence with keys, in a split head
+    bad_seq = max(i for i, n in enumerate(k_lens) if n)
+    head = split_heads[-1]
+    kv_bad = kv.clone()
+    kv_bad[sum(k_lens[:bad_seq]) + k_lens[bad_seq] // 2, head, 3] = float("nan")
+    kv_bad[sum(k_lens[:bad_seq]) + k_lens[bad_seq] // 2, head, NOPE + 1] = float("nan")
+    bad_o, bad_l = run(kv=kv_bad)
+    rows = slice(sum(q_lens[:bad_seq]), sum(q_lens[:bad_seq + 1]))
+    assert torch.isnan(bad_l[rows, head]).all() and torch.isnan(bad_o[rows, head, 1]).all()
+    other = torch.ones(sum(q_lens), heads, dtype=torch.bool, device="cuda")
+    other[rows, head] = False
+    assert torch.equal(bad_o[other], out[other]) and torch.equal(bad_l[other], lse[other])
+
+
 @pytest.mark.parametrize("causal,q_max", [(False, 2048), (True, 256), (True, 1024),
                                            (True, 2100)])
 @pytest.mark.parametrize("keys", ["split", "joined"])

@@ -89,6 +89,14 @@ parts 1.02-1.08x -> 0.89-0.98x cuDNN's time; the constant's comment). They run p
 one 64-row program per tile left NaN in a few rows' outputs (H200, cause not found), so the
 one-program-per-tile comparison form runs those parts with 128 rows and 64-key blocks.
 
+A context part deals equal tiles to the persistent programs round by round, so a tile count
+just past a multiple of the SM count leaves most SMs idle in the last round (4096 tiles on 132
+SMs: 31 rounds and 4 tiles, 3.1 % over an even split). Where it pays (``_split_plan``), that
+round's tiles run as parts of their keys spread over the programs (work units past the whole
+tiles: ``_unit_tile``, ``_chunk``), each storing its rows' fp32 output and LSE in a workspace,
+and one small Triton kernel merges them by LSE into ``out`` / ``lse`` (``_merge_tail_kernel``,
+the rules of :mod:`mlaprefill.kernels.merge`; merged into the state with ``state=``).
+
 Causal forms read Q from registers for the scores (``Q_REG`` in _consumer_tile: 128-head
 1000-1024-query causal parts 1.00-1.02x -> 0.96-0.99x cuDNN's time on an H100); context parts,
 slower so, keep it in shared memory.
@@ -103,7 +111,8 @@ import os
 
 import torch
 
-from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator
+from mlaprefill.kernels._triton import HAS_TRITON, cdiv, ensure_allocator, tl, triton
+from mlaprefill.kernels.merge import merge_rows
 
 __all__ = ["BLOCK_M", "BLOCK_N", "DISABLE_ENV", "HAS_GLUON", "STAGES", "available",
            "hopper_attention", "layout_reason", "num_compiled_kernels", "unsupported_reason"]
@@ -188,14 +197,15 @@ if HAS_GLUON:
     _PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _producer_tile(m_block, seq, head, valid, it0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
-                       dense, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+    def _producer_tile(m_block, seq, head, valid, w, split, it0, k_ptr, r_ptr, v_ptr, qa, qb,
+                       ka, kb, dense, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
                        stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd,
                        vd, v_land, n_land, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                        BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
-                       DV: gl.constexpr, STAGES: gl.constexpr):
-        # One warp, one tile (_decode's m_block, seq, head, valid; _tile); returns its
+                       DV: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+        # One warp, one tile (_decode's m_block, seq, head, valid; _tile), or with SPLIT its
+        # part of work unit w's keys (_chunk); returns its
         # iteration count and n_land (below). Its
         # iteration i is the
         # ring's iteration g = it0 + i (the count runs on across the program's tiles) and
@@ -216,6 +226,8 @@ if HAS_GLUON:
         # walk the same tiles with the same n_iter, so every wait has its arrivals.
         _qs, _nq, _m0, k_start, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
+        if SPLIT:
+            b_lo, n_iter = _chunk(b_lo, n_iter, w, split)
         esize: gl.constexpr = k_s.dtype.primitive_bitwidth // 8
         kr_bytes: gl.constexpr = BLOCK_N * (D1 + D2) * esize
         v_bytes: gl.constexpr = BLOCK_N * DV * esize
@@ -402,6 +414,44 @@ if HAS_GLUON:
         gl.store(l_ptrs, lse, mask=l_ok)
 
     @gluon.jit
+    def _store_partial(o, lse, slot, row0, split, BLOCK_M: gl.constexpr, DV: gl.constexpr,
+                       o_layout: gl.constexpr):
+        # A consumer's finished rows (o [64, DV] fp32 in o_layout, natural-log lse) of a work
+        # unit's part of its tile's keys into workspace slot ``slot`` (split[2]: [slots,
+        # BLOCK_M, DV] fp32 outputs, split[3]: [slots, BLOCK_M] LSEs) at rows row0 + [0, 64),
+        # stored from the MMA layout (a few units per program: no layout conversion, whose
+        # shared scratch the context form has no room for at fp32)
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        base = slot.to(gl.int64) * BLOCK_M
+        gl.store(split[2] + (base + gl.expand_dims(rows, 1)) * DV + gl.expand_dims(cols, 0), o)
+        gl.store(split[3] + base + rows, lse)
+
+    @gluon.jit
+    def _unit_tile(w, split, SPLIT: gl.constexpr):
+        # Work unit w's tile. Without SPLIT a unit is a tile. With it, split = (n_main, n_split,
+        # workspace outputs, workspace LSEs): units [0, n_main) are tiles run whole, and each
+        # later tile n_main + j comes as n_split units n_main + j * n_split + c, part c of its
+        # keys (_chunk): the last, partial round of tiles spread over every program.
+        t = w
+        if SPLIT:
+            t = gl.where(w < split[0], w, split[0] + (w - split[0]) // split[1])
+        return t
+
+    @gluon.jit
+    def _chunk(b_lo, n_iter, w, split):
+        # Work unit w's key blocks [b_lo, b_lo + n_iter) when its tile's are [b_lo, b_lo +
+        # n_iter) (_unit_tile): all of them for a tile run whole, else part c of n_split,
+        # blocks [n_iter * c // n_split, n_iter * (c + 1) // n_split) of them (none when the
+        # tile has fewer blocks than parts).
+        tail = w >= split[0]
+        c = gl.where(tail, (w - split[0]) % split[1], 0)
+        parts = gl.where(tail, split[1], 1)
+        lo = n_iter * c // parts
+        hi = n_iter * (c + 1) // parts
+        return b_lo + lo, hi - lo
+
+    @gluon.jit
     def _load_q(qd1, qd2, q_bar, q1w, q2w, t, qa, n_m, num_seqs, num_heads, n_tiles,
                 stride_qh, WG: gl.constexpr, BLOCK_M: gl.constexpr, D1: gl.constexpr,
                 D2: gl.constexpr):
@@ -419,19 +469,22 @@ if HAS_GLUON:
         return m_block, seq, head, valid
 
     @gluon.jit
-    def _consumer_tile(m_block, seq, head, valid, it0, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
-                       kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1, qd2,
-                       q_bar,
+    def _consumer_tile(m_block, seq, head, valid, w, split, it0, nq, q_ptr, out_ptr, lse_ptr, qa,
+                       qb, ka, kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1,
+                       qd2, q_bar,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                        stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty,
                        v_ready, v_empty, WG: gl.constexpr, CAUSAL: gl.constexpr,
                        PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr):
         # One consumer warpgroup (4 warps), one tile (_decode's m_block, seq, head, valid;
         # _tile): query rows r0 + [0, 64), r0 = m0 + 64 * _half; its ring iterations are
-        # it0 + [0, n_iter).
+        # it0 + [0, n_iter). With SPLIT, work unit w past the tiles run whole runs its part of
+        # its tile's keys (_chunk) and stores its rows' partial result (fp32 output, LSE) in
+        # slot w - n_main of the workspace (split), for _merge_tail_kernel; t_next is then the
+        # next work unit.
         # Causal persistent, its Q was loaded by _load_q (nq: the Q loads this warpgroup waited
         # for so far, q_bar's phase), and it loads the next tile's (t_next, whose sequence
         # starts at query qa_next) once its scores are done, so that load's latency hides
@@ -440,6 +493,8 @@ if HAS_GLUON:
         # those values are not live through it (they cost the loop register spills).
         q_start, seqlen_q, m0, _ks, seqlen_k, kv_end, b_lo, n_iter = _tile(
             m_block, seq, valid, qa, qb, ka, kb, dense, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N)
+        if SPLIT:
+            b_lo, n_iter = _chunk(b_lo, n_iter, w, split)
         WM: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -563,19 +618,35 @@ if HAS_GLUON:
             o = acc * gl.expand_dims(1.0 / l_o, 1)
             o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-            _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
-                        io_layout)
+            if SPLIT:
+                if w >= split[0]:
+                    _store_partial(o, lse, w - split[0], r0 - m0, split, BLOCK_M, DV, o_layout)
+                else:
+                    _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype,
+                                o_layout, io_layout)
+            else:
+                _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
+                            io_layout)
         else:
             if Q_TMA:  # this tile's Q (if any) went unused: the buffer is free
                 nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
                                                    n_m, num_seqs, num_heads, n_tiles, stride_qh,
                                                    WG, BLOCK_M, D1, D2)
-            if not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
+            if SPLIT:
+                if w >= split[0]:  # a part without keys: "no keys" for the merge
+                    gl.store(split[3] + (w - split[0]).to(gl.int64) * BLOCK_M + r0 - m0
+                             + gl.arange(0, WM, layout=row_o),
+                             gl.full([WM], float("-inf"), gl.float32, row_o))
+                elif not ACCUMULATE and valid:
+                    gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
+                    gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o),
+                             mask=l_ok)
+            elif not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
                 gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
                 gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
         if not Q_TMA:
-            nmb, nseq, nhead, nvalid = _decode(t_next, n_m, num_seqs, num_heads, CAUSAL,
-                                               PERSISTENT)
+            nmb, nseq, nhead, nvalid = _decode(_unit_tile(t_next, split, SPLIT), n_m, num_seqs,
+                                               num_heads, CAUSAL, PERSISTENT)
         return n_iter, nq, nmb, nseq, nhead, nvalid
 
     @gluon.jit
@@ -676,21 +747,21 @@ if HAS_GLUON:
         return q_start, seqlen_q, m0, k_start, seqlen_k, kv_end, b_lo, n_iter
 
     @gluon.jit
-    def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
+    def _producer(k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m, num_seqs, n_tiles,
                   num_keys, num_heads, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
                   stride_vh, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, v_land,
                   CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SPLIT: gl.constexpr):
         if not PERSISTENT:  # one tile per program; the ring starts at iteration 0 (constants fold)
             mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
                                            PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
-            _producer_tile(mb, seq, head, valid, 0, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
-                           dense, stride_kt, stride_kh, stride_rt,
+            _producer_tile(mb, seq, head, valid, 0, split, 0, k_ptr, r_ptr, v_ptr, qa, qb, ka,
+                           kb, dense, stride_kt, stride_kh, stride_rt,
                            stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
                            v_ready, v_empty, 0, 0, 0, v_land, 0, CAUSAL, PERSISTENT, BLOCK_M,
-                           BLOCK_N, D1, D2, DV, STAGES)
+                           BLOCK_N, D1, D2, DV, STAGES, False)
         else:
             # K, rope and V as [num_keys, every head's columns] matrices, a block at column
             # head * stride_h: made once per program (the one-tile form makes its own, per
@@ -707,46 +778,49 @@ if HAS_GLUON:
             it = 0
             n_land = 0
             progs = gl.num_programs(0)
-            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
-                                           PERSISTENT)
+            mb, seq, head, valid = _decode(_unit_tile(gl.program_id(0), split, SPLIT), n_m,
+                                           num_seqs, num_heads, CAUSAL, PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
+            # t: a work unit (_unit_tile), n_tiles: their count
             for t in range(gl.program_id(0), n_tiles, progs):
-                nmb, nseq, nhead, nvalid = _decode(t + progs, n_m, num_seqs, num_heads, CAUSAL,
-                                                   PERSISTENT)
+                nmb, nseq, nhead, nvalid = _decode(_unit_tile(t + progs, split, SPLIT), n_m,
+                                                   num_seqs, num_heads, CAUSAL, PERSISTENT)
                 na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
                 n, n_land = _producer_tile(
-                    mb, seq, head, valid, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb, dense,
-                    stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s,
-                    v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
-                    CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                    mb, seq, head, valid, t, split, it, k_ptr, r_ptr, v_ptr, qa, qb, ka, kb,
+                    dense, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, k_s,
+                    r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, kd, rd, vd, v_land, n_land,
+                    CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES, SPLIT)
                 it += n
                 mb, seq, head, valid = nmb, nseq, nhead, nvalid
                 qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit
-    def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs, n_tiles,
+    def _consumer(q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m, num_seqs,
+                  n_tiles,
                   num_queries, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready,
                   kr_empty, v_ready, v_empty, q_bars,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                   ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   D1: gl.constexpr, D2: gl.constexpr, DV: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SPLIT: gl.constexpr):
         if not PERSISTENT:  # one tile per program (as the producer)
             mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
                                            PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
-            _consumer_tile(mb, seq, head, valid, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb,
-                           dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0, stride_qt,
-                           stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-                           q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG,
-                           CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+            _consumer_tile(mb, seq, head, valid, 0, split, 0, 0, q_ptr, out_ptr, lse_ptr, qa, qb,
+                           ka, kb, dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0,
+                           stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                           qk_scale, q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready,
+                           v_empty, WG, CAUSAL, PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2,
+                           DV, STAGES, False)
         else:
             it = 0
             nq = 0
             progs = gl.num_programs(0)
-            mb, seq, head, valid = _decode(gl.program_id(0), n_m, num_seqs, num_heads, CAUSAL,
-                                           PERSISTENT)
+            mb, seq, head, valid = _decode(_unit_tile(gl.program_id(0), split, SPLIT), n_m,
+                                           num_seqs, num_heads, CAUSAL, PERSISTENT)
             qa, qb, ka, kb = _tile_bounds(seq, cu_q_ptr, cu_k_ptr)
             q_bar = q_bars.index(WG)
             if CAUSAL:
@@ -769,31 +843,33 @@ if HAS_GLUON:
             for t in range(gl.program_id(0), n_tiles, progs):
                 # the next tile's sequence bounds now (their loads' latency hides behind this
                 # tile); the rest of its decode comes back from _consumer_tile
-                _nmb, nseq, _nh, _nv = _decode(t + progs, n_m, num_seqs, num_heads, CAUSAL,
-                                               PERSISTENT)
+                _nmb, nseq, _nh, _nv = _decode(_unit_tile(t + progs, split, SPLIT), n_m,
+                                               num_seqs, num_heads, CAUSAL, PERSISTENT)
                 na, nb, nka, nkb = _tile_bounds(nseq, cu_q_ptr, cu_k_ptr)
                 n, nq, mb, seq, head, valid = _consumer_tile(
-                    mb, seq, head, valid, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka, kb, dense,
-                    t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar, stride_qt,
-                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s,
-                    k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL, PERSISTENT,
-                    ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)
+                    mb, seq, head, valid, t, split, it, nq, q_ptr, out_ptr, lse_ptr, qa, qb, ka,
+                    kb, dense, t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+                    q1_s, q2_s, k_s, r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, WG, CAUSAL,
+                    PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES, SPLIT)
                 it += n
                 qa, qb, ka, kb = na, nb, nka, nkb
 
     @gluon.jit(do_not_specialize=["dlo0", "dhi0", "dq0", "dk0", "dlo1", "dhi1", "dq1", "dk1",
                                   "dlo2", "dhi2", "dq2", "dk2", "dlo3", "dhi3", "dq3", "dk3",
                                   "n_m", "num_seqs", "n_tiles", "num_queries", "num_keys",
-                                  "num_heads"])
+                                  "num_heads", "n_main", "n_split"])
     def _hopper_attention_kernel(
             q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale,
             dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3, dq3, dk3,
             n_m, num_seqs, n_tiles, num_queries, num_keys, num_heads,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
             stride_vh, stride_ot, stride_oh, stride_lt, stride_lh,
+            n_main, n_split, ws_o_ptr, ws_l_ptr,
             CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ACCUMULATE: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr,
-            DV: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+            DV: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+            num_warps: gl.constexpr):
         # A context part is persistent: program p runs tiles p, p + P, p + 2P, ... of the
         # n_tiles (query block, sequence, head) tiles, P programs, at most one per SM; so is a
         # causal part with PERSISTENT (short sequences), else it runs one tile per program
@@ -815,6 +891,7 @@ if HAS_GLUON:
         v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype)
         dense = (dlo0, dhi0, dq0, dk0, dlo1, dhi1, dq1, dk1, dlo2, dhi2, dq2, dk2, dlo3, dhi3,
                  dq3, dk3)
+        split = (n_main, n_split, ws_o_ptr, ws_l_ptr)  # _unit_tile; n_tiles counts work units
 
         q1_s = gl.allocate_shared_memory(dtype, [NC, WM, D1], q1_sl)
         q2_s = gl.allocate_shared_memory(dtype, [NC, WM, D2], q2_sl)
@@ -843,35 +920,142 @@ if HAS_GLUON:
         # tuple did not build with Triton 3.6 (the consumer's WG no longer a constexpr).
         if NC == 2:
             gl.warp_specialize([
-                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
-                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
-                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL, PERSISTENT,
-                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
-                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                             n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
-                             stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
-                             v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
-                             D2, DV, STAGES)),
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m,
+                             num_seqs, n_tiles, num_queries, num_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s,
+                             r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL,
+                             PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES, SPLIT)),
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m,
+                             num_seqs, n_tiles, num_queries, num_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s,
+                             r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, q_bars, 1, CAUSAL,
+                             PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES, SPLIT)),
+                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m,
+                             num_seqs, n_tiles, num_keys, num_heads, stride_kt, stride_kh,
+                             stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
+                             kr_empty, v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M,
+                             BLOCK_N, D1, D2, DV, STAGES, SPLIT)),
             ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
         else:  # one consumer warpgroup: 64-row programs, two to an SM
             gl.warp_specialize([
-                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                             n_tiles, num_queries, num_heads, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s, r_s, v_s,
-                             kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL, PERSISTENT,
-                             ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES)),
-                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, n_m, num_seqs,
-                             n_tiles, num_keys, num_heads, stride_kt, stride_kh, stride_rt,
-                             stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready, kr_empty,
-                             v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M, BLOCK_N, D1,
-                             D2, DV, STAGES)),
+                (_consumer, (q_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m,
+                             num_seqs, n_tiles, num_queries, num_heads, stride_qt, stride_qh,
+                             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, q1_s, q2_s, k_s,
+                             r_s, v_s, kr_ready, kr_empty, v_ready, v_empty, q_bars, 0, CAUSAL,
+                             PERSISTENT, ACCUMULATE, BLOCK_M, BLOCK_N, D1, D2, DV, STAGES, SPLIT)),
+                (_producer, (k_ptr, r_ptr, v_ptr, cu_q_ptr, cu_k_ptr, dense, split, n_m,
+                             num_seqs, n_tiles, num_keys, num_heads, stride_kt, stride_kh,
+                             stride_rt, stride_rh, stride_vt, stride_vh, k_s, r_s, v_s, kr_ready,
+                             kr_empty, v_ready, v_empty, v_land, CAUSAL, PERSISTENT, BLOCK_M,
+                             BLOCK_N, D1, D2, DV, STAGES, SPLIT)),
             ], [1], [_PRODUCER_REGS])
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _merge_tail_kernel(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, cu_q_ptr, n_main, n_split, n_m,
+                           num_heads, num_seqs, stride_ot, stride_oh, stride_lt, stride_lh,
+                           ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, DV: tl.constexpr,
+                           ROWS: tl.constexpr):
+        # Tile n_main + program_id(0)'s rows [ROWS * program_id(1), + ROWS) of a context part run
+        # as n_split work units (_unit_tile): their partial results (workspace slots
+        # j * n_split + c) merged by LSE in order c = 0, 1, ..., then written to out / lse, or
+        # with ACCUMULATE merged into them, rows of no key left untouched: the rules of
+        # kernels.merge (merge_rows), as the attention kernel's epilogue applies them.
+        j = tl.program_id(0)
+        t = n_main + j
+        m_block = t % n_m  # _decode's context order
+        head = (t // n_m) % num_heads
+        seq = (t // (n_m * num_heads)) % num_seqs
+        q_start = tl.load(cu_q_ptr + seq)
+        seqlen_q = tl.load(cu_q_ptr + seq + 1) - q_start
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, DV)
+        q_row = m_block * BLOCK_M + rows
+        ok = q_row < seqlen_q
+        o = tl.zeros([ROWS, DV], tl.float32)
+        lse = tl.full([ROWS], float("-inf"), tl.float32)
+        for c in range(n_split):
+            slot = (j * n_split + c).to(tl.int64) * BLOCK_M + rows
+            l_c = tl.load(ws_l_ptr + slot)
+            o_c = tl.load(ws_o_ptr + slot[:, None] * DV + cols[None, :])
+            o, lse = merge_rows(lse, o, l_c, o_c)
+        tok = (q_start + q_row).to(tl.int64)
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        l_ptrs = lse_ptr + tok * stride_lt + head * stride_lh
+        if ACCUMULATE:
+            write = ok & (lse != float("-inf"))  # merging nothing is the identity: no write
+            l1 = tl.load(l_ptrs, mask=write, other=float("-inf"))
+            o1 = tl.load(o_ptrs, mask=write[:, None], other=0.0).to(tl.float32)
+            o, lse = merge_rows(l1, o1, lse, o)
+        else:
+            write = ok
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=write[:, None])
+        tl.store(l_ptrs, lse, mask=write)
+
+#: Context parts whose tiles do not fill the programs' last round (4096 tiles on 132 SMs: 31
+#: rounds and 4 tiles) run that round's tiles in parts of their keys spread over the programs,
+#: merged by LSE (_split_plan, _merge_tail_kernel); False: every tile whole (the kernel before).
+SPLIT_TAIL = True
+#: a work unit's fixed cost in key blocks (its Q load, pipeline fill, epilogue and partial
+#: store), for _split_plan
+_UNIT_COST_BLOCKS = 8
+#: the fewest key blocks in a part (2048 keys)
+_MIN_PART_BLOCKS = 16
+#: the fewest key blocks (estimated) in a tile for a split at all (65536 keys): the first H200
+#: A/B gained 2-3 % from 131072 keys and 0-3 % at 65536, nothing beyond its spread at 32768 and
+#: 8192 (tile_ab_split_h200.json)
+_MIN_TILE_BLOCKS = 512
+#: split only where the busiest program saves at least this many tiles' time
+_MIN_GAIN_TILES = 0.5
+_MAX_SPLIT = 64
+
+
+def _split_plan(n_tiles: int, programs: int, blocks_per_tile: float) -> tuple[int, int, int]:
+    """How a context part of ``n_tiles`` tiles of equal cost (``blocks_per_tile`` key blocks
+    each, an estimate) runs on at most ``programs`` persistent programs: ``(grid, n_main,
+    n_split)``, tiles ``[0, n_main)`` whole, each later tile in ``n_split`` parts of its keys.
+
+    The tiles past the last full round (``n_tiles % programs`` of them, or all when there are
+    fewer than programs) are split into parts of at least ``_MIN_PART_BLOCKS`` key blocks, as
+    many as make the busiest program's work least, counting each unit's fixed cost
+    (``_UNIT_COST_BLOCKS``); ``n_split = 1`` (no split) unless that saves the busiest program
+    ``_MIN_GAIN_TILES`` tiles' time, and only for tiles of ``_MIN_TILE_BLOCKS`` key blocks or
+    more. H200 A/B (tile_ab_split_h200.json): 2-3 % off 4096 queries over 131072 keys at 128
+    heads (4 tail tiles), but 1.5-2 % on at 16 heads over 32768 (116 tail tiles in 9 parts:
+    0.12 tile at best, against their parts' workspace traffic), so the gain must be large.
+    """
+    if n_tiles <= 0 or programs <= 0:
+        return max(1, min(n_tiles, programs)), n_tiles, 1
+    rounds, tail = divmod(n_tiles, programs)
+    whole = (min(n_tiles, programs), n_tiles, 1)
+    most = min(_MAX_SPLIT, int(max(blocks_per_tile, 0.0) // _MIN_PART_BLOCKS))
+    if not SPLIT_TAIL or tail == 0 or most < 2 or blocks_per_tile < _MIN_TILE_BLOCKS:
+        return whole
+    fixed = _UNIT_COST_BLOCKS / blocks_per_tile
+
+    def busiest(parts: int) -> float:  # the tail's cost to its busiest program, in tiles
+        return cdiv(tail * parts, programs) * (1.0 / parts + fixed)
+
+    best = min(range(2, most + 1), key=lambda n: (busiest(n), n))
+    if busiest(1) - busiest(best) < _MIN_GAIN_TILES:
+        return whole
+    return min(programs, rounds * programs + tail * best), rounds * programs, best
+
+
+def _merge_tail(ws_o: torch.Tensor, ws_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, *, n_main: int, n_split: int, n_m: int,
+                accumulate: bool) -> None:
+    """Merge the split tiles' parts (``ws_o [slots, BLOCK_M, DV]`` fp32, ``ws_l [slots,
+    BLOCK_M]``, slot ``j * n_split + c`` part c of tile ``n_main + j``) into ``out [Tq, H, DV]``
+    and ``lse [Tq, H]``: written, or with ``accumulate`` merged in (rows of no key untouched).
+    One launch of ``_merge_tail_kernel``, no host sync."""
+    rows = 32
+    _merge_tail_kernel[(ws_l.shape[0] // n_split, BLOCK_M // rows)](
+        ws_o, ws_l, out, lse, cu_seqlens_q, n_main, n_split, n_m, out.shape[1],
+        cu_seqlens_q.shape[0] - 1, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        ACCUMULATE=bool(accumulate), BLOCK_M=BLOCK_M, DV=out.shape[2], ROWS=rows, num_warps=4)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -994,15 +1178,25 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if n_m > 1:
             n_tiles = 2 * cdiv(n_units, progs) * progs
         grid = (progs,)
-    else:
-        grid = (max(1, min(n_tiles, _num_sms(q.device))),)
+    n_main, n_split, ws_o, ws_l = n_tiles, 1, out, lse
+    if persistent and not causal:
+        # keys per tile estimated from the mean sequence (lengths stay on the device)
+        progs, n_main, n_split = _split_plan(
+            n_tiles, _num_sms(q.device), k.shape[0] / max(num_seqs, 1) / BLOCK_N)
+        grid = (progs,)
+        if n_split > 1:
+            slots = (n_tiles - n_main) * n_split
+            ws_o = torch.empty(slots, BLOCK_M, _DV, dtype=torch.float32, device=q.device)
+            ws_l = torch.empty(slots, BLOCK_M, dtype=torch.float32, device=q.device)
+            n_tiles = n_main + slots  # work units
     args = (q, k, rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
             *dense_args, n_m, num_seqs, n_tiles, q.shape[0], max(k.shape[0], 1), q.shape[1],
             q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), stride_rt, stride_rh, v.stride(0),
-            v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+            v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            n_main, n_split, ws_o, ws_l)
     consts = dict(CAUSAL=bool(causal), ACCUMULATE=bool(accumulate), D1=_D1, D2=_D2, DV=_DV,
-                  num_warps=4)
+                  SPLIT=n_split > 1, num_warps=4)
     try:
         built = (q.dtype, bool(accumulate), q.device.index if q.device.index is not None
                  else torch.cuda.current_device())
@@ -1018,6 +1212,9 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _FAILED[(q.dtype, bool(causal), bool(accumulate))] = \
             f"{type(exc).__name__}: {str(exc)[:200]}"
         return False
+    if n_split > 1:  # plain Triton; not a fallback: the whole tiles are written (or merged)
+        _merge_tail(ws_o, ws_l, out, lse, cu_seqlens_q, n_main=n_main, n_split=n_split, n_m=n_m,
+                    accumulate=accumulate)
     return True
 
 
