@@ -102,7 +102,8 @@ Causal forms read Q from registers for the scores (``Q_REG`` in _consumer_tile: 
 slower so, keep it in shared memory.
 
 It compiles once per (dtype, causal, accumulate) and form, every causal form a length can select
-at the first causal call; lengths come from ``cu_seqlens``.
+at the first causal call, a context part's form with and without the split last round at the
+first call that needs each; lengths come from ``cu_seqlens``.
 """
 
 from __future__ import annotations
