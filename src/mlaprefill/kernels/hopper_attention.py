@@ -619,12 +619,8 @@ if HAS_GLUON:
             o = acc * gl.expand_dims(1.0 / l_o, 1)
             o = gl.where(gl.expand_dims(bad, 1), float("nan"), o)
             lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)  # natural log
-            if SPLIT:
-                if w >= split[0]:
-                    _store_partial(o, lse, w - split[0], r0 - m0, split, BLOCK_M, DV, o_layout)
-                else:
-                    _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype,
-                                o_layout, io_layout)
+            if SPLIT and w >= split[0]:  # a part of a split tile: into the workspace
+                _store_partial(o, lse, w - split[0], r0 - m0, split, BLOCK_M, DV, o_layout)
             else:
                 _store_rows(o, lse, o_ptrs, l_ptrs, io_ok, l_ok, ACCUMULATE, dtype, o_layout,
                             io_layout)
@@ -633,15 +629,10 @@ if HAS_GLUON:
                 nmb, nseq, nhead, nvalid = _load_q(qd1, qd2, q_bar, q1w, q2w, t_next, qa_next,
                                                    n_m, num_seqs, num_heads, n_tiles, stride_qh,
                                                    WG, BLOCK_M, D1, D2)
-            if SPLIT:
-                if w >= split[0]:  # a part without keys: "no keys" for the merge
-                    gl.store(split[3] + (w - split[0]).to(gl.int64) * BLOCK_M + r0 - m0
-                             + gl.arange(0, WM, layout=row_o),
-                             gl.full([WM], float("-inf"), gl.float32, row_o))
-                elif not ACCUMULATE and valid:
-                    gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
-                    gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o),
-                             mask=l_ok)
+            if SPLIT and w >= split[0]:  # a part without keys: "no keys" for the merge
+                gl.store(split[3] + (w - split[0]).to(gl.int64) * BLOCK_M + r0 - m0
+                         + gl.arange(0, WM, layout=row_o),
+                         gl.full([WM], float("-inf"), gl.float32, row_o))
             elif not ACCUMULATE and valid:  # no key: out = 0, lse = -inf (merging: no write)
                 gl.store(o_ptrs, gl.zeros([WM, DV], dtype, io_layout), mask=io_ok)
                 gl.store(l_ptrs, gl.full([WM], float("-inf"), gl.float32, row_o), mask=l_ok)
@@ -1027,10 +1018,10 @@ def _split_plan(n_tiles: int, programs: int, blocks_per_tile: float) -> tuple[in
     heads (4 tail tiles), but 1.5-2 % on at 16 heads over 32768 (116 tail tiles in 9 parts:
     0.12 tile at best, against their parts' workspace traffic), so the gain must be large.
     """
+    whole = (max(1, min(n_tiles, programs)), n_tiles, 1)
     if n_tiles <= 0 or programs <= 0:
-        return max(1, min(n_tiles, programs)), n_tiles, 1
+        return whole
     rounds, tail = divmod(n_tiles, programs)
-    whole = (min(n_tiles, programs), n_tiles, 1)
     most = min(_MAX_SPLIT, int(max(blocks_per_tile, 0.0) // _MIN_PART_BLOCKS))
     if not SPLIT_TAIL or tail == 0 or most < 2 or blocks_per_tile < _MIN_TILE_BLOCKS:
         return whole
