@@ -7,6 +7,12 @@
 #   bash benchmarks/fp8_attention_h200.sh check    # after a bf16 kernel change: the gpu-marked
 #                                                  # attention tests (JUnit XML), the vs-ideal
 #                                                  # kernel set beside cuDNN, and ncu of three parts
+#   bash benchmarks/fp8_attention_h200.sh verify   # a bf16 kernel change in one short call, the
+#                                                  # most telling first: its own gpu tests
+#                                                  # (pytest -k VERIFY_K), the vs-ideal kernel
+#                                                  # set, the whole forward (mlaprefill+graphs),
+#                                                  # then all gpu tests in the time left
+#                                                  # (CALL_S: the call's limit, default 570)
 #   bash benchmarks/fp8_attention_h200.sh ab       # an A/B of the bf16 kernel's variants
 #                                                  # (scripts/tile_cost_probe.py: AB_VARIANTS,
 #                                                  # AB_PARTS, AB_ROUNDS), then the same tests
@@ -17,8 +23,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fp8-attn-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/hostsync/src
-gpu_tests() {  # the gpu-marked attention tests in the time left of the call's 570 s
-  timeout "${TEST_TIMEOUT:-$((570 - SECONDS))}" python -m pytest -q -m gpu -p no:cacheprovider \
+CALL_S=${CALL_S:-570}  # the device call's limit, less a margin: what the steps may use
+gpu_tests() {  # the gpu-marked attention tests in the time left of the call
+  timeout "${TEST_TIMEOUT:-$((CALL_S - SECONDS))}" python -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_attention_gpu.py tests/test_nan.py tests/test_prefix.py \
     tests/test_fp8_attention_gpu.py tests/test_triton_attention.py \
     --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
@@ -37,6 +44,16 @@ case "${1:-kernel}" in
       --skip gather,merge,attention,forward,policies \
       --backends "${IDEAL_BACKENDS:-mlaprefill+graphs,mlaprefill-fp8+graphs}" \
       --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
+    ;;
+  verify)
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py \
+      -k "${VERIFY_K:-split_last}" --junitxml="$OUT/gpu_tests_verify.xml" 2>&1 | tail -3
+    (cd benchmarks && timeout 150 python fp8_attention.py --sections ideal \
+      --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
+    (cd benchmarks && timeout 150 python attention.py \
+      --skip gather,merge,attention,forward,policies --backends mlaprefill+graphs \
+      --repeats 3 --out "$OUT/attention_vs_ideal.json" 2>&1 | tail -20)
+    if [ $((CALL_S - SECONDS)) -gt 60 ]; then gpu_tests; fi
     ;;
   ab)
     timeout "${AB_TIMEOUT:-330}" python scripts/tile_cost_probe.py \
