@@ -46,11 +46,16 @@ case "${1:-kernel}" in
       --repeats "${REPEATS:-2}" --out "$OUT/attention_vs_ideal_fp8_h200.json" 2>&1 | tail -40)
     ;;
   verify)
-    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py \
-      -k "${VERIFY_K:-split_last}" --junitxml="$OUT/gpu_tests_verify.xml" 2>&1 | tail -3
-    (cd benchmarks && timeout 150 python fp8_attention.py --sections ideal \
-      --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
-    (cd benchmarks && timeout 150 python attention.py \
+    # each step gets at most its own limit and what is left of CALL_S, so that a short call
+    # ends between steps, with the JSON of every step that finished
+    left() { local t=$((CALL_S - SECONDS)); echo $((t < $1 ? t : $1)); }
+    [ "$(left 120)" -gt 20 ] && timeout "$(left 120)" python -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_attention_gpu.py -k "${VERIFY_K:-split_last}" \
+      --junitxml="$OUT/gpu_tests_verify.xml" 2>&1 | tail -3
+    [ "$(left 150)" -gt 20 ] && (cd benchmarks && timeout "$(left 150)" python fp8_attention.py \
+      --sections ideal --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 \
+      | tail -40)
+    [ "$(left 150)" -gt 20 ] && (cd benchmarks && timeout "$(left 150)" python attention.py \
       --skip gather,merge,attention,forward,policies --backends mlaprefill+graphs \
       --repeats 3 --out "$OUT/attention_vs_ideal.json" 2>&1 | tail -20)
     if [ $((CALL_S - SECONDS)) -gt 60 ]; then gpu_tests; fi
