@@ -87,6 +87,61 @@ _SPLIT_ON = "SPLIT_TAIL = True"
 _PLAN = "    n_main, n_split, ws_o, ws_l = n_tiles, 1, out, lse"
 _CTX_FORM = "else (True, BLOCK_M, BLOCK_N, STAGES))"
 
+# pingpong: FA3's consumer ping-pong in the narrow causal form (128 rows, 64-key blocks): the two
+# consumer warpgroups take turns to issue each ring iteration's wgmma (warpgroup 0 first), on two
+# mbarriers past the Q ones, so that one's softmax runs while the other's products do. Every
+# ring iteration is a turn for both (a skipped one in _release too), so both count the same turns.
+_QBARS = _lines(
+    (8, "q_bars = gl.allocate_shared_memory(gl.int64, [NC, 1], bar_layout)  # a consumer's Q "
+        "loads"),
+    (8, "for i in gl.static_range(NC):"),
+    (12, "mbarrier.init(q_bars.index(i), count=1)"))
+_CT_SIG = _lines(
+    (23, "qb, ka, kb, dense, t_next, n_m, num_seqs, num_heads, n_tiles, qa_next, qd1,"),
+    (23, "qd2, q_bar,")) + "\n"
+_CT_BODY = _lines((8, "WM: gl.constexpr = 64"), (8, "s_layout"))
+_CT_CALL = "kb, dense, t + progs, n_m, num_seqs, num_heads, n_tiles, na, qd1, qd2, q_bar,"
+_CT_CALL1 = "ka, kb, dense, 0, n_m, num_seqs, num_heads, n_tiles, 0, 0, 0, 0,"
+_KB_SIG = _lines((20, "STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):"))
+_KB_END = _lines((0, "kv_end, {},"), (43, "CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)"))
+_KB_ISSUE = _lines((12, "t = _scores(q1_s, q2_s, k_s, r_s, kr_ready, g, s_zero, STAGES)"),
+                   (12, "o = _values(p, acc, v_s, v_ready, g - 1, STAGES)")) + "\n"
+_FIRST = _lines((12, "t = _scores(q1, q2, k_s, r_s, kr_ready, it0, s_zero, STAGES)")) + "\n"
+_SKIP = _lines((20, "_release(kr_empty, v_empty, it0 + i, STAGES)")) + "\n"
+_TURNS = _lines(
+    (4, "@gluon.jit"),
+    (4, "def _turn_wait(q_bars, g, WG: gl.constexpr, PP: gl.constexpr):"),
+    (8, "if PP:  # ring iteration g: warpgroup 0 first, then 1 (turn barriers q_bars[2 + WG])"),
+    (12, "mbarrier.wait(q_bars.index(2 + WG), (g & 1) ^ (1 - WG))"),
+    (0, ""),
+    (4, "@gluon.jit"),
+    (4, "def _turn_pass(q_bars, WG: gl.constexpr, PP: gl.constexpr):"),
+    (8, "if PP:"),
+    (12, "mbarrier.arrive(q_bars.index(3 - WG), count=1)"),
+    (0, ""))
+_PINGPONG = [
+    (_QBARS, _QBARS.replace("[NC, 1]", "[NC + 2, 1]").replace("static_range(NC)",
+                                                               "static_range(NC + 2)")),
+    (_CT_SIG, _CT_SIG.replace("q_bar,", "q_bars,")),
+    (_CT_BODY, _lines((8, "q_bar = q_bars.index(WG)"),
+                      (8, "PP: gl.constexpr = CAUSAL and PERSISTENT and BLOCK_M == 128 and "
+                          "BLOCK_N == 64")) + "\n" + _CT_BODY),
+    (_CT_CALL, _CT_CALL.replace("q_bar,", "q_bars,")),
+    (_CT_CALL1, _CT_CALL1[:-2] + "q_bars,"),
+    (_KB_SIG, _KB_SIG.replace("):", ",") + "\n" + _lines(
+        (20, "q_bars, WG: gl.constexpr, PP: gl.constexpr):"))),
+    (_KB_END.format("False"), _KB_END.format("False")[:-1] + ", q_bars, WG, PP)"),
+    (_KB_END.format("True"), _KB_END.format("True")[:-1] + ", q_bars, WG, PP)"),
+    (_KB_ISSUE, _lines((12, "_turn_wait(q_bars, g, WG, PP)")) + "\n" + _KB_ISSUE
+     + _lines((12, "_turn_pass(q_bars, WG, PP)")) + "\n"),
+    (_FIRST, _lines((12, "_turn_wait(q_bars, it0, WG, PP)")) + "\n" + _FIRST
+     + _lines((12, "_turn_pass(q_bars, WG, PP)")) + "\n"),
+    (_SKIP, _lines((20, "_turn_wait(q_bars, it0 + i, WG, PP)")) + "\n" + _SKIP
+     + _lines((20, "_turn_pass(q_bars, WG, PP)")) + "\n"),
+    (_lines((4, "@gluon.jit"), (4, "def _release(")),
+     _TURNS + "\n" + _lines((4, "@gluon.jit"), (4, "def _release("))),
+]
+
 # name -> (edits (old, new), the parts it changes: "causal", "context")
 EDITS: dict[str, list[tuple[str, str]]] = {
     "headslow": [(_PAIR_ORDER, _PAIR_HEADSLOW),
@@ -106,10 +161,12 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     "qreg_all": [(_QREG, _QREG.replace("CAUSAL", "True"))],
     "qearly": [(_QLOAD, _QEARLY),
                (_QLATE, _QLATE.replace("if Q_TMA:", "if Q_TMA and not Q_REG:"))],
+    "pingpong": _PINGPONG,
 }
 PARTS = {"headslow": ("causal", "context"), "notail": ("context",), "single4": ("causal",),
          "nosplit": ("context",), "short": ("context",), "ctx_narrow": ("context",),
-         "qsmem": ("causal",), "qreg_all": ("context",), "qearly": ("causal",)}
+         "qsmem": ("causal",), "qreg_all": ("context",), "qearly": ("causal",),
+         "pingpong": ("causal",)}
 DEFAULT_VARIANTS = ("headslow",)
 
 
