@@ -20,7 +20,10 @@ script, naming it), each run on the parts it changes (``causal``, ``context``):
 * ``single4``, ``ctx_narrow``, ``qsmem`` / ``qreg_all`` / ``qearly`` (only with
   ``--variants``): the scores' Q operand from
   shared memory in every form (the kernel before ``Q_REG``); Q in registers in the context form
-  too; with Q in registers, the next tile's Q loaded as soon as this tile's is in registers.
+  too; with Q in registers, the next tile's Q loaded as soon as this tile's is in registers;
+* ``pingpong`` (only with ``--variants``): FA3's consumer ping-pong in the narrow causal form,
+  the two consumer warpgroups taking turns to issue each ring iteration's products (tried
+  before the 64-key forms existed: docs/DESIGN.md, tried and dropped).
 
 The script checks each variant's outputs against the kernel's bit for bit. Earlier variants and
 their times are in benchmarks/results/tile_*.json and in git history (O stored from the MMA
