@@ -122,6 +122,15 @@ _TURNS = _lines(
     (8, "if PP:"),
     (12, "mbarrier.arrive(q_bars.index(3 - WG), count=1)"),
     (0, ""))
+
+
+def _turn(text: str, indent: int, g: str) -> str:
+    """``text`` (lines ending in a newline) as one turn of ring iteration ``g``: the warpgroup
+    waits for its turn, runs them, then passes the turn."""
+    return (_lines((indent, f"_turn_wait(q_bars, {g}, WG, PP)")) + "\n" + text
+            + _lines((indent, "_turn_pass(q_bars, WG, PP)")) + "\n")
+
+
 _PINGPONG = [
     (_QBARS, _QBARS.replace("[NC, 1]", "[NC + 2, 1]").replace("static_range(NC)",
                                                                "static_range(NC + 2)")),
@@ -130,17 +139,14 @@ _PINGPONG = [
                       (8, "PP: gl.constexpr = CAUSAL and PERSISTENT and BLOCK_M == 128 and "
                           "BLOCK_N == 64")) + "\n" + _CT_BODY),
     (_CT_CALL, _CT_CALL.replace("q_bar,", "q_bars,")),
-    (_CT_CALL1, _CT_CALL1[:-2] + "q_bars,"),
+    (_CT_CALL1, _CT_CALL1.replace("0, 0, 0, 0,", "0, 0, 0, q_bars,")),
     (_KB_SIG, _KB_SIG.replace("):", ",") + "\n" + _lines(
         (20, "q_bars, WG: gl.constexpr, PP: gl.constexpr):"))),
     (_KB_END.format("False"), _KB_END.format("False")[:-1] + ", q_bars, WG, PP)"),
     (_KB_END.format("True"), _KB_END.format("True")[:-1] + ", q_bars, WG, PP)"),
-    (_KB_ISSUE, _lines((12, "_turn_wait(q_bars, g, WG, PP)")) + "\n" + _KB_ISSUE
-     + _lines((12, "_turn_pass(q_bars, WG, PP)")) + "\n"),
-    (_FIRST, _lines((12, "_turn_wait(q_bars, it0, WG, PP)")) + "\n" + _FIRST
-     + _lines((12, "_turn_pass(q_bars, WG, PP)")) + "\n"),
-    (_SKIP, _lines((20, "_turn_wait(q_bars, it0 + i, WG, PP)")) + "\n" + _SKIP
-     + _lines((20, "_turn_pass(q_bars, WG, PP)")) + "\n"),
+    (_KB_ISSUE, _turn(_KB_ISSUE, 12, "g")),
+    (_FIRST, _turn(_FIRST, 12, "it0")),
+    (_SKIP, _turn(_SKIP, 20, "it0 + i")),
     (_lines((4, "@gluon.jit"), (4, "def _release(")),
      _TURNS + "\n" + _lines((4, "@gluon.jit"), (4, "def _release("))),
 ]
