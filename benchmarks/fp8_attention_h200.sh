@@ -31,6 +31,10 @@ gpu_tests() {  # the gpu-marked attention tests in the time left of the call
     --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt"
 }
+ideal_set() {  # the vs-ideal kernel set beside cuDNN, within $1 seconds
+  (cd benchmarks && timeout "$1" python fp8_attention.py --sections ideal \
+    --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
+}
 case "${1:-kernel}" in
   kernel)
     timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fp8_attention_gpu.py \
@@ -52,9 +56,7 @@ case "${1:-kernel}" in
     [ "$(left 120)" -gt 20 ] && timeout "$(left 120)" python -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_attention_gpu.py -k "${VERIFY_K:-split_last}" \
       --junitxml="$OUT/gpu_tests_verify.xml" 2>&1 | tail -3
-    [ "$(left 150)" -gt 20 ] && (cd benchmarks && timeout "$(left 150)" python fp8_attention.py \
-      --sections ideal --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 \
-      | tail -40)
+    [ "$(left 150)" -gt 20 ] && ideal_set "$(left 150)"
     [ "$(left 150)" -gt 20 ] && (cd benchmarks && timeout "$(left 150)" python attention.py \
       --skip gather,merge,attention,forward,policies --backends mlaprefill+graphs \
       --repeats 3 --out "$OUT/attention_vs_ideal.json" 2>&1 | tail -20)
@@ -67,8 +69,7 @@ case "${1:-kernel}" in
     if [ "${AB_TESTS:-1}" = 1 ]; then gpu_tests; fi
     ;;
   check)
-    (cd benchmarks && timeout 240 python fp8_attention.py --sections ideal \
-      --configs m128_n128_w8_s3 --out "$OUT/fp8_attention_ideal.json" 2>&1 | tail -40)
+    ideal_set 240
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     PARTS=128:1x4096x32768:context,128:1x4096x131072:context,128:16x256:causal
     timeout 120 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
